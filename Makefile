@@ -1,0 +1,29 @@
+# Two set-up commands: `make run` (the main job) and `make test` (the default suite).
+# On CPU machines torch==2.13.0 (the local CPU wheel) is installed first so no CUDA build is ever pulled.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: run test test-slow gpu-test venv clean
+
+$(STAMP): pyproject.toml
+	test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+	$(VPY) -c "import torch" 2>/dev/null || $(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+venv: $(STAMP)
+
+run: $(STAMP)
+	$(VPY) -m shardrl.trainer.main_ppo $(ARGS)
+
+test: $(STAMP)
+	$(VPY) -m pytest -q -x --durations=15 $(ARGS)
+
+test-slow: $(STAMP)
+	$(VPY) -m pytest -q -m slow $(ARGS)
+
+clean:
+	rm -rf $(VENV)

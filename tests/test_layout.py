@@ -1,0 +1,91 @@
+"""Layout: rank tables against hand-written expectations, impossible layouts, and real groups on gloo."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import Layout, LayoutError, LayoutSpec, rank_tables
+
+
+def test_rank_tables_tp2_pp2_dp2_hand_written():
+    tables = rank_tables(LayoutSpec(world_size=8, tp=2, pp=2))
+    assert tables["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert tables["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert tables["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert tables["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert tables["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+
+
+def test_expert_folding_tp4_pp2_ep4_etp1_on_8():
+    spec = LayoutSpec(world_size=8, tp=4, pp=2, ep=4, etp=1)
+    assert (spec.dp, spec.edp) == (1, 1)
+    tables = rank_tables(spec)
+    assert tables["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert tables["etp"] == [[r] for r in range(8)]
+    assert tables["edp"] == [[r] for r in range(8)]
+
+
+def test_expert_folding_ep2_etp2_dp4():
+    tables = rank_tables(LayoutSpec(world_size=4, ep=2, etp=2))
+    assert tables["etp"] == [[0, 1], [2, 3]]
+    assert tables["ep"] == [[0, 2], [1, 3]]
+    assert tables["edp"] == [[0], [1], [2], [3]]
+    assert tables["dp"] == [[0, 1, 2, 3]]
+
+
+def test_offset_ranks():
+    tables = rank_tables(LayoutSpec(world_size=2, tp=2), ranks=[4, 5])
+    assert tables["tp"] == [[4, 5]] and tables["dp"] == [[4], [5]]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(world_size=6, tp=4), "not divisible by TP\\*CP\\*PP"),
+        (dict(world_size=8, pp=2, ep=8), "EP\\*ETP = 8\\*1 does not divide world/PP = 8/2"),
+        (dict(world_size=4, tp=0), "tp=0"),
+        (dict(world_size=2, vpp=2), "virtual pipeline"),
+    ],
+)
+def test_impossible_layouts(kwargs, message):
+    with pytest.raises(LayoutError, match=message):
+        LayoutSpec(**kwargs)
+
+
+def _two_layouts() -> dict:
+    actor = Layout.create(LayoutSpec(world_size=4, tp=2, ep=2))
+    critic = Layout.create(LayoutSpec(world_size=4, pp=2))
+    # The groups really connect the ranks the tables promise.
+    t = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(t, group=actor.tp_group)
+    c = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(c, group=critic.pp_group)
+    return dict(tp=t.item(), pp=c.item(), tp_rank=actor.tp_rank, ep_rank=actor.ep_rank, pp_rank=critic.pp_rank,
+                dp_size=actor.dp_size, edp_size=actor.edp_size, first=critic.is_first_stage)
+
+
+def test_layouts_coexist_on_gloo():
+    out = run_distributed(4, _two_layouts)
+    assert [o["tp"] for o in out] == [1, 1, 5, 5]
+    assert [o["pp"] for o in out] == [2, 4, 2, 4]
+    assert [o["tp_rank"] for o in out] == [0, 1, 0, 1]
+    assert [o["ep_rank"] for o in out] == [0, 1, 0, 1]
+    assert [o["pp_rank"] for o in out] == [0, 0, 1, 1]
+    assert all(o["dp_size"] == 2 and o["edp_size"] == 2 for o in out)
+    assert [o["first"] for o in out] == [True, True, False, False]
+
+
+def _sub_layout_only_on_members() -> list[str]:
+    # Ranks 2,3 build a rollout layout alone; ranks 0,1 build a trainer layout alone: neither waits on the other.
+    if dist.get_rank() < 2:
+        layout = Layout.create(LayoutSpec(world_size=2, tp=2), ranks=[0, 1])
+    else:
+        layout = Layout.create(LayoutSpec(world_size=2, tp=1), ranks=[2, 3])
+    return sorted(n for n, g in layout.groups.items() if g is not None)
+
+
+def test_disjoint_layouts_build_only_their_groups():
+    out = run_distributed(4, _sub_layout_only_on_members)
+    assert out[0] == out[1] == ["edp", "mp", "tp"]  # EP=ETP=1: experts data-parallel over both
+    assert out[2] == out[3] == ["dp", "edp"]
