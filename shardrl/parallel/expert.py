@@ -1,0 +1,259 @@
+"""Mixture-of-experts layer: top-k router, dropless token dispatch over EP, expert FFNs sharded over ETP.
+
+Data flow for the `T` tokens this rank owns (every rank of the layer owns different tokens):
+
+1. route: softmax router (fp32) -> top-k experts and weights per token (HF Qwen2/Qwen3-MoE and Mixtral semantics);
+2. sort the `T*k` (token, expert) assignments by expert;
+3. EP: `all_to_all_single` sends each assignment's row to the EP rank holding its expert (uneven splits, sizes
+   learned first from one small all-gather of per-expert counts over the dispatch group);
+4. ETP: the rows that arrived at each rank of an ETP group are all-gathered inside it, so every ETP rank runs every
+   row through its F-slice of the expert; the partial down-projections are reduce-scattered back;
+5. the reverse all-to-all returns the rows, which are unsorted and summed with their routing weights.
+
+No token is ever dropped (no capacity factor). Each collective is an autograd function whose backward is the
+transposed collective, so gradients of inputs and weights are exact.
+
+The load-balancing and z losses act on the gradient only: the layer output is returned unchanged but its backward
+also back-propagates `aux_loss_scale * (aux_loss_coef * aux + z_loss_coef * z)`, so pipeline stages need not carry
+a side loss. The trainer sets `aux_loss_scale` per micro batch to normalise by global token counts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardrl.parallel.grouped_gemm import expert_ffn
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.spec import ShardSpec, set_spec
+
+
+@dataclass(frozen=True)
+class MoENames:
+    """HF tensor names of one MoE block; `gate`, `up`, `down` are templates with an ``{expert}`` field."""
+
+    router: str
+    gate: str
+    up: str
+    down: str
+
+
+class MoELayer(nn.Module):
+    """Routed experts of one MoE block (a shared expert, if any, belongs to the model block).
+
+    Parameters: `router.weight` [E, H] replicated; `w_gate`, `w_up` [E/EP, F/ETP, H] and `w_down` [E/EP, H, F/ETP]
+    hold this rank's contiguous block of experts (EP rank r: experts r*E/EP ...) and its ETP slice of F.
+    """
+
+    def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, layout: Layout,
+                 names: MoENames, norm_topk_prob: bool, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        ep, etp = layout.ep_size, layout.etp_size
+        if num_experts % ep:
+            raise ValueError(f"{names.router}: num_experts={num_experts} is not divisible by expert parallel size {ep}")
+        if ffn_size % etp:
+            raise ValueError(f"{names.router}: expert ffn size {ffn_size} is not divisible by expert TP size {etp}")
+        if not 1 <= top_k <= num_experts:
+            raise ValueError(f"{names.router}: top_k={top_k} must be in [1, num_experts={num_experts}]")
+        self.layout = layout
+        self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
+        self.num_local_experts = num_experts // ep
+        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.aux_loss_scale = 1.0  # set by the trainer per micro batch (e.g. local tokens / global tokens)
+        self.last_aux_loss: Tensor | None = None  # unweighted, detached: for metrics
+        self.last_z_loss: Tensor | None = None
+        self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments of this rank's tokens
+
+        device = layout.device
+        self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
+        set_spec(self.router.weight, ShardSpec(names.router, (num_experts, hidden_size), group="tp",
+                                               sum_grad_over_tp=layout.tp_size > 1))
+        first = layout.ep_rank * self.num_local_experts
+        expert_ids = tuple(range(first, first + self.num_local_experts))
+        f_local = ffn_size // etp
+        for attr, template, local_shape, full_shape, dim in (
+            ("w_gate", names.gate, (f_local, hidden_size), (ffn_size, hidden_size), 0),
+            ("w_up", names.up, (f_local, hidden_size), (ffn_size, hidden_size), 0),
+            ("w_down", names.down, (hidden_size, f_local), (hidden_size, ffn_size), 1),
+        ):
+            weight = nn.Parameter(torch.empty(self.num_local_experts, *local_shape, device=device, dtype=dtype))
+            set_spec(weight, ShardSpec(template, full_shape, dim=dim, num_shards=etp, index=layout.etp_rank,
+                                       group="etp", expert_ids=expert_ids))
+            setattr(self, attr, weight)
+        for weight in (self.router.weight, self.w_gate, self.w_up, self.w_down):
+            nn.init.normal_(weight, std=0.02)  # HF's default initializer_range; real runs load checkpoints
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, H]: the tokens this rank owns; returns [T, H]."""
+        logits = self.router(x)  # [T, E]
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
+        top_probs, top_experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        if self.norm_topk_prob:
+            top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+        counts = torch.bincount(top_experts.flatten(), minlength=self.num_experts)  # [E]
+        out = self._combine(x, top_experts, top_probs.to(x.dtype), counts)
+        return self._attach_router_losses(out, logits, probs, counts)
+
+    def _combine(self, x: Tensor, top_experts: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+        """Run every (token, expert) assignment through its expert and sum each token's k outputs by weight."""
+        num_tokens, hidden = x.shape
+        order = top_experts.flatten().argsort(stable=True)  # [T*k] assignments grouped by expert
+        rows = x.index_select(0, order // self.top_k)  # [T*k, H]
+        if self.layout.ep_etp_group is None:
+            y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down)  # [T*k, H]
+        else:
+            y = self._experts_over_ranks(rows, counts)
+        y = y.index_select(0, _inverse(order)).view(num_tokens, self.top_k, hidden)  # [T, k, H]
+        return (y * weights.unsqueeze(-1)).sum(dim=1)
+
+    def _experts_over_ranks(self, rows: Tensor, counts: Tensor) -> Tensor:
+        """rows [N, H] sorted by global expert with `counts` [E] -> expert outputs [N, H] in the same order."""
+        layout = self.layout
+        plan = _Exchange.plan(counts, layout, self.num_local_experts)
+        rows = all_to_all_rows(rows, plan.send, plan.recv, layout.ep_group)
+        rows = gather_rows(rows, plan.etp_rows, layout.etp_group)  # [M, H] by (ETP src, EP src, expert)
+        by_expert = plan.row_experts.argsort(stable=True)  # [M]
+        y = expert_ffn(rows.index_select(0, by_expert), plan.expert_counts, self.w_gate, self.w_up, self.w_down)
+        y = y.index_select(0, _inverse(by_expert))  # [M, H] partial sums over this rank's F slice
+        y = scatter_sum_rows(y, plan.etp_rows, layout.etp_group)
+        return all_to_all_rows(y, plan.recv, plan.send, layout.ep_group)
+
+    def _attach_router_losses(self, out: Tensor, logits: Tensor, probs: Tensor, counts: Tensor) -> Tensor:
+        num_tokens = max(probs.shape[0], 1)
+        # Switch load balancing: E * sum_e f_e * P_e, f_e the fraction of top-k assignments to e, P_e its mean prob.
+        fraction = counts.to(probs.dtype) / (num_tokens * self.top_k)  # [E]
+        aux = self.num_experts * (fraction * probs.sum(dim=0) / num_tokens).sum()
+        z = torch.logsumexp(logits.float(), dim=-1).square().sum() / num_tokens  # ST-MoE router z-loss
+        self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
+        self.last_tokens_per_expert = counts.detach()
+        if not (self.aux_loss_coef or self.z_loss_coef) or not torch.is_grad_enabled():
+            return out
+        loss = self.aux_loss_scale * (self.aux_loss_coef * aux + self.z_loss_coef * z)
+        return _InjectLossGrad.apply(out, loss)
+
+
+def _inverse(perm: Tensor) -> Tensor:
+    """The permutation that undoes `perm` (x[perm][_inverse(perm)] == x)."""
+    inverse = torch.empty_like(perm)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    return inverse
+
+
+@dataclass
+class _Exchange:
+    """Row counts of one dispatch, learned once and reused (transposed) for the combine and the backward."""
+
+    send: list[int]  # rows this rank sends to each EP rank
+    recv: list[int]  # rows this rank receives from each EP rank
+    etp_rows: list[int]  # rows each ETP rank of this group holds after the EP exchange
+    row_experts: Tensor  # [M] local expert of each row after the ETP gather
+    expert_counts: Tensor  # [E_local] rows per local expert after the ETP gather
+
+    @classmethod
+    def plan(cls, counts: Tensor, layout: Layout, num_local: int) -> _Exchange:
+        # One all-gather of every rank's per-expert counts over the dispatch group (member i = ep * ETP + etp).
+        table = [torch.empty_like(counts) for _ in range(layout.ep_etp_size)]
+        dist.all_gather(table, counts, group=layout.ep_etp_group)
+        ep, etp = layout.ep_size, layout.etp_size
+        table = torch.stack(table).view(ep, etp, ep, num_local)  # [src EP, src ETP, dest EP, local expert]
+        mine = table[:, :, layout.ep_rank].transpose(0, 1)  # [ETP, EP, E_local]: row order after the ETP gather
+        host = table.cpu()  # the one host sync of the layer: split sizes must be Python ints
+        mine_host = host[:, :, layout.ep_rank].transpose(0, 1)  # [ETP, EP, E_local]
+        etp_rows = mine_host.sum(dim=(1, 2)).tolist()
+        row_experts = torch.arange(num_local, device=counts.device).repeat(etp * ep)
+        return cls(
+            send=host[layout.ep_rank, layout.etp_rank].sum(dim=-1).tolist(),
+            recv=mine_host[layout.etp_rank].sum(dim=-1).tolist(),
+            etp_rows=etp_rows,
+            row_experts=row_experts.repeat_interleave(mine.flatten(), output_size=sum(etp_rows)),
+            expert_counts=mine.sum(dim=(0, 1)),
+        )
+
+
+def all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> Tensor:
+    """Send `send[r]` consecutive rows of x [N, H] to rank r of `group`; returns the received rows [sum(recv), H]."""
+    return x if group is None else _AllToAll.apply(x, send, recv, group)
+
+
+def gather_rows(x: Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> Tensor:
+    """Concatenate every group rank's rows (rank r holds `sizes[r]`); backward sums the gradients back."""
+    return x if group is None else _GatherRows.apply(x, sizes, group)
+
+
+def scatter_sum_rows(x: Tensor, sizes: list[int], group: dist.ProcessGroup | None) -> Tensor:
+    """Sum x [sum(sizes), H] over the group and keep this rank's block of rows; the transpose of `gather_rows`."""
+    return x if group is None else _ScatterSumRows.apply(x, sizes, group)
+
+
+def _gather(x: Tensor, sizes: list[int], group: dist.ProcessGroup) -> Tensor:
+    # Blocks are padded to the largest: gloo has no all-gather of unequal sizes.
+    pad = max(sizes)
+    blocks = [x.new_empty(pad, *x.shape[1:]) for _ in sizes]
+    dist.all_gather(blocks, F.pad(x, (0, 0, 0, pad - x.shape[0])), group=group)
+    return torch.cat([b[:n] for b, n in zip(blocks, sizes)])
+
+
+def _scatter_sum(x: Tensor, sizes: list[int], group: dist.ProcessGroup) -> Tensor:
+    pad = max(sizes)
+    blocks = [F.pad(b, (0, 0, 0, pad - b.shape[0])) for b in x.split(sizes)]
+    out = x.new_empty(pad, *x.shape[1:])
+    dist.reduce_scatter(out, blocks, group=group)
+    return out[: sizes[dist.get_rank(group)]]
+
+
+def _all_to_all(x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
+    out = x.new_empty(sum(recv), *x.shape[1:])
+    dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    return out
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.send, ctx.recv, ctx.group = send, recv, group
+        return _all_to_all(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_to_all(grad, ctx.recv, ctx.send, ctx.group), None, None, None
+
+
+class _GatherRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _gather(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _scatter_sum(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class _ScatterSumRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, sizes: list[int], group: dist.ProcessGroup) -> Tensor:
+        ctx.sizes, ctx.group = sizes, group
+        return _scatter_sum(x, sizes, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _gather(grad.contiguous(), ctx.sizes, ctx.group), None, None
+
+
+class _InjectLossGrad(torch.autograd.Function):
+    """Identity on the layer output whose backward also back-propagates a side loss (with gradient 1)."""
+
+    @staticmethod
+    def forward(ctx, out: Tensor, loss: Tensor) -> Tensor:
+        ctx.loss_meta = (loss.shape, loss.dtype, loss.device)
+        return out.clone()  # a view of `out` would forbid in-place updates of the result (`h += moe(x)`)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        shape, dtype, device = ctx.loss_meta
+        return grad, torch.ones(shape, dtype=dtype, device=device)
