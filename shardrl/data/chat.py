@@ -1,0 +1,40 @@
+"""Chat-template helpers shared by the dataset and the rollout side."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, Any]]]) -> list[list[int]]:
+    """Token ids of each conversation rendered with the tokenizer's chat template, ending with the assistant header.
+
+    The template is rendered to text and then tokenized without extra special tokens: the template already writes
+    every special token it wants, and a BOS added on top would make the prompt differ from what the model saw.
+    Tokenizing all texts in one call lets the fast tokenizer work on them in parallel.
+    """
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
+    return tokenizer(texts, add_special_tokens=False)["input_ids"]
+
+
+def pad_id(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The id written into padded positions. Tokenizers without a pad token (Llama) use EOS: padded positions are
+    masked out everywhere, so only the id's validity matters."""
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
+def left_pad(ids: list[int], length: int, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`ids` left-padded to `length`: input_ids, attention_mask and position_ids, each `[length]`.
+
+    Left padding puts every prompt's last token at the same column, where generation continues. Position ids count
+    real tokens from 0; padded positions get 0 (they are masked, the value only has to be a valid index).
+    """
+    if len(ids) > length:
+        raise ValueError(f"left_pad: {len(ids)} ids do not fit in length {length}")
+    num_pad = length - len(ids)
+    input_ids = torch.tensor([pad_token_id] * num_pad + list(ids), dtype=torch.long)  # [L]
+    attention_mask = torch.cat([torch.zeros(num_pad, dtype=torch.long), torch.ones(len(ids), dtype=torch.long)])
+    position_ids = (attention_mask.cumsum(0) - 1).clamp(min=0)  # [L]
+    return input_ids, attention_mask, position_ids

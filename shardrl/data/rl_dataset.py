@@ -1,0 +1,197 @@
+"""Prompt datasets in verl's RL format and a resumable, seeded batch loader over them.
+
+A row (parquet or jsonl) holds `data_source` (selects the reward function), `prompt` (chat messages),
+`ability`, `reward_model` (`{"style": ..., "ground_truth": ...}`) and `extra_info` (free-form dict). Prompts are
+rendered with the tokenizer's chat template once, when the dataset is built, so overlong prompts are found (filtered
+or reported) before training starts rather than at some later step.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from shardrl.data.batch import Batch
+from shardrl.data.chat import left_pad, pad_id, prompt_token_ids
+
+logger = logging.getLogger(__name__)
+
+Truncation = Literal["error", "left", "right"]
+TRUNCATION_MODES = ("error", "left", "right")
+# Columns every row must have besides the prompt: data_source picks the scorer, reward_model holds the answer.
+REQUIRED_COLUMNS = ("data_source", "reward_model")
+
+
+def read_rows(path: str | Path, required: Sequence[str]) -> list[dict[str, Any]]:
+    """Rows of a parquet or jsonl file as dicts, checking the file exists, has rows and has `required` columns."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"RL data file not found: {path} (data.train_files / data.val_files)")
+    if path.suffix == ".parquet":
+        table = pq.read_table(path)
+        missing = [c for c in required if c not in table.column_names]
+        if missing:
+            raise ValueError(f"{path}: missing column {missing[0]!r}; it has columns {table.column_names}")
+        rows = table.to_pylist()
+    elif path.suffix == ".jsonl":
+        with path.open() as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        for number, row in enumerate(rows):
+            missing = [c for c in required if c not in row]
+            if missing:
+                raise ValueError(f"{path}: row {number} is missing column {missing[0]!r}; it has {sorted(row)}")
+    else:
+        raise ValueError(f"RL data file {path}: unsupported suffix {path.suffix!r}; use .parquet or .jsonl")
+    if not rows:
+        raise ValueError(f"RL data file {path} has no rows")
+    return rows
+
+
+class RLDataset:
+    """Tokenized prompts with their reward fields, from one or more files (rows kept in file order)."""
+
+    def __init__(
+        self,
+        files: str | Path | Sequence[str | Path],
+        tokenizer: PreTrainedTokenizerBase,
+        max_prompt_length: int = 1024,
+        truncation: Truncation = "error",
+        filter_overlong_prompts: bool = False,
+        prompt_key: str = "prompt",
+    ) -> None:
+        if truncation not in TRUNCATION_MODES:
+            raise ValueError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
+        if max_prompt_length <= 0:
+            raise ValueError(f"data.max_prompt_length must be positive, got {max_prompt_length}")
+        self.max_prompt_length = max_prompt_length
+        self.truncation = truncation
+        self.filter_overlong_prompts = filter_overlong_prompts
+        self.prompt_key = prompt_key
+        self.pad_token_id = pad_id(tokenizer)
+        self.rows: list[dict[str, Any]] = []
+        self.prompt_ids: list[list[int]] = []  # after truncation, unpadded
+        self.num_filtered = 0
+        for path in [files] if isinstance(files, (str, Path)) else files:
+            self._add_file(Path(path), tokenizer)
+        if self.num_filtered:
+            logger.info("filtered %d prompts longer than data.max_prompt_length=%d; %d remain",
+                        self.num_filtered, max_prompt_length, len(self.rows))
+        if not self.rows:
+            raise ValueError(f"no prompts left after filtering prompts longer than data.max_prompt_length={max_prompt_length}")
+
+    def _add_file(self, path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
+        rows = read_rows(path, [self.prompt_key, *REQUIRED_COLUMNS])
+        for number, row in enumerate(rows):
+            if not isinstance(row[self.prompt_key], list):
+                raise ValueError(f"{path} row {number}: {self.prompt_key!r} must be a list of chat messages, got "
+                                 f"{type(row[self.prompt_key]).__name__} (data.prompt_key={self.prompt_key})")
+        ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows])
+        for number, (row, row_ids) in enumerate(zip(rows, ids)):
+            if len(row_ids) > self.max_prompt_length:
+                if self.filter_overlong_prompts:
+                    self.num_filtered += 1
+                    continue
+                row_ids = self._truncate(row_ids, f"{path} row {number}")
+            self.rows.append(row)
+            self.prompt_ids.append(row_ids)
+
+    def _truncate(self, ids: list[int], where: str) -> list[int]:
+        limit = self.max_prompt_length
+        if self.truncation == "left":  # keep the end: the assistant header that generation continues from
+            return ids[-limit:]
+        if self.truncation == "right":
+            return ids[:limit]
+        raise ValueError(
+            f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit}; set data.truncation to left or "
+            f"right, or data.filter_overlong_prompts=true"
+        )
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def collate(self, indices: Sequence[int]) -> Batch:
+        """Rows `indices` as a Batch.
+
+        tensors: input_ids, attention_mask, position_ids `[B, max_prompt_length]`, left-padded.
+        non_tensors: raw_prompt (messages), raw_prompt_ids (unpadded ids), data_source, ability, reward_model,
+        extra_info.
+        """
+        padded = [left_pad(self.prompt_ids[i], self.max_prompt_length, self.pad_token_id) for i in indices]
+        input_ids, attention_mask, position_ids = (torch.stack(column) for column in zip(*padded))
+        rows = [self.rows[i] for i in indices]
+        non_tensors = {
+            "raw_prompt": [row[self.prompt_key] for row in rows],
+            "raw_prompt_ids": [self.prompt_ids[i] for i in indices],
+            "data_source": [row["data_source"] for row in rows],
+            "ability": [row.get("ability") for row in rows],
+            "reward_model": [row["reward_model"] for row in rows],
+            "extra_info": [row.get("extra_info") or {} for row in rows],
+        }
+        tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
+        return Batch(tensors, non_tensors)
+
+
+class PromptLoader:
+    """Batches of `batch_size` prompts, shuffled per epoch from `seed`, resumable mid-epoch.
+
+    The order of epoch e depends only on (seed, e), so a run restored from `state_dict()` yields exactly the batches
+    the original run would have yielded next. Iterating yields the rest of the current epoch and then moves the
+    position to the start of the next epoch.
+    """
+
+    def __init__(
+        self, dataset: RLDataset, batch_size: int, shuffle: bool = True, seed: int = 1, drop_last: bool = True
+    ) -> None:
+        if not 0 < batch_size <= len(dataset):
+            raise ValueError(f"data.train_batch_size={batch_size} must be in [1, {len(dataset)}] (prompts in the dataset)")
+        self.dataset = dataset
+        self.batch_size = batch_size
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.index = 0  # prompts of the current epoch already yielded
+
+    def __len__(self) -> int:
+        """Batches per epoch."""
+        full, rest = divmod(len(self.dataset), self.batch_size)
+        return full + (1 if rest and not self.drop_last else 0)
+
+    def _order(self, epoch: int) -> np.ndarray:
+        if not self.shuffle:
+            return np.arange(len(self.dataset))
+        # Seeding with the pair keeps epochs of different seeds apart (seed + epoch would collide).
+        return np.random.default_rng([self.seed, epoch]).permutation(len(self.dataset))
+
+    def _epoch_end(self) -> int:
+        """Prompts yielded per epoch (the dropped tail excluded)."""
+        return len(self) * self.batch_size if self.drop_last else len(self.dataset)
+
+    def __iter__(self):
+        order = self._order(self.epoch)
+        end = self._epoch_end()
+        start = self.index
+        while start < end:
+            indices = order[start:start + self.batch_size].tolist()
+            start += len(indices)
+            # Advance the position before yielding, so a state saved after the last batch already points at the
+            # next epoch.
+            self.epoch, self.index = (self.epoch + 1, 0) if start >= end else (self.epoch, start)
+            yield self.dataset.collate(indices)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": self.epoch, "index": self.index}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        epoch, index = int(state["epoch"]), int(state["index"])
+        if epoch < 0 or not 0 <= index < self._epoch_end():
+            raise ValueError(f"loader state {state} does not fit {len(self)} batches of {self.batch_size} per epoch")
+        self.epoch, self.index = epoch, index

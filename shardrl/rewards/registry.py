@@ -1,0 +1,58 @@
+"""Which scorer handles which `data_source`, and loading a user's reward function from a file.
+
+Every scorer the trainer calls has verl's custom-reward signature:
+
+    fn(data_source: str, solution_str: str, ground_truth, extra_info: dict | None) -> float | dict
+
+A dict result must hold the score under "score"; its other entries are reported as per-sample extras.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from shardrl.rewards import gsm8k
+
+ScoreFn = Callable[..., "float | dict[str, Any]"]
+
+# data_source -> fn(solution_str, ground_truth) -> float
+_RULE_SCORERS: dict[str, Callable[[str, Any], float]] = {
+    "openai/gsm8k": gsm8k.compute_score,
+}
+
+
+def get_scorer(data_source: str) -> Callable[[str, Any], float]:
+    """The built-in `fn(solution_str, ground_truth) -> float` for `data_source`."""
+    if data_source not in _RULE_SCORERS:
+        raise KeyError(
+            f"no reward function for data_source {data_source!r}; built-in: {sorted(_RULE_SCORERS)}; "
+            f"set custom_reward_function.path/name for other data"
+        )
+    return _RULE_SCORERS[data_source]
+
+
+def default_compute_score(
+    data_source: str, solution_str: str, ground_truth: Any, extra_info: dict[str, Any] | None = None
+) -> float:
+    """Score with the built-in scorer registered for `data_source` (the ScoreFn used without a custom function)."""
+    return get_scorer(data_source)(solution_str, ground_truth)
+
+
+def load_custom_reward(path: str | Path, name: str) -> ScoreFn:
+    """The function `name` defined in the Python file `path` (an explicit path; nothing is looked up on sys.path)."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"custom_reward_function.path: file not found: {file}")
+    # A private module name per file, so two reward files with the same stem do not replace each other.
+    spec = importlib.util.spec_from_file_location(f"shardrl_custom_reward_{abs(hash(str(file.resolve())))}", file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        raise AttributeError(f"custom_reward_function.name: {name!r} is not defined in {file}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"custom_reward_function.name: {file}:{name} is a {type(fn).__name__}, not callable")
+    return fn
