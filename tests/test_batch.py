@@ -12,7 +12,10 @@ def make(n: int = 4, offset: int = 0, meta: dict | None = None) -> Batch:
     rows = torch.arange(offset, offset + n)
     return Batch(
         {"ids": torch.stack([rows * 10, rows * 10 + 1], dim=1), "score": rows.float()},
-        {"uid": [f"u{r}" for r in rows.tolist()], "msgs": [[{"role": "user", "content": str(r)}] for r in rows.tolist()]},
+        {
+            "uid": [f"u{r}" for r in rows.tolist()],
+            "msgs": [[{"role": "user", "content": str(r)}] for r in rows.tolist()],
+        },
         meta if meta is not None else {"temperature": 1.0},
     )
 

@@ -53,7 +53,8 @@ def convert(input_path: Path, output_path: Path, split: str, limit: int | None =
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--input_dir", type=Path, default=REPO_ROOT / "../shared/data/gsm8k",
-                        help="folder with train.jsonl and test.jsonl (default: ../shared/data/gsm8k from the repo root)")
+                        help="folder with train.jsonl and test.jsonl (default: ../shared/data/gsm8k from the repo "
+                             "root)")
     parser.add_argument("--output_dir", type=Path, default=Path("~/data/gsm8k"), help="where the parquet files go")
     parser.add_argument("--limit", type=int, default=None, help="convert only the first N examples of each split")
     args = parser.parse_args()

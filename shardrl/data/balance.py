@@ -20,6 +20,7 @@ many micro batches.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Hashable, Sequence
 
 
@@ -41,22 +42,38 @@ def _lpt(weights: Sequence[int], k: int, equal_counts: bool) -> list[list[int]]:
     return parts
 
 
+def _best_swap(hi: list[int], lo: list[int], weights: Sequence[int], gap: int) -> tuple[int, int, int] | None:
+    """(new gap, index in hi, index in lo) of the swap that narrows `gap` most, or None if none narrows it.
+
+    Swapping a (in hi) with b (in lo) changes the gap to |gap - 2 (w_a - w_b)|, so for each a the best b has the
+    weight nearest w_a - gap / 2: a binary search over lo's sorted weights, not a scan of all pairs.
+    """
+    lo_sorted = sorted(range(len(lo)), key=lambda j: weights[lo[j]])
+    lo_weights = [weights[lo[j]] for j in lo_sorted]
+    best = None
+    for i, a in enumerate(hi):
+        pos = bisect.bisect_left(lo_weights, weights[a] - gap / 2)
+        for p in (pos - 1, pos):
+            if 0 <= p < len(lo_weights):
+                new_gap = abs(gap - 2 * (weights[a] - lo_weights[p]))
+                if new_gap < gap and (best is None or new_gap < best[0]):
+                    best = (new_gap, i, lo_sorted[p])
+    return best
+
+
 def _swap_refine(parts: list[list[int]], weights: Sequence[int], max_rounds: int = 100) -> None:
     """Swap one unit between the heaviest and lightest partition while that narrows their gap (in place)."""
+    loads = [sum(weights[u] for u in p) for p in parts]
     for _ in range(max_rounds):
-        loads = [sum(weights[u] for u in p) for p in parts]
-        hi, lo = max(range(len(parts)), key=loads.__getitem__), min(range(len(parts)), key=loads.__getitem__)
-        gap = loads[hi] - loads[lo]
-        best = None  # (new gap, index in hi, index in lo)
-        for i, a in enumerate(parts[hi]):
-            for j, b in enumerate(parts[lo]):
-                new_gap = abs(gap - 2 * (weights[a] - weights[b]))
-                if new_gap < gap and (best is None or new_gap < best[0]):
-                    best = (new_gap, i, j)
+        hi, lo = loads.index(max(loads)), loads.index(min(loads))
+        best = _best_swap(parts[hi], parts[lo], weights, loads[hi] - loads[lo])
         if best is None:
             return
         _, i, j = best
-        parts[hi][i], parts[lo][j] = parts[lo][j], parts[hi][i]
+        a, b = parts[hi][i], parts[lo][j]
+        parts[hi][i], parts[lo][j] = b, a
+        loads[hi] += weights[b] - weights[a]
+        loads[lo] += weights[a] - weights[b]
 
 
 def balance_partitions(

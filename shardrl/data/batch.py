@@ -81,7 +81,7 @@ class Batch:
     def take(self, indices: Sequence[int] | torch.Tensor) -> Batch:
         """Rows `indices` in that order (reorder, subset or repeat rows)."""
         index = torch.as_tensor(indices, dtype=torch.long)
-        if index.numel() and (index.min() < -len(self) or index.max() >= len(self)):
+        if index.numel() and (index.min() < 0 or index.max() >= len(self)):
             raise BatchError(f"take: indices must lie in [0, {len(self)}), got min {index.min()} max {index.max()}")
         return self._with_rows(index)
 
@@ -144,7 +144,9 @@ class Batch:
         NaNs); callers drop their outputs with `unpad`.
         """
         if divisor <= 0 or len(self) == 0:
-            raise BatchError(f"pad_to_divisor: need divisor > 0 and a non-empty batch, got {divisor} and {len(self)} rows")
+            raise BatchError(
+                f"pad_to_divisor: need divisor > 0 and a non-empty batch, got {divisor} and {len(self)} rows"
+            )
         num_pad = -len(self) % divisor
         rows = torch.cat([torch.arange(len(self)), torch.arange(num_pad) % len(self)])
         padded = self._with_rows(rows)

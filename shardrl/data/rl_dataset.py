@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -85,7 +85,9 @@ class RLDataset:
             logger.info("filtered %d prompts longer than data.max_prompt_length=%d; %d remain",
                         self.num_filtered, max_prompt_length, len(self.rows))
         if not self.rows:
-            raise ValueError(f"no prompts left after filtering prompts longer than data.max_prompt_length={max_prompt_length}")
+            raise ValueError(
+                f"no prompts left after filtering prompts longer than data.max_prompt_length={max_prompt_length}"
+            )
 
     def _add_file(self, path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         rows = read_rows(path, [self.prompt_key, *REQUIRED_COLUMNS])
@@ -151,7 +153,9 @@ class PromptLoader:
         self, dataset: RLDataset, batch_size: int, shuffle: bool = True, seed: int = 1, drop_last: bool = True
     ) -> None:
         if not 0 < batch_size <= len(dataset):
-            raise ValueError(f"data.train_batch_size={batch_size} must be in [1, {len(dataset)}] (prompts in the dataset)")
+            raise ValueError(
+                f"data.train_batch_size={batch_size} must be in [1, {len(dataset)}] (prompts in the dataset)"
+            )
         self.dataset = dataset
         self.batch_size = batch_size
         self.shuffle = shuffle
@@ -175,7 +179,7 @@ class PromptLoader:
         """Prompts yielded per epoch (the dropped tail excluded)."""
         return len(self) * self.batch_size if self.drop_last else len(self.dataset)
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Batch]:
         order = self._order(self.epoch)
         end = self._epoch_end()
         start = self.index

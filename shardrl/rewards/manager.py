@@ -25,7 +25,9 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     mask = response_mask.bool()  # [B, T]
     empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
     if empty:
-        raise ValueError(f"place_on_last_token: rows {empty} have an all-zero response_mask; their scores would be lost")
+        raise ValueError(
+            f"place_on_last_token: rows {empty} have an all-zero response_mask; their scores would be lost"
+        )
     num_tokens = mask.shape[1]
     last = num_tokens - 1 - mask.flip(1).int().argmax(dim=1)  # [B]
     token_scores = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [B, T]
@@ -50,7 +52,9 @@ def score_responses(
         )
         if isinstance(result, dict):
             if "score" not in result:
-                raise ValueError(f"reward function returned a dict without 'score' (keys {sorted(result)}) for sample {i}")
+                raise ValueError(
+                    f"reward function returned a dict without 'score' (keys {sorted(result)}) for sample {i}"
+                )
             for key, value in result.items():
                 if key != "score":
                     extras.setdefault(key, [None] * len(texts))[i] = value
