@@ -171,7 +171,8 @@ class Layout:
         groups: dict[str, dist.ProcessGroup | None] = {}
         group_ranks: dict[str, list[int]] = {}
         for name, table in tables.items():
-            (mine,) = [g for g in table if me in g]
+            # Middle pipeline stages are in no "embedding" group (they hold no tied embedding): a group of one.
+            mine = next((g for g in table if me in g), [me])
             group_ranks[name] = mine
             # Only members take part (use_local_synchronization), so other roles' ranks never block on us.
             groups[name] = (

@@ -1,0 +1,166 @@
+"""Pipeline schedules on gloo against the same toy model run in one process with gradient accumulation.
+
+The toy model: token embedding (first stage) -> L x (Linear + tanh) -> LM head (last stage); the loss is the summed
+next-token cross entropy divided by the token count of the whole mini batch (DESIGN.md's normalisation), so the
+reference's accumulated gradients must equal the pipeline's exactly up to float rounding.
+"""
+
+import copy
+import datetime
+import weakref
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.p2p import PipelineCommError
+from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
+
+VOCAB, HIDDEN, LAYERS = 11, 6, 8
+LENGTHS = (5, 9, 3, 7, 4, 6, 2, 8)  # tokens per micro batch: every activation has its own shape
+
+
+class Toy(nn.Module):
+    """The full model, or (with `layer_ids`, `pre`, `post`) one pipeline chunk of it under the same param names."""
+
+    def __init__(self, layer_ids=range(LAYERS), pre: bool = True, post: bool = True) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, HIDDEN) if pre else None
+        self.layers = nn.ModuleDict({str(i): nn.Linear(HIDDEN, HIDDEN) for i in layer_ids})
+        self.head = nn.Linear(HIDDEN, VOCAB) if post else None
+
+
+def full_model() -> Toy:
+    torch.manual_seed(0)
+    return Toy()
+
+
+def chunk_of(full: Toy, layer_ids: range, pre: bool, post: bool) -> Toy:
+    chunk = Toy(layer_ids, pre, post)
+    chunk.load_state_dict({k: v for k, v in full.state_dict().items() if k in chunk.state_dict()})
+    return chunk
+
+
+def micro_batches(num: int) -> list[dict]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = LENGTHS[:num]
+    total = sum(n - 1 for n in lengths)  # predicted tokens in the whole mini batch
+    return [dict(tokens=torch.randint(0, VOCAB, (n,), generator=gen), num_global_tokens=total) for n in lengths]
+
+
+def forward_step(chunk: Toy, mb: dict, x: torch.Tensor | None) -> torch.Tensor:
+    if x is None:
+        x = chunk.embed(mb["tokens"])[None]  # [1, T, H]
+    for layer in chunk.layers.values():
+        x = torch.tanh(layer(x))
+    return x if chunk.head is None else chunk.head(x)  # [1, T, H] or logits [1, T, V]
+
+
+def loss_step(logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+    tokens = mb["tokens"]
+    logprobs = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, tokens[1:, None])[:, 0]  # [T-1]
+    loss = -logprobs.sum() / mb["num_global_tokens"]
+    return loss, dict(logprobs=logprobs, num_tokens=torch.tensor(len(tokens)))
+
+
+def reference(num: int, forward_only: bool = False) -> tuple[list[dict], dict]:
+    model = full_model()
+    outs = []
+    for mb in micro_batches(num):
+        loss, outputs = loss_step(forward_step(model, mb, None), mb)
+        if not forward_only:
+            loss.backward()
+        outs.append(dict(loss=loss.detach(), **{k: v.detach() for k, v in outputs.items()}))
+    return outs, {name: p.grad for name, p in model.named_parameters()}
+
+
+def _pipeline_rank(pp: int, vpp: int, num: int) -> dict:
+    layout = Layout.create(LayoutSpec(world_size=pp, pp=pp, vpp=vpp))
+    full = full_model()
+    chunks = []
+    for c in range(vpp):
+        ids = stage_layer_ids(LAYERS, pp, vpp, layout.pp_rank, c)
+        chunks.append(chunk_of(full, ids, *chunk_pre_post(pp, vpp, layout.pp_rank, c)))
+
+    live: list[weakref.ref] = []  # stage outputs of this rank: alive ones are held for a backward
+    peak = [0]
+
+    def counting_step(chunk: Toy, mb: dict, x):
+        y = forward_step(chunk, mb, x)
+        live.append(weakref.ref(y))
+        peak[0] = max(peak[0], sum(r() is not None for r in live))
+        return y
+
+    mbs = micro_batches(num)
+    trained = forward_backward(chunks, mbs, layout, counting_step, loss_step, broadcast_outputs=True)
+    grads = {name: p.grad for chunk in chunks for name, p in chunk.named_parameters()}
+    for chunk in chunks:
+        chunk.zero_grad(set_to_none=True)
+    evaluated = forward_backward(chunks, mbs, layout, forward_step, loss_step, forward_only=True)
+    return dict(trained=trained, grads=grads, peak=peak[0], evaluated=evaluated,
+                grads_after_eval=[p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None],
+                evaluated_requires_grad=any(v.requires_grad for d in evaluated for v in d.values()))
+
+
+def assert_outputs_equal(got: list[dict], want: list[dict]) -> None:
+    assert len(got) == len(want)
+    for g, w in zip(got, want):
+        assert g.keys() == w.keys()
+        for key in w:
+            assert g[key].shape == w[key].shape and g[key].dtype == w[key].dtype, key
+            torch.testing.assert_close(g[key], w[key], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize("pp, vpp, num", [(2, 1, 8), (4, 1, 8), (2, 2, 8), (4, 2, 4), (4, 1, 2)],
+                         ids=["pp2", "pp4", "pp2-vpp2", "pp4-vpp2", "pp4-fewer-micro-batches-than-stages"])
+def test_pipeline_matches_single_process(pp, vpp, num):
+    results = run_distributed(pp, _pipeline_rank, pp, vpp, num)
+    want, want_grads = reference(num)
+    for rank, res in enumerate(results):  # broadcast_outputs: every stage has the last stage's outputs
+        assert_outputs_equal(res["trained"], want)
+    grads = {name: g for res in results for name, g in res["grads"].items()}
+    assert grads.keys() == want_grads.keys()
+    for name, grad in want_grads.items():
+        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6, msg=name)
+
+    # Forward only: same outputs on the last stage, nothing elsewhere, no grads and no graph kept.
+    assert_outputs_equal(results[-1]["evaluated"], want)
+    assert all(res["evaluated"] == [] for res in results[:-1])
+    assert all(res["grads_after_eval"] == [] and not res["evaluated_requires_grad"] for res in results)
+
+    # Peak number of micro batches whose activations rank 0 holds: PP for 1F1B (not `num`, as all-forward-first
+    # would give); for interleaved the warm-up of 2*(PP-1) + (VPP-1)*PP virtual micro batches, plus one.
+    bound = pp if vpp == 1 else 2 * (pp - 1) + (vpp - 1) * pp + 1
+    assert results[0]["peak"] == min(bound, num * vpp)
+
+
+def test_no_pipeline_is_gradient_accumulation():
+    model = full_model()
+    mbs = micro_batches(4)
+    out = forward_backward([model], mbs, Layout.single(), forward_step, loss_step)
+    want, want_grads = reference(4)
+    assert_outputs_equal(out, want)
+    for name, p in model.named_parameters():
+        torch.testing.assert_close(p.grad, want_grads[name], rtol=0, atol=1e-6, msg=name)
+
+
+def _rank_fails_mid_pipeline() -> None:
+    layout = Layout.create(LayoutSpec(world_size=2, pp=2), timeout=datetime.timedelta(seconds=20))
+    full = full_model()
+    chunk = chunk_of(full, stage_layer_ids(LAYERS, 2, 1, layout.pp_rank, 0), *chunk_pre_post(2, 1, layout.pp_rank, 0))
+
+    def broken_loss(logits, mb):
+        raise ValueError("loss exploded")
+
+    forward_backward([chunk], micro_batches(2), layout, forward_step, broken_loss)
+
+
+def test_failed_peer_is_named():
+    with pytest.raises(RuntimeError) as info:
+        run_distributed(2, _rank_fails_mid_pipeline)
+    message = str(info.value)
+    assert "loss exploded" in message
+    assert PipelineCommError.__name__ in message and "global rank 1" in message
