@@ -1,0 +1,102 @@
+"""Self-attention over packed sequences (no padding), tensor parallel over heads.
+
+A micro batch is `T` tokens of `N` sequences laid end to end; `cu_seqlens [N+1]` marks the boundaries and every
+token attends causally to earlier tokens of its own sequence only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.nn.attention.varlen import varlen_attn
+
+from shardrl.models.config import ModelConfig
+from shardrl.models.norm import RMSNorm
+from shardrl.models.rope import apply_rope
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_tp
+
+
+@dataclass(frozen=True)
+class PackedSeqs:
+    """What every layer needs to know about the packed micro batch; built once per forward."""
+
+    cu_seqlens: Tensor  # [N+1] int32: sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1]
+    max_seqlen: int
+    cos: Tensor  # [T, head_dim] fp32 rotary angles of each token's position
+    sin: Tensor  # [T, head_dim]
+
+    @property
+    def num_tokens(self) -> int:
+        return self.cos.shape[0]
+
+
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+    """q [T, nq, D], k and v [T, nkv, D] (nq a multiple of nkv) -> [T, nq, D].
+
+    The one device-specific switch: CUDA in bf16/fp16 runs the fused varlen flash kernel; everything else runs
+    `reference_attention`, which the tests compare against.
+    """
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        cu = seqs.cu_seqlens
+        return varlen_attn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, scale=scale, window_size=(-1, 0),
+                           enable_gqa=True)
+    return reference_attention(q, k, v, seqs.cu_seqlens, scale)
+
+
+def reference_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
+    """Portable attention: SDPA over all T tokens with a block-diagonal causal mask [T, T]."""
+    num_tokens = q.shape[0]
+    index = torch.arange(num_tokens, device=q.device)
+    segment = torch.searchsorted(cu_seqlens[1:].to(index.dtype), index, right=True)  # [T] sequence of each token
+    mask = (segment.unsqueeze(1) == segment.unsqueeze(0)) & (index.unsqueeze(0) <= index.unsqueeze(1))  # [T, T]
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), attn_mask=mask,
+                                         scale=scale, enable_gqa=True)  # [nq, T, D]
+    return out.transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """q/k/v column-parallel over heads, o row-parallel. KV heads fewer than TP are replicated: consecutive ranks
+    share a KV head, which lines up with the query heads they hold."""
+
+    def __init__(self, config: ModelConfig, layout: Layout, layer_id: int, sequence_parallel: bool,
+                 dtype: torch.dtype) -> None:
+        super().__init__()
+        tp, prefix = layout.tp_size, f"model.layers.{layer_id}.self_attn"
+        hidden, head_dim = config.hidden_size, config.head_dim
+        num_heads, num_kv = config.num_heads, config.num_kv_heads
+        if num_heads % tp or (num_kv % tp and tp % num_kv):
+            raise ValueError(f"num_attention_heads={num_heads}, num_key_value_heads={num_kv}: tensor parallel size "
+                             f"{tp} must divide the query heads and divide or be a multiple of the KV heads")
+        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
+        self.head_dim, self.scale = head_dim, head_dim ** -0.5
+        kv_shards = min(num_kv, tp)
+        self.q_proj = ColumnParallelLinear(hidden, num_heads * head_dim, layout, f"{prefix}.q_proj",
+                                           config.qkv_bias, dtype=dtype)
+        self.k_proj = ColumnParallelLinear(hidden, num_kv * head_dim, layout, f"{prefix}.k_proj", config.qkv_bias,
+                                           num_shards=kv_shards, dtype=dtype)
+        self.v_proj = ColumnParallelLinear(hidden, num_kv * head_dim, layout, f"{prefix}.v_proj", config.qkv_bias,
+                                           num_shards=kv_shards, dtype=dtype)
+        self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, layout, f"{prefix}.o_proj", config.o_bias,
+                                        sequence_parallel, dtype=dtype)
+        self.q_norm = self.k_norm = None
+        if config.qk_norm:  # each rank normalises only its own heads, so the weights' gradients are summed over TP
+            self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, f"{prefix}.q_norm.weight", tp > 1,
+                                  layout.device, dtype)
+            self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, f"{prefix}.k_norm.weight", tp > 1,
+                                  layout.device, dtype)
+
+    def forward(self, x: Tensor, seqs: PackedSeqs) -> Tensor:
+        """x [T, H] (or this rank's SP chunk [T_r, H]) -> same shape."""
+        x = enter_tp(x, self.group, self.sequence_parallel, seqs.num_tokens)  # [T, H]
+        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # [T, nq/tp, D]
+        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [T, nkv/tp or 1, D]
+        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, seqs.cos, seqs.sin), apply_rope(k, seqs.cos, seqs.sin)
+        out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
+        return self.o_proj(out.flatten(1))

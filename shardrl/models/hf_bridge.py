@@ -1,0 +1,225 @@
+"""The one mapping between HF safetensors checkpoints and shardrl's sharded parameters.
+
+Everything here is driven by the parameters' `ShardSpec`s (HF name, full shape, slice, expert ids); nothing routes
+on parameter names. Loading reads only this rank's slice of each tensor (`safe_open(...).get_slice`), so no rank
+materialises the full model. Export gathers TP/ETP shards, EP experts and pipeline stages back into full HF tensors;
+weight sync and checkpoint conversion reuse it.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+from collections.abc import Collection, Iterator, Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import Tensor, nn
+
+from shardrl.models.config import FAMILY_PREFIX
+from shardrl.models.transformer import Transformer
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.spec import ShardSpec, get_spec
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+Model = nn.Module | Sequence[nn.Module]  # one stage, or the virtual-pipeline chunks this rank holds
+
+
+class CheckpointError(ValueError):
+    """A checkpoint does not fit the model; the message names the file and tensor."""
+
+
+class HFCheckpointReader:
+    """Slices of the tensors of an HF checkpoint directory (one `model.safetensors` or a sharded index)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        index = self.path / INDEX_FILE
+        if index.exists():
+            weight_map = json.loads(index.read_text())["weight_map"]
+            self.files = {name: self.path / file for name, file in weight_map.items()}
+        elif (self.path / SINGLE_FILE).exists():
+            with safe_open(self.path / SINGLE_FILE, "pt") as f:
+                self.files = dict.fromkeys(f.keys(), self.path / SINGLE_FILE)
+        else:
+            raise CheckpointError(f"{self.path}: neither {SINGLE_FILE} nor {INDEX_FILE} found")
+        self._handles: dict[Path, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.files
+
+    def read(self, name: str, full_shape: tuple[int, ...], dim: int | None, start: int, stop: int) -> Tensor:
+        """Rows [start, stop) along `dim` of tensor `name` (all of it for dim=None), checking its full shape."""
+        file = self.files.get(name)
+        if file is None:
+            raise CheckpointError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
+        if file not in self._handles:
+            if not file.exists():
+                raise CheckpointError(f"{file}: shard file listed in {INDEX_FILE} is missing (holds {name!r})")
+            self._handles[file] = safe_open(file, "pt")
+        tensor = self._handles[file].get_slice(name)
+        shape = tuple(tensor.get_shape())
+        if shape != tuple(full_shape):
+            raise CheckpointError(f"{file}: tensor {name!r} has shape {shape} but the model expects "
+                                  f"{tuple(full_shape)} (does config.json match the weights?)")
+        if dim is None:
+            return tensor[:]
+        return tensor[(slice(None),) * dim + (slice(start, stop),)]
+
+
+def _unique_params(model: Model) -> list[nn.Parameter]:
+    chunks = model if isinstance(model, Sequence) else [model]
+    seen: dict[int, nn.Parameter] = {}
+    for chunk in chunks:
+        for param in chunk.parameters():
+            seen.setdefault(id(param), param)
+    return list(seen.values())
+
+
+def _random_init(name: str, shape: tuple[int, ...], std: float) -> Tensor:
+    """The same N(0, std) tensor on every rank and layout: the generator is seeded from the HF name."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * std
+
+
+@torch.no_grad()
+def load_hf_weights(model: Model, source: str | Path | HFCheckpointReader, optional: Collection[str] = (),
+                    init_std: float = 0.02) -> None:
+    """Fill every parameter of `model` with its slice of the HF checkpoint at `source`.
+
+    `optional`: HF names that may be absent (e.g. `score.weight` when a critic starts from a causal LM); those are
+    initialised N(0, init_std), identically on every rank. Experts are read by their global ids.
+    """
+    reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
+    for param in _unique_params(model):
+        spec = get_spec(param)
+        start, stop = spec.slice_range() or (0, 0)
+        for i, name in enumerate(spec.hf_names()):
+            dest = param[i] if spec.expert else param
+            if name in optional and name not in reader:
+                full = _random_init(name, spec.full_shape, init_std)
+                piece = full if spec.dim is None else full.narrow(spec.dim, start, stop - start)
+            else:
+                piece = reader.read(name, spec.full_shape, spec.dim, start, stop)
+            if piece.shape != dest.shape:  # padded vocab rows past the real vocabulary stay zero
+                dest.zero_()
+                dest = dest.narrow(spec.dim, 0, piece.shape[spec.dim])
+            dest.copy_(piece)
+
+
+def _exported(spec: ShardSpec, layout: Layout) -> bool:
+    """A tied LM-head copy on a later pipeline stage repeats the first stage's embedding: export that one only."""
+    return not (spec.tied_group and not layout.is_first_stage)
+
+
+def _gather_full(param: Tensor, layout: Layout) -> Tensor:
+    """This rank's shard -> the full tensor(s) [n, *full_shape] (n = number of experts, or 1). Collective over the
+    spec's TP/ETP group and, for experts, the EP group."""
+    spec = get_spec(param)
+    full = param.detach() if spec.expert else param.detach().unsqueeze(0)  # [n_local, *shard_shape]
+    if spec.dim is not None and spec.num_shards > 1:
+        size = layout.size(spec.group)
+        pieces = [torch.empty_like(full) for _ in range(size)]
+        dist.all_gather(pieces, full.contiguous(), group=layout.group(spec.group))
+        # Ranks sharing a shard (KV heads < TP) hold copies: take one per shard.
+        full = torch.cat(pieces[:: size // spec.num_shards], dim=spec.dim + 1)
+        full = full.narrow(spec.dim + 1, 0, spec.full_shape[spec.dim])  # drop vocab padding
+    if spec.expert and layout.ep_size > 1:
+        blocks = [torch.empty_like(full) for _ in range(layout.ep_size)]
+        dist.all_gather(blocks, full.contiguous(), group=layout.ep_group)
+        local_ids = torch.tensor(spec.expert_ids, device=full.device)
+        ids = [torch.empty_like(local_ids) for _ in range(layout.ep_size)]
+        dist.all_gather(ids, local_ids, group=layout.ep_group)
+        full = torch.cat(blocks).index_select(0, torch.cat(ids).argsort())
+    return full
+
+
+def _global_names(spec: ShardSpec, layout: Layout) -> list[str]:
+    if not spec.expert:
+        return [spec.hf_name]
+    return [spec.hf_name.format(expert=e) for e in range(len(spec.expert_ids) * layout.ep_size)]
+
+
+@torch.no_grad()
+def export_hf_weights(model: Model, layout: Layout) -> Iterator[tuple[str, Tensor]]:
+    """Yield `(hf_name, full tensor)` for the whole model, on every rank of the layout, in the same order.
+
+    Collective over the layout: every rank must consume the iterator to the end. Pipeline stages take turns:
+    the owning stage gathers each tensor over TP/ETP/EP, then broadcasts it over the PP group. Tensors are on
+    `layout.device` in the parameters' dtype.
+    """
+    params = [p for p in _unique_params(model) if _exported(get_spec(p), layout)]
+    metas = [(_global_names(get_spec(p), layout), get_spec(p).full_shape, p.dtype) for p in params]
+    if layout.pp_size == 1:
+        for param, (names, _, _) in zip(params, metas):
+            yield from zip(names, _gather_full(param, layout))
+        return
+    stage_metas: list = [None] * layout.pp_size
+    dist.all_gather_object(stage_metas, metas, group=layout.pp_group)
+    for stage, stage_params in enumerate(stage_metas):
+        for i, (names, shape, dtype) in enumerate(stage_params):
+            if stage == layout.pp_rank:
+                full = _gather_full(params[i], layout).contiguous()
+            else:
+                full = torch.empty(len(names), *shape, dtype=dtype, device=layout.device)
+            dist.broadcast(full, group=layout.pp_group, group_src=stage)
+            yield from zip(names, full)
+
+
+def save_hf_checkpoint(model: Model, layout: Layout, out_dir: str | Path, dtype: torch.dtype | None = None,
+                       max_shard_bytes: int = 4 << 30) -> None:
+    """Write `out_dir` as an HF checkpoint transformers can load (safetensors + config.json).
+
+    Collective over the layout; the layout's first rank writes, holding at most one file's tensors in memory.
+    A value-head model is saved as `<Family>ForSequenceClassification` with one label. `dtype` converts the
+    tensors (default: as trained).
+    """
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    writer = layout.local_rank == 0
+    out_dir = Path(out_dir)
+    files: list[tuple[Path, list[str], int]] = []
+    part: dict[str, Tensor] = {}
+    for name, tensor in export_hf_weights(chunks, layout):
+        if not writer:
+            continue
+        if part and sum(t.nbytes for t in part.values()) + tensor.nbytes > max_shard_bytes:
+            files.append(_write_part(part, out_dir, len(files)))
+            part = {}
+        part[name] = tensor.to("cpu", dtype or tensor.dtype, copy=True)
+    if writer:
+        files.append(_write_part(part, out_dir, len(files)))
+        _finish(files, out_dir, _hf_config(chunks[0]))
+
+
+def _hf_config(stage: Transformer) -> dict:
+    config = dict(stage.config.hf_config)
+    if stage.value_head:
+        config.update(architectures=[FAMILY_PREFIX[stage.config.family] + "ForSequenceClassification"],
+                      num_labels=1)
+    return config
+
+
+def _write_part(part: dict[str, Tensor], out_dir: Path, number: int) -> tuple[Path, list[str], int]:
+    """Write one file now (named for its final place once the number of files is known)."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    file = out_dir / f"part-{number:05d}.safetensors"
+    save_file(part, file, metadata={"format": "pt"})
+    return file, list(part), sum(t.nbytes for t in part.values())
+
+
+def _finish(files: list[tuple[Path, list[str], int]], out_dir: Path, config: dict) -> None:
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    if len(files) == 1:
+        files[0][0].replace(out_dir / SINGLE_FILE)
+        return
+    weight_map = {}
+    for i, (file, names, _) in enumerate(files):
+        final = f"model-{i + 1:05d}-of-{len(files):05d}.safetensors"
+        file.replace(out_dir / final)
+        weight_map.update(dict.fromkeys(names, final))
+    index = {"metadata": {"total_size": sum(nbytes for *_, nbytes in files)}, "weight_map": weight_map}
+    (out_dir / INDEX_FILE).write_text(json.dumps(index, indent=2) + "\n")

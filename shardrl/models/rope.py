@@ -1,0 +1,55 @@
+"""Rotary position embeddings (default, linear and Llama-3 scaled frequencies), computed from `position_ids`."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from shardrl.models.config import RopeConfig
+
+
+def inv_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
+    """Inverse frequency of each rotated pair of channels, [head_dim/2] fp32."""
+    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
+    inv_freq = 1.0 / (rope.theta ** exponents)
+    if rope.kind == "linear":
+        return inv_freq / rope.factor
+    if rope.kind == "llama3":
+        return _llama3_scaled(inv_freq, rope)
+    return inv_freq
+
+
+def _llama3_scaled(inv_freq: Tensor, rope: RopeConfig) -> Tensor:
+    """Llama 3.1: keep short wavelengths, divide long ones by `factor`, interpolate smoothly in between."""
+    wavelength = 2 * math.pi / inv_freq
+    short = rope.original_max_position_embeddings / rope.high_freq_factor  # wavelengths below this stay
+    long = rope.original_max_position_embeddings / rope.low_freq_factor  # wavelengths above this are scaled
+    smooth = (rope.original_max_position_embeddings / wavelength - rope.low_freq_factor) / (
+        rope.high_freq_factor - rope.low_freq_factor)  # 1 at `short`, 0 at `long`
+    interpolated = (1 - smooth) * inv_freq / rope.factor + smooth * inv_freq
+    scaled = torch.where(wavelength > long, inv_freq / rope.factor, inv_freq)
+    middle = (wavelength >= short) & (wavelength <= long)
+    return torch.where(middle, interpolated, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    def __init__(self, rope: RopeConfig, head_dim: int, device: torch.device) -> None:
+        super().__init__()
+        # Not a parameter and not saved: it is derived from the config, like HF's.
+        self.register_buffer("inv_freq", inv_frequencies(rope, head_dim).to(device), persistent=False)
+
+    def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
+        """position_ids [T] -> (cos, sin), each [T, head_dim] fp32 (the two halves of the channels repeat)."""
+        angles = position_ids.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
+        angles = torch.cat([angles, angles], dim=-1)  # [T, D]
+        return angles.cos(), angles.sin()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """x [T, heads, D]: rotate channel i with channel i + D/2 by the position's angle."""
+    cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # [T, 1, D]
+    first, second = x.chunk(2, dim=-1)
+    rotated = torch.cat([-second, first], dim=-1)
+    return x * cos + rotated * sin

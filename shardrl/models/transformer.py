@@ -1,0 +1,134 @@
+"""One decoder-only transformer for every supported family, built as one pipeline stage.
+
+A stage owns the decoder layers `layer_ids`; the first stage (`pre_process`) also owns the token embedding, the
+last (`post_process`) the final norm and the output head: the LM head, or with `value_head=True` a scalar head
+`score.weight` [1, H] without bias (the name and shape of HF's `*ForSequenceClassification` heads, which reward
+models ship; a critic starting from a causal LM checkpoint initialises it, see `hf_bridge.load_hf_weights`).
+
+With tied embeddings the LM head is the embedding matrix. When both live on one stage they are one parameter;
+across pipeline stages the last stage holds its own copy under the same HF name, loaded from the same tensor and
+marked `tied_group` so the gradients of the two copies are summed.
+
+Inputs are packed sequences: `input_ids [T]`, `position_ids [T]`, `cu_seqlens [N+1]` int32 (no padding). Hidden
+states between stages are `[T, H]`, or this rank's token chunk `[T_r, H]` with sequence parallelism.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor, nn
+from torch.utils.checkpoint import checkpoint
+
+from shardrl.models.attention import Attention, PackedSeqs
+from shardrl.models.config import ModelConfig
+from shardrl.models.mlp import MLP, MoEBlock
+from shardrl.models.norm import RMSNorm
+from shardrl.models.rope import RotaryEmbedding
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.tensor import (
+    ReplicatedLinear,
+    VocabParallelEmbedding,
+    enter_tp,
+    gather_tokens,
+    vocab_parallel_logprobs,
+    vocab_spec,
+)
+from shardrl.parallel.spec import set_spec
+
+VALUE_HEAD_NAME = "score.weight"
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layout: Layout, layer_id: int, sequence_parallel: bool,
+                 dtype: torch.dtype, moe_aux_loss_coef: float, moe_z_loss_coef: float) -> None:
+        super().__init__()
+        prefix, eps, tp = f"model.layers.{layer_id}", config.rms_norm_eps, layout.tp_size
+        self.input_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.input_layernorm.weight",
+                                       sequence_parallel and tp > 1, layout.device, dtype)
+        self.self_attn = Attention(config, layout, layer_id, sequence_parallel, dtype)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.post_attention_layernorm.weight",
+                                                sequence_parallel and tp > 1, layout.device, dtype)
+        if config.moe is not None and layer_id in config.moe.layers:
+            self.mlp = MoEBlock(config, layout, layer_id, sequence_parallel, dtype, moe_aux_loss_coef,
+                                moe_z_loss_coef)
+        else:
+            self.mlp = MLP(config.hidden_size, config.intermediate_size, layout, f"{prefix}.mlp", config.mlp_bias,
+                           sequence_parallel, dtype)
+
+    def forward(self, h: Tensor, seqs: PackedSeqs) -> Tensor:
+        h = h + self.self_attn(self.input_layernorm(h), seqs)
+        return h + self.mlp(self.post_attention_layernorm(h), seqs.num_tokens)
+
+
+class Transformer(nn.Module):
+    """One pipeline stage (the whole model by default) of a Llama / Qwen2 / Qwen3 / Mixtral / Qwen-MoE decoder.
+
+    `recompute`: checkpoint every layer (activations recomputed in backward). `moe_aux_loss_coef` and
+    `moe_z_loss_coef` weight the router losses that `MoELayer` back-propagates.
+    """
+
+    def __init__(self, config: ModelConfig, layout: Layout, layer_ids: range | None = None,
+                 pre_process: bool = True, post_process: bool = True, value_head: bool = False,
+                 sequence_parallel: bool = False, recompute: bool = False, dtype: torch.dtype = torch.float32,
+                 moe_aux_loss_coef: float = 0.0, moe_z_loss_coef: float = 0.0) -> None:
+        super().__init__()
+        if layout.cp_size > 1:
+            raise NotImplementedError(f"context_parallel_size={layout.cp_size}: context parallelism is not built "
+                                      f"yet; use context_parallel_size=1")
+        self.config, self.layout = config, layout
+        self.layer_ids = range(config.num_layers) if layer_ids is None else layer_ids
+        self.pre_process, self.post_process, self.value_head = pre_process, post_process, value_head
+        self.sequence_parallel, self.recompute = sequence_parallel and layout.tp_size > 1, recompute
+        sp, tied = self.sequence_parallel, config.tie_word_embeddings and not value_head
+        self.rotary = RotaryEmbedding(config.rope, config.head_dim, layout.device)
+        self.lm_head: nn.Parameter | None = None
+        if pre_process:
+            self.embed_tokens = VocabParallelEmbedding(
+                config.vocab_size, config.hidden_size, layout, "model.embed_tokens.weight", sp,
+                tied_group=tied and not post_process, dtype=dtype)
+        self.layers = nn.ModuleList(
+            DecoderLayer(config, layout, i, sp, dtype, moe_aux_loss_coef, moe_z_loss_coef) for i in self.layer_ids)
+        if post_process:
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight", sp, layout.device, dtype)
+            if value_head:
+                self.score = ReplicatedLinear(config.hidden_size, 1, layout, "score", sp, dtype)
+            elif not (tied and pre_process):  # else the LM head is `embed_tokens.weight` itself
+                name = "model.embed_tokens.weight" if tied else "lm_head.weight"
+                spec = vocab_spec(name, config.vocab_size, config.hidden_size, layout, tied_group=tied)
+                self.lm_head = nn.Parameter(torch.empty(spec.local_shape(), device=layout.device, dtype=dtype))
+                set_spec(self.lm_head, spec)
+
+    def forward(self, x: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+        """x: input_ids [T] on the first stage, else the previous stage's hidden states.
+
+        Returns hidden states [T, H] ([T_r, H] with sequence parallelism), after the final norm on the last stage;
+        feed those to `compute_logprobs`, `compute_logits` or `compute_values`.
+        """
+        cos, sin = self.rotary(position_ids)
+        seqs = PackedSeqs(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), cos, sin)
+        h = self.embed_tokens(x) if self.pre_process else x
+        for layer in self.layers:
+            h = checkpoint(layer, h, seqs, use_reentrant=False) if self.recompute else layer(h, seqs)
+        return self.norm(h) if self.post_process else h
+
+    def lm_head_weight(self) -> Tensor:
+        """[Vp/tp, H] this rank's rows of the (padded) output vocabulary."""
+        return self.embed_tokens.weight if self.lm_head is None else self.lm_head
+
+    def compute_logits(self, hidden: Tensor, num_tokens: int) -> Tensor:
+        """hidden [T, H] (or [T_r, H]) -> logits [T, Vp/tp] of this rank's vocab block (`gather_vocab` for all)."""
+        h = enter_tp(hidden, self.layout.tp_group, self.sequence_parallel, num_tokens)  # [T, H]
+        return torch.nn.functional.linear(h, self.lm_head_weight())
+
+    def compute_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
+        """Log-probabilities of `targets` [T] (the next token of each position) and entropies, both [T] fp32,
+        computed vocab-parallel without gathering the logits."""
+        logits = self.compute_logits(hidden, targets.shape[0])  # [T, Vp/tp]
+        if temperature != 1.0:
+            logits = logits / temperature
+        return vocab_parallel_logprobs(logits, targets, self.layout.tp_group, self.config.vocab_size)
+
+    def compute_values(self, hidden: Tensor, num_tokens: int) -> Tensor:
+        """Value-head output [T] (replicated over TP)."""
+        values = self.score(hidden).squeeze(-1)  # [T] or [T_r]
+        return gather_tokens(values, self.layout.tp_group, num_tokens) if self.sequence_parallel else values

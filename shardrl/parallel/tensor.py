@@ -1,0 +1,332 @@
+"""Tensor parallelism (TP) and sequence parallelism (SP): the collectives, the sharded layers, vocab-parallel maths.
+
+Conventions (the same on gloo and NCCL):
+
+* Activations outside a TP region are *replicated* over the TP group (`[T, H]` on every rank) or, with sequence
+  parallelism, *split by tokens* (`[T/tp, H]`: rank r holds the r-th chunk of `token_split_sizes(T, tp)`).
+* A TP region starts with `enter_tp` (identity whose backward all-reduces, or an all-gather of the token chunks)
+  and ends in a `RowParallelLinear` (all-reduce, or reduce-scatter back into token chunks).
+* Column-parallel weights are split along their output rows, row-parallel weights along their input columns; each
+  parameter maps to exactly one HF tensor, so q/k/v and gate/up stay separate parameters (no fused QKV / gate-up):
+  loading, export and weight sync then need no re-interleaving.
+* With a group of size 1 (`group is None`) every collective is skipped.
+* Token chunks may be uneven (T need not divide by tp): collectives pad each chunk to the largest one.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.spec import ShardSpec, set_spec
+
+Group = dist.ProcessGroup | None
+
+
+def group_size(group: Group) -> int:
+    return 1 if group is None else dist.get_world_size(group)
+
+
+def group_rank(group: Group) -> int:
+    return 0 if group is None else dist.get_rank(group)
+
+
+def token_split_sizes(num_tokens: int, size: int) -> list[int]:
+    """Tokens held by each rank when `num_tokens` are split over `size` ranks (the first ranks take one extra)."""
+    base, extra = divmod(num_tokens, size)
+    return [base + (r < extra) for r in range(size)]
+
+
+def _all_gather_tokens(x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
+    """x [T_r, ...], this rank's chunk -> [T, ...], all chunks in rank order."""
+    sizes = token_split_sizes(num_tokens, group_size(group))
+    pad = sizes[0]
+    out = x.new_empty(pad * len(sizes), *x.shape[1:])
+    dist.all_gather_single(out, F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad - x.shape[0])).contiguous(), group=group)
+    return torch.cat([chunk[:n] for chunk, n in zip(out.split(pad), sizes)])
+
+
+def _reduce_scatter_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """x [T, ...] partial sums -> this rank's token chunk of the sum over the group."""
+    sizes = token_split_sizes(x.shape[0], group_size(group))
+    pad = sizes[0]
+    chunks = [F.pad(c, (0, 0) * (x.dim() - 1) + (0, pad - c.shape[0])) for c in x.split(sizes)]
+    out = x.new_empty(pad, *x.shape[1:])
+    dist.reduce_scatter_single(out, torch.cat(chunks), group=group)
+    return out[: sizes[group_rank(group)]]
+
+
+def _own_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """x [T, ...] replicated -> this rank's token chunk (a copy, so later in-place ops cannot alias)."""
+    return x.split(token_split_sizes(x.shape[0], group_size(group)))[group_rank(group)].contiguous()
+
+
+def _all_reduce(x: Tensor, group: dist.ProcessGroup) -> Tensor:
+    x = x.contiguous().clone()
+    dist.all_reduce(x, group=group)
+    return x
+
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group = group
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_reduce(grad, ctx.group), None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        return _all_reduce(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return grad, None
+
+
+class _GatherFromSP(torch.autograd.Function):
+    """Token chunks -> all tokens; the gradients of the TP region behind it are partial sums, so backward sums."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
+        ctx.group = group
+        return _all_gather_tokens(x, group, num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _reduce_scatter_tokens(grad.contiguous(), ctx.group), None, None
+
+
+class _ReduceScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group, ctx.num_tokens = group, x.shape[0]
+        return _reduce_scatter_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather_tokens(grad.contiguous(), ctx.group, ctx.num_tokens), None
+
+
+class _ScatterTokens(torch.autograd.Function):
+    """Replicated tokens -> this rank's chunk; downstream gradients are per-chunk and complete, so backward gathers."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
+        ctx.group, ctx.num_tokens = group, x.shape[0]
+        return _own_tokens(x, group)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _all_gather_tokens(grad.contiguous(), ctx.group, ctx.num_tokens), None
+
+
+class _GatherTokens(torch.autograd.Function):
+    """Chunks -> replicated tokens; every rank then sees the full (identical) gradient, so backward keeps its chunk."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
+        ctx.group = group
+        return _all_gather_tokens(x, group, num_tokens)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        return _own_tokens(grad, ctx.group), None, None
+
+
+def enter_tp(x: Tensor, group: Group, sequence_parallel: bool, num_tokens: int) -> Tensor:
+    """Start a TP region: replicated x [T, H] passes through (backward all-reduces); SP chunks are all-gathered."""
+    if group is None:
+        return x
+    return _GatherFromSP.apply(x, group, num_tokens) if sequence_parallel else _CopyToTP.apply(x, group)
+
+
+def exit_tp(x: Tensor, group: Group, sequence_parallel: bool) -> Tensor:
+    """End a TP region: partial sums x [T, H] are all-reduced, or reduce-scattered into SP token chunks."""
+    if group is None:
+        return x
+    return _ReduceScatterToSP.apply(x, group) if sequence_parallel else _ReduceFromTP.apply(x, group)
+
+
+def scatter_tokens(x: Tensor, group: Group) -> Tensor:
+    """Replicated x [T, ...] -> this rank's chunk [T_r, ...] (e.g. to feed each token to the MoE layer once)."""
+    return x if group is None else _ScatterTokens.apply(x, group)
+
+
+def gather_tokens(x: Tensor, group: Group, num_tokens: int) -> Tensor:
+    """This rank's chunk [T_r, ...] -> replicated [T, ...]; the inverse of `scatter_tokens`."""
+    return x if group is None else _GatherTokens.apply(x, group, num_tokens)
+
+
+def shard_index(layout: Layout, num_shards: int) -> int:
+    """Which of `num_shards` TP shards this rank holds; consecutive ranks share a shard when num_shards < tp."""
+    tp = layout.tp_size
+    if tp % num_shards and num_shards % tp:
+        raise ValueError(f"{num_shards} shards cannot be spread over tensor parallel size {tp}")
+    return layout.tp_rank // max(tp // num_shards, 1)
+
+
+def _sharded_param(spec: ShardSpec, layout: Layout, dtype: torch.dtype) -> nn.Parameter:
+    # Filled by the HF loader (or a test); allocation only, so huge models are never initialised twice.
+    param = nn.Parameter(torch.empty(spec.local_shape(), device=layout.device, dtype=dtype))
+    return set_spec(param, spec)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y [T, out/n] = x [T, in] @ W_r^T + b_r with the output features split in `num_shards` (default: TP size).
+
+    x must already be inside the TP region (`enter_tp`). `num_shards < tp` replicates shards over consecutive ranks
+    (KV heads fewer than TP); their gradients are summed over the replicas from the spec.
+    """
+
+    def __init__(self, in_size: int, out_size: int, layout: Layout, name: str, bias: bool = False,
+                 num_shards: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        num_shards = num_shards or layout.tp_size
+        if out_size % num_shards:
+            raise ValueError(f"{name}: output size {out_size} is not divisible by {num_shards} tensor-parallel shards")
+        index = shard_index(layout, num_shards)
+        self.weight = _sharded_param(ShardSpec(
+            f"{name}.weight", (out_size, in_size), dim=0, num_shards=num_shards, index=index, group="tp"), layout, dtype)
+        self.bias = _sharded_param(ShardSpec(
+            f"{name}.bias", (out_size,), dim=0, num_shards=num_shards, index=index, group="tp"),
+            layout, dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight, self.bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = exit_tp(x_r [T, in/tp] @ W_r^T) + b: input features split over TP; the bias is added after the reduce."""
+
+    def __init__(self, in_size: int, out_size: int, layout: Layout, name: str, bias: bool = False,
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        tp = layout.tp_size
+        if in_size % tp:
+            raise ValueError(f"{name}: input size {in_size} is not divisible by tensor parallel size {tp}")
+        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
+        self.weight = _sharded_param(ShardSpec(
+            f"{name}.weight", (out_size, in_size), dim=1, num_shards=tp, index=layout.tp_rank, group="tp"),
+            layout, dtype)
+        # Replicated; with SP each rank adds it to its own tokens only, so its gradient is summed over TP.
+        self.bias = _sharded_param(ShardSpec(
+            f"{name}.bias", (out_size,), sum_grad_over_tp=sequence_parallel and tp > 1),
+            layout, dtype) if bias else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        y = exit_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)  # [T or T/tp, out]
+        return y if self.bias is None else y + self.bias
+
+
+class ReplicatedLinear(nn.Module):
+    """A small linear kept whole on every TP rank (value head, shared-expert gate), applied to the tokens at hand."""
+
+    def __init__(self, in_size: int, out_size: int, layout: Layout, name: str, sequence_parallel: bool = False,
+                 dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        # With SP each rank sees only its own tokens, so the gradient is a partial sum over TP.
+        self.weight = _sharded_param(ShardSpec(
+            f"{name}.weight", (out_size, in_size), sum_grad_over_tp=sequence_parallel and layout.tp_size > 1),
+            layout, dtype)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return F.linear(x, self.weight)
+
+
+def padded_vocab_size(vocab_size: int, tp: int) -> int:
+    return -(-vocab_size // tp) * tp
+
+
+def vocab_spec(name: str, vocab_size: int, hidden_size: int, layout: Layout, tied_group: bool = False) -> ShardSpec:
+    """Rows of an embedding / LM head split over TP after padding the vocab to a multiple of TP."""
+    tp = layout.tp_size
+    padded = padded_vocab_size(vocab_size, tp)
+    return ShardSpec(name, (vocab_size, hidden_size), dim=0, num_shards=tp, index=layout.tp_rank,
+                     padded_dim_size=padded if padded != vocab_size else None, group="tp", tied_group=tied_group)
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Each TP rank holds a block of vocab rows; the lookups of the other blocks are zeros until the reduce."""
+
+    def __init__(self, vocab_size: int, hidden_size: int, layout: Layout, name: str, sequence_parallel: bool = False,
+                 tied_group: bool = False, dtype: torch.dtype = torch.float32) -> None:
+        super().__init__()
+        spec = vocab_spec(name, vocab_size, hidden_size, layout, tied_group)
+        self.weight = _sharded_param(spec, layout, dtype)
+        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
+        self.start = layout.tp_rank * self.weight.shape[0]
+
+    def forward(self, input_ids: Tensor) -> Tensor:
+        """input_ids [T] -> [T, H] (replicated) or this rank's token chunk [T_r, H] with sequence parallelism."""
+        if self.group is None:
+            return F.embedding(input_ids, self.weight)
+        local = input_ids - self.start  # [T]
+        outside = (local < 0) | (local >= self.weight.shape[0])
+        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
+        return exit_tp(rows, self.group, self.sequence_parallel)
+
+
+def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, group: Group, vocab_size: int) -> tuple[Tensor, Tensor]:
+    """Log-probability of `targets` and entropy of softmax(logits), never gathering the vocab.
+
+    logits [T, Vp/tp]: this rank's block of the (padded) vocab columns; targets [T] global token ids.
+    Returns (logprobs [T], entropy [T]) in fp32, identical on every TP rank. Padded columns (id >= vocab_size)
+    are excluded. Differentiable in both outputs.
+    """
+    return _VocabParallelLogProbs.apply(logits, targets, group, vocab_size)
+
+
+class _VocabParallelLogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: Tensor, targets: Tensor, group: Group, vocab_size: int) -> tuple[Tensor, Tensor]:
+        num_local = logits.shape[-1]
+        start = group_rank(group) * num_local
+        valid = torch.arange(start, start + num_local, device=logits.device) < vocab_size  # [V/tp]
+        z = logits.float().masked_fill(~valid, float("-inf"))  # [T, V/tp]
+        z_max = z.max(dim=-1).values  # [T]
+        if group is not None:
+            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+        exp = torch.exp(z - z_max.unsqueeze(-1))  # [T, V/tp], 0 on padded columns
+        z_finite = z.masked_fill(~valid, 0.0)  # so that 0 * logit stays 0 on padded columns
+        local_target = targets - start  # [T]
+        mine = (local_target >= 0) & (local_target < num_local)
+        target_z = z_finite.gather(-1, local_target.clamp(0, num_local - 1).unsqueeze(-1)).squeeze(-1)
+        # One all-reduce for the three per-token sums: sum exp, sum exp * z, target logit (held by one rank).
+        sums = torch.stack([exp.sum(-1), (exp * z_finite).sum(-1), target_z * mine], dim=-1)  # [T, 3]
+        if group is not None:
+            dist.all_reduce(sums, group=group)
+        sum_exp, sum_exp_z, target_z = sums.unbind(-1)
+        log_norm = z_max + sum_exp.log()  # [T]
+        mean_z = sum_exp_z / sum_exp  # [T] E_p[z]
+        ctx.save_for_backward(z_finite, valid, log_norm, mean_z, local_target, mine)
+        ctx.logits_dtype = logits.dtype
+        return target_z - log_norm, log_norm - mean_z
+
+    @staticmethod
+    def backward(ctx, grad_logprob: Tensor, grad_entropy: Tensor):
+        z, valid, log_norm, mean_z, local_target, mine = ctx.saved_tensors
+        probs = torch.exp(z - log_norm.unsqueeze(-1)) * valid  # [T, V/tp]
+        # d logp / dz = onehot - p;  d entropy / dz = -p * (z - E_p[z])
+        grad = -probs * (grad_logprob.unsqueeze(-1) + grad_entropy.unsqueeze(-1) * (z - mean_z.unsqueeze(-1)))
+        rows = torch.nonzero(mine).squeeze(-1)
+        grad[rows, local_target[rows]] += grad_logprob[rows]
+        return grad.to(ctx.logits_dtype), None, None, None
+
+
+@torch.no_grad()
+def gather_vocab(logits: Tensor, group: Group, vocab_size: int) -> Tensor:
+    """logits [T, Vp/tp] -> full [T, V] (no autograd; for sampling and tests, not for training losses)."""
+    if group is not None:
+        blocks = [torch.empty_like(logits) for _ in range(group_size(group))]
+        dist.all_gather(blocks, logits.contiguous(), group=group)
+        logits = torch.cat(blocks, dim=-1)
+    return logits[..., :vocab_size]
