@@ -1,0 +1,48 @@
+"""RL algorithms as pure tensor functions: advantages, actor/critic losses, KL, off-policy correction.
+
+No parallelism and no batch container here: tensors in, tensors and metric dicts out. Two kinds of call sites:
+- whole batch, on the controller, once per step: `compute_advantage`, `apply_kl_penalty`, `rollout_correction`.
+  Their metrics are plain means over the batch.
+- per micro batch, in the workers: `actor_loss`, `value_loss`, with the mini batch's `LossScale`. Their losses and
+  metrics are the micro batch's share of the mini-batch value: sum them over micro batches and data-parallel ranks.
+"""
+
+from shardrl.algos import advantages as _builtin_estimators  # noqa: F401  (registers gae, grpo, ... by import)
+from shardrl.algos.aggregate import LOSS_AGG_MODES, LossScale, aggregate_loss, loss_counts, scaled_token_mean
+from shardrl.algos.kl import (
+    AdaptiveKLController,
+    FixedKLController,
+    KLController,
+    apply_kl_penalty,
+    kl_estimate,
+    make_kl_controller,
+)
+from shardrl.algos.off_policy import OffPolicyCorrection, rollout_correction, truncated_is_weights
+from shardrl.algos.policy_loss import ClipRange, actor_loss, ppo_clip_loss
+from shardrl.algos.registry import AdvantageInputs, compute_advantage, get_adv_estimator, register_adv_estimator
+from shardrl.algos.value_loss import value_loss
+
+__all__ = [
+    "LOSS_AGG_MODES",
+    "AdaptiveKLController",
+    "AdvantageInputs",
+    "ClipRange",
+    "FixedKLController",
+    "KLController",
+    "LossScale",
+    "OffPolicyCorrection",
+    "actor_loss",
+    "aggregate_loss",
+    "apply_kl_penalty",
+    "compute_advantage",
+    "get_adv_estimator",
+    "kl_estimate",
+    "loss_counts",
+    "make_kl_controller",
+    "ppo_clip_loss",
+    "register_adv_estimator",
+    "rollout_correction",
+    "scaled_token_mean",
+    "truncated_is_weights",
+    "value_loss",
+]

@@ -1,0 +1,115 @@
+"""The actor's objective: PPO clipped surrogate (clip-higher, dual clip), off-policy weights, entropy bonus, KL loss.
+
+Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
+same mode and scale, so the micro-batch losses (and their gradients) add up to the mini-batch loss, and each metric
+is the micro batch's share of the mini-batch value (the trainer sums metrics over micro batches and DP ranks).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from shardrl.algos.aggregate import LossScale, aggregate_loss, scaled_token_mean
+from shardrl.algos.kl import LOG_RATIO_BOUND, kl_estimate
+
+
+@dataclass(frozen=True)
+class ClipRange:
+    """PPO clip settings with verl's names (`actor.clip_ratio`, `clip_ratio_low/high`, `clip_ratio_c`).
+
+    The ratio is clipped to [1 - low, 1 + high]; low and high default to clip_ratio. A larger high than low
+    ("clip-higher", DAPO) lets unlikely tokens with positive advantage grow faster, which keeps entropy up.
+    clip_ratio_c bounds the loss of negative-advantage tokens at -A * c (dual clip), so one token whose ratio
+    exploded cannot dominate the update.
+    """
+
+    clip_ratio: float = 0.2
+    clip_ratio_low: float | None = None
+    clip_ratio_high: float | None = None
+    clip_ratio_c: float = 3.0
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.low < 1.0 or self.high < 0.0:
+            raise ValueError(f"actor clip range needs 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0; got {self}")
+        if self.clip_ratio_c <= 1.0:
+            raise ValueError(f"actor.clip_ratio_c must be > 1 (dual-clip lower bound); got {self.clip_ratio_c}")
+
+    @property
+    def low(self) -> float:
+        return self.clip_ratio if self.clip_ratio_low is None else self.clip_ratio_low
+
+    @property
+    def high(self) -> float:
+        return self.clip_ratio if self.clip_ratio_high is None else self.clip_ratio_high
+
+
+def ppo_clip_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token PPO loss `[B, T]` = -min(r A, clip(r) A), with the dual clip where A < 0; r = pi / pi_old.
+
+    Metrics (shares of mini-batch token means): pg_clipfrac (the clipped branch is active), pg_clipfrac_lower (the
+    dual-clip bound is active), ppo_kl (k1 estimate of KL(old || current)).
+    """
+    log_ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_BOUND, LOG_RATIO_BOUND)  # [B, T]
+    ratio = log_ratio.exp()
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
+    pessimistic = torch.maximum(unclipped, clipped)  # [B, T]
+    dual_bound = -advantages * clip.clip_ratio_c
+    negative = advantages < 0
+    per_token = torch.where(negative, torch.minimum(pessimistic, dual_bound), pessimistic)
+    metrics = {
+        "pg_clipfrac": scaled_token_mean((clipped > unclipped).float(), response_mask, scale),
+        "pg_clipfrac_lower": scaled_token_mean(((pessimistic > dual_bound) & negative).float(), response_mask, scale),
+        "ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale),
+    }
+    return per_token, metrics
+
+
+def actor_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    loss_agg_mode: str,
+    clip: ClipRange,
+    is_weights: torch.Tensor | None = None,
+    entropy: torch.Tensor | None = None,
+    entropy_coeff: float = 0.0,
+    ref_log_prob: torch.Tensor | None = None,
+    kl_loss_coef: float = 0.0,
+    kl_loss_type: str = "low_var_kl",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro batch's share of the actor loss (a scalar to call backward on) and its metrics.
+
+    loss = agg(w * ppo_clip) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
+    - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
+      The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
+    - entropy `[B, T]`: pass it to get the `entropy` metric; required when entropy_coeff != 0.
+    - ref_log_prob `[B, T]`: pass it when `actor.use_kl_loss` is on; the KL term uses `kl_loss_type`.
+    Metrics: pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, and entropy / kl_loss when those terms are present.
+    """
+    pg_per_token, metrics = ppo_clip_loss(log_prob, old_log_prob, advantages, response_mask, scale, clip)
+    if is_weights is not None:
+        pg_per_token = pg_per_token * is_weights.detach()
+    loss = aggregate_loss(pg_per_token, response_mask, loss_agg_mode, scale)
+    metrics["pg_loss"] = loss.detach()
+    if entropy_coeff != 0.0 and entropy is None:
+        raise ValueError(f"actor.entropy_coeff={entropy_coeff} needs the per-token entropy; none was computed")
+    if entropy is not None:
+        entropy_term = aggregate_loss(entropy, response_mask, loss_agg_mode, scale)
+        metrics["entropy"] = entropy_term.detach()
+        if entropy_coeff != 0.0:  # with 0, skip it so backward does not run through the entropy computation
+            loss = loss - entropy_coeff * entropy_term
+    if ref_log_prob is not None:
+        kl_term = aggregate_loss(kl_estimate(log_prob, ref_log_prob, kl_loss_type), response_mask, loss_agg_mode, scale)
+        metrics["kl_loss"] = kl_term.detach()
+        loss = loss + kl_loss_coef * kl_term
+    return loss, metrics

@@ -1,0 +1,212 @@
+"""Policy and value losses against hand-computed values; aggregation modes; invariance to micro batching and DP."""
+
+import math
+
+import pytest
+import torch
+
+from shardrl.algos import (
+    LOSS_AGG_MODES,
+    ClipRange,
+    LossScale,
+    actor_loss,
+    aggregate_loss,
+    loss_counts,
+    ppo_clip_loss,
+    value_loss,
+)
+
+
+def t(rows: list[list[float]]) -> torch.Tensor:
+    return torch.tensor(rows, dtype=torch.float64)
+
+
+def _log(ratios: list[float]) -> torch.Tensor:
+    return torch.tensor([[math.log(r) for r in ratios]], dtype=torch.float64)
+
+
+def test_ppo_clip_both_sides_and_dual_clip_by_hand():
+    # old = 0, so r = exp(log_prob). clip 0.2, dual c = 3. A 6th, masked token holds garbage.
+    # r=1.5,A=+1: max(-1.5, -1.2) = -1.2 (clipped)     r=0.5,A=+1: max(-0.5, -0.8) = -0.5
+    # r=0.5,A=-1: max(0.5, 0.8) = 0.8 (clipped)         r=5,A=-1: max(5, 1.2) = 5 -> dual min(5, 3) = 3
+    # r=1.5,A=-1: max(1.5, 1.2) = 1.5
+    log_prob = torch.cat([_log([1.5, 0.5, 0.5, 5.0, 1.5]), t([[50.0]])], dim=1).requires_grad_()
+    advantages = t([[1, 1, -1, -1, -1, 100.0]])
+    mask = t([[1, 1, 1, 1, 1, 0]])
+    scale = LossScale.from_mask(mask, max_response_length=6)
+    per_token, metrics = ppo_clip_loss(log_prob, torch.zeros_like(log_prob), advantages, mask, scale, ClipRange(0.2))
+    torch.testing.assert_close(per_token[:, :5], t([[-1.2, -0.5, 0.8, 3.0, 1.5]]))
+    assert metrics["pg_clipfrac"].item() == pytest.approx(0.4, abs=1e-6)
+    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(0.2, abs=1e-6)
+    assert metrics["ppo_kl"].item() == pytest.approx(-0.2068147535, abs=1e-9)
+    # Gradient -A*r/5 only where the unclipped branch is active (tokens 1 and 4); clipped tokens get none.
+    loss = aggregate_loss(per_token, mask, "token-mean", scale)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    torch.testing.assert_close(grad, t([[0, -0.1, 0, 0, 0.3, 0]]))
+
+
+def test_clip_higher_asymmetry_by_hand():
+    # r = [1.5, 1.25, 0.5, 0.7], A = [1, 1, -1, 1]
+    log_prob, advantages = _log([1.5, 1.25, 0.5, 0.7]), t([[1, 1, -1, 1]])
+    mask = torch.ones_like(log_prob)
+    scale = LossScale.from_mask(mask, 4)
+
+    def losses(clip: ClipRange) -> torch.Tensor:
+        return ppo_clip_loss(log_prob, torch.zeros_like(log_prob), advantages, mask, scale, clip)[0]
+
+    # Symmetric 0.2: 1.25 is clipped to 1.2.
+    torch.testing.assert_close(losses(ClipRange(0.2)), t([[-1.2, -1.2, 0.8, -0.7]]))
+    # high = 0.28: the upper bound moves to 1.28 (1.25 now unclipped), the lower bound stays at 0.8.
+    torch.testing.assert_close(losses(ClipRange(0.2, clip_ratio_high=0.28)), t([[-1.28, -1.25, 0.8, -0.7]]))
+    # low = 0.1: the lower bound moves to 0.9 for the negative-advantage token.
+    torch.testing.assert_close(
+        losses(ClipRange(0.2, clip_ratio_low=0.1, clip_ratio_high=0.28)), t([[-1.28, -1.25, 0.9, -0.7]])
+    )
+
+
+def test_clip_range_validation():
+    with pytest.raises(ValueError, match="clip_ratio_c must be > 1"):
+        ClipRange(0.2, clip_ratio_c=1.0)
+    with pytest.raises(ValueError, match="0 <= clip_ratio_low < 1"):
+        ClipRange(0.2, clip_ratio_low=1.5)
+
+
+def test_value_loss_clipping_by_hand():
+    # cliprange 0.5 around old values 1:
+    # v=2.0,R=1: clip 1.5; max(1, 0.25) = 1        v=1.2,R=3: both 3.24
+    # v=0.0,R=2: clip 0.5; max(4, 2.25) = 4         v=2.0,R=3: clip 1.5; max(1, 2.25) = 2.25 (clipped)
+    # loss = 0.5 * mean = 0.5 * (1 + 3.24 + 4 + 2.25) / 4 = 1.31125
+    vpreds = t([[2.0, 1.2, 0.0, 2.0, 9.0]]).requires_grad_()
+    mask = t([[1, 1, 1, 1, 0]])
+    scale = LossScale.from_mask(mask, 5)
+    loss, metrics = value_loss(
+        vpreds, t([[1, 1, 1, 1, 1]]), t([[1.0, 3.0, 2.0, 3.0, -50]]), mask, scale, "token-mean", cliprange_value=0.5
+    )
+    assert loss.item() == pytest.approx(1.31125, abs=1e-9)
+    assert metrics["vf_clipfrac"].item() == pytest.approx(0.25, abs=1e-6)
+    assert metrics["vpred_mean"].item() == pytest.approx(1.3, abs=1e-9)
+    # d/dv 0.5*(v-R)^2 / 4 = (v-R)/4 where unclipped; the clipped token's prediction is at its bound: no gradient.
+    (grad,) = torch.autograd.grad(loss, vpreds)
+    torch.testing.assert_close(grad, t([[0.25, -0.45, -0.5, 0, 0]]))
+
+
+def test_aggregation_modes_by_hand():
+    # Row 3 has no valid token: it counts neither as a token nor as a sequence. inf at masked spots must not leak.
+    per_token = t([[1, 2, 3], [4, 5, math.inf], [math.inf, 7, 8]])
+    mask = t([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    scale = LossScale.from_mask(mask, max_response_length=4)
+    assert (scale.num_tokens, scale.num_seqs) == (5.0, 2.0)
+    expected = {
+        "token-mean": 15 / 5,
+        "seq-mean-token-sum": (6 + 9) / 2,
+        "seq-mean-token-mean": (2 + 4.5) / 2,
+        "seq-mean-token-sum-norm": 15 / (4 * 2),
+    }
+    for mode, value in expected.items():
+        assert aggregate_loss(per_token, mask, mode, scale).item() == pytest.approx(value, abs=1e-12)
+    with pytest.raises(ValueError, match="loss_agg_mode='mean' is not one of"):
+        aggregate_loss(per_token, mask, "mean", scale)
+
+
+def test_actor_loss_combines_terms_by_hand():
+    # pg per token [-1.2, -0.5] (r = 1.5, 0.5; A = 1); entropy [0.7, 0.3]; k1 KL to ref=0 is log r.
+    log_prob, mask = _log([1.5, 0.5]), t([[1, 1]])
+    scale = LossScale.from_mask(mask, 2)
+    common = dict(
+        log_prob=log_prob, old_log_prob=torch.zeros_like(log_prob), advantages=t([[1, 1]]), response_mask=mask,
+        scale=scale, loss_agg_mode="token-mean", clip=ClipRange(0.2), entropy=t([[0.7, 0.3]]), entropy_coeff=0.01,
+        ref_log_prob=torch.zeros_like(log_prob), kl_loss_coef=0.1, kl_loss_type="kl",
+    )
+    # -0.85 - 0.01 * 0.5 + 0.1 * (log 1.5 + log 0.5) / 2
+    loss, metrics = actor_loss(**common)
+    assert loss.item() == pytest.approx(-0.8693841036, abs=1e-9)
+    assert metrics["pg_loss"].item() == pytest.approx(-0.85, abs=1e-9)
+    assert metrics["entropy"].item() == pytest.approx(0.5, abs=1e-9)
+    assert metrics["kl_loss"].item() == pytest.approx(-0.1438410362, abs=1e-9)
+    # IS weights [2, 0.5] scale only the policy-gradient term: pg = mean(-2.4, -0.25) = -1.325.
+    loss, _ = actor_loss(**common, is_weights=t([[2.0, 0.5]]))
+    assert loss.item() == pytest.approx(-1.3443841036, abs=1e-9)
+    with pytest.raises(ValueError, match="entropy_coeff=0.01 needs the per-token entropy"):
+        actor_loss(**(common | {"entropy": None}))
+
+
+def _ragged_batch(seed: int) -> dict[str, torch.Tensor]:
+    """8 sequences of lengths 1..12 with a hole, right-padded to 12, garbage at masked positions."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([3, 12, 1, 7, 5, 9, 2, 11])
+    mask = (torch.arange(12)[None, :] < lengths[:, None]).double()
+    mask[1, 4] = 0.0  # a tool-output hole
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen, dtype=torch.float64)
+
+    old = -rand(8, 12).abs()
+    batch = dict(
+        mask=mask, old=old, log_prob=old + 0.3 * rand(8, 12), advantages=rand(8, 12), entropy=rand(8, 12).abs(),
+        ref=old + 0.2 * rand(8, 12), is_weights=(0.5 + rand(8, 12).abs()).clamp(max=2.0),
+        values=rand(8, 12), returns=rand(8, 12), vpreds=rand(8, 12),
+    )
+    return {k: v if k == "mask" else torch.where(mask.bool(), v, 1e3) for k, v in batch.items()}
+
+
+def _losses(piece: dict[str, torch.Tensor], mode: str, scale: LossScale) -> tuple[torch.Tensor, dict]:
+    actor, actor_metrics = actor_loss(
+        piece["log_prob"], piece["old"], piece["advantages"], piece["mask"], scale, mode,
+        ClipRange(0.2, clip_ratio_high=0.28, clip_ratio_c=3.0), is_weights=piece["is_weights"],
+        entropy=piece["entropy"], entropy_coeff=0.01, ref_log_prob=piece["ref"], kl_loss_coef=0.05,
+        kl_loss_type="low_var_kl",
+    )
+    critic, critic_metrics = value_loss(
+        piece["vpreds"], piece["values"], piece["returns"], piece["mask"], scale, mode, cliprange_value=0.2
+    )
+    return actor + critic, actor_metrics | critic_metrics
+
+
+# Each split: DP ranks, each a list of micro batches (sample indices). Sums over all of them must equal the full batch.
+SPLITS = {
+    "micro_batches_of_1": [[[i] for i in range(8)]],
+    "micro_batches_3_5": [[[0, 1, 2], [3, 4, 5, 6, 7]]],
+    "dp2": [[[0, 5], [2, 7]], [[1, 3, 4], [6]]],
+    "dp4": [[[7], [0]], [[1, 6]], [[2, 3]], [[5], [4]]],
+}
+
+
+@pytest.mark.parametrize("split", SPLITS)
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_loss_and_gradient_independent_of_micro_batching_and_dp(mode, split):
+    batch = _ragged_batch(seed=4)
+    leaves = {k: batch[k].clone().requires_grad_() for k in ("log_prob", "vpreds")}
+    full = batch | leaves
+    scale = LossScale.from_mask(batch["mask"], max_response_length=12)
+    full_loss, full_metrics = _losses(full, mode, scale)
+    full_grads = torch.autograd.grad(full_loss, list(leaves.values()))
+
+    # The trainer's way to the global counts: per-piece counts, summed over micro batches and ranks.
+    pieces = [micro for rank in SPLITS[split] for micro in rank]
+    counts = sum(loss_counts(batch["mask"][idx]) for idx in pieces)
+    global_scale = LossScale(counts[0].item(), counts[1].item(), max_response_length=12)
+    assert global_scale == scale
+    total, metric_sums = 0.0, {}
+    for idx in pieces:
+        width = int(batch["mask"][idx].nonzero()[:, 1].max()) + 1  # dynamic padding: each piece trimmed
+        loss, metrics = _losses({k: v[idx, :width] for k, v in full.items()}, mode, global_scale)
+        total = total + loss
+        metric_sums = {k: metric_sums.get(k, 0.0) + v for k, v in metrics.items()}
+    piece_grads = torch.autograd.grad(total, list(leaves.values()))
+
+    torch.testing.assert_close(total, full_loss, atol=1e-6, rtol=0)
+    for piece_grad, full_grad in zip(piece_grads, full_grads):
+        assert full_grad.abs().sum() > 0
+        torch.testing.assert_close(piece_grad, full_grad, atol=1e-6, rtol=0)
+    assert metric_sums.keys() == full_metrics.keys()
+    for name, value in full_metrics.items():
+        torch.testing.assert_close(metric_sums[name], value, atol=1e-6, rtol=0)
+
+
+def test_per_micro_batch_means_would_not_be_invariant():
+    # Guard on the invariance test's data: normalising by each piece's own counts gives a different loss.
+    batch = _ragged_batch(seed=4)
+    full = _losses(batch, "token-mean", LossScale.from_mask(batch["mask"], 12))[0]
+    local = [_losses({k: v[idx] for k, v in batch.items()}, "token-mean", LossScale.from_mask(batch["mask"][idx], 12))
+             for idx in ([0, 1, 2], [3, 4, 5, 6, 7])]
+    assert abs((local[0][0] + local[1][0]) / 2 - full) > 1e-3
