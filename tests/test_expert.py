@@ -5,10 +5,6 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
-from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
-from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
-from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
 from shardrl.parallel.expert import MoELayer, MoENames
 from shardrl.parallel.grouped_gemm import expert_ffn
@@ -90,32 +86,38 @@ def copy_into_hf(block: torch.nn.Module, w: dict[str, torch.Tensor]) -> None:
         block.experts.down_proj.copy_(w["down"])
 
 
-HF_BLOCKS = {
-    "qwen3_norm": (Qwen3MoeSparseMoeBlock, lambda: Qwen3MoeConfig(
-        hidden_size=H, moe_intermediate_size=F_SIZE, num_experts=E, num_experts_per_tok=K, norm_topk_prob=True)),
-    "qwen3_raw": (Qwen3MoeSparseMoeBlock, lambda: Qwen3MoeConfig(
-        hidden_size=H, moe_intermediate_size=F_SIZE, num_experts=E, num_experts_per_tok=K, norm_topk_prob=False)),
-    "qwen2": (Qwen2MoeSparseMoeBlock, lambda: Qwen2MoeConfig(
-        hidden_size=H, moe_intermediate_size=F_SIZE, num_experts=E, num_experts_per_tok=K, norm_topk_prob=False,
-        shared_expert_intermediate_size=F_SIZE)),
-    "mixtral": (MixtralSparseMoeBlock, lambda: MixtralConfig(
-        hidden_size=H, intermediate_size=F_SIZE, num_local_experts=E, num_experts_per_tok=K)),
-}
+def hf_block(name: str) -> tuple[torch.nn.Module, bool]:
+    """A tiny HF sparse MoE block and whether it renormalises its top-k weights.
 
+    transformers is imported here, not at module level, because the multi-rank workers import this module's helpers
+    and each would otherwise spend seconds importing it.
+    """
+    from transformers import MixtralConfig, Qwen2MoeConfig, Qwen3MoeConfig
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-@pytest.mark.parametrize("name", sorted(HF_BLOCKS))
-def test_matches_hf_sparse_block(name):
-    block_class, make_config = HF_BLOCKS[name]
-    config = make_config()
-    block = block_class(config)
-    w = full_weights(1, H, F_SIZE, E)
-    copy_into_hf(block, w)
-    if name == "qwen2":  # the shared expert is the model block's job: silence it so only routed experts remain
-        with torch.no_grad():
+    qwen = dict(hidden_size=H, moe_intermediate_size=F_SIZE, num_experts=E, num_experts_per_tok=K)
+    if name == "mixtral":  # Mixtral always renormalises (no config switch)
+        config = MixtralConfig(hidden_size=H, intermediate_size=F_SIZE, num_local_experts=E, num_experts_per_tok=K)
+        return MixtralSparseMoeBlock(config), True
+    if name == "qwen2":
+        block = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(**qwen, norm_topk_prob=False,
+                                                      shared_expert_intermediate_size=F_SIZE))
+        with torch.no_grad():  # the shared expert is the model block's job: silence it, leaving the routed experts
             for p in block.shared_expert.parameters():
                 p.zero_()
-    # Mixtral always renormalises its top-k weights; the Qwen blocks follow their config.
-    layer = make_layer(norm_topk=getattr(config, "norm_topk_prob", True))
+        return block, False
+    norm = name == "qwen3_norm"
+    return Qwen3MoeSparseMoeBlock(Qwen3MoeConfig(**qwen, norm_topk_prob=norm)), norm
+
+
+@pytest.mark.parametrize("name", ["qwen3_norm", "qwen3_raw", "qwen2", "mixtral"])
+def test_matches_hf_sparse_block(name):
+    block, norm_topk = hf_block(name)
+    w = full_weights(1, H, F_SIZE, E)
+    copy_into_hf(block, w)
+    layer = make_layer(norm_topk=norm_topk)
     load_full(layer, w)
     x = torch.randn(2, 5, H, generator=torch.Generator().manual_seed(2))
     x_hf, x_ours = x.clone().requires_grad_(), x.view(-1, H).clone().requires_grad_()

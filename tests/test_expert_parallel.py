@@ -1,0 +1,106 @@
+"""MoE layer over EP / ETP / TP-folded layouts on gloo against the single-process per-token reference.
+
+Every rank owns different tokens (one rank owns none); outputs, input gradients and all weight gradients (shards put
+back into full tensors by their specs, summed over ranks) must equal the reference's, router losses included.
+"""
+
+import torch
+import torch.distributed as dist
+
+from shardrl.parallel.expert import MoELayer
+from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import Layout, LayoutSpec
+from test_expert import ATOL, NAMES, full_weights, load_full, reference_moe, reference_router_losses
+
+H, F_SIZE, E, K = 16, 8, 8, 2
+AUX_COEF, Z_COEF = 0.1, 0.01
+SEED = 11
+
+
+def global_batch(num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens and the upstream gradient of the layer output, identical on every rank."""
+    g = torch.Generator().manual_seed(SEED + 1)
+    return torch.randn(num_tokens, H, generator=g), torch.randn(num_tokens, H, generator=g)
+
+
+def _run_layouts(layouts: dict[str, dict], tokens_per_rank: list[int]) -> dict[str, dict]:
+    rank = dist.get_rank()
+    x_all, grad_all = global_batch(sum(tokens_per_rank))
+    start, n = sum(tokens_per_rank[:rank]), tokens_per_rank[rank]
+    results = {}
+    for name, sizes in layouts.items():
+        layout = Layout.create(LayoutSpec(world_size=dist.get_world_size(), **sizes))
+        layer = MoELayer(H, F_SIZE, E, K, layout, NAMES, norm_topk_prob=True,
+                         aux_loss_coef=AUX_COEF, z_loss_coef=Z_COEF)
+        load_full(layer, full_weights(SEED, H, F_SIZE, E))
+        layer.aux_loss_scale = n / len(x_all)  # router losses become token-weighted means over all ranks
+        x = x_all[start:start + n].to(layout.device).requires_grad_()
+        out = layer(x)
+        (out * grad_all[start:start + n].to(layout.device)).sum().backward()
+        params = dict(router=layer.router.weight, gate=layer.w_gate, up=layer.w_up, down=layer.w_down)
+        results[name] = dict(out=out.detach().cpu(), x_grad=x.grad.cpu(), counts=layer.last_tokens_per_expert.cpu(),
+                             grads={k: (p.grad.cpu(), p.shard_spec) for k, p in params.items()})
+    return results
+
+
+def _reference(tokens_per_rank: list[int]) -> dict[str, torch.Tensor]:
+    w = {k: v.requires_grad_() for k, v in full_weights(SEED, H, F_SIZE, E).items()}
+    x_all, grad_all = global_batch(sum(tokens_per_rank))
+    x = x_all.clone().requires_grad_()
+    out = reference_moe(x, w, K, norm_topk=True)
+    loss = (out * grad_all).sum()
+    for piece in x.split(tokens_per_rank):  # each rank's router losses cover its own tokens
+        if len(piece):
+            aux, z = reference_router_losses(piece, w["router"], K)
+            loss = loss + len(piece) / len(x) * (AUX_COEF * aux + Z_COEF * z)
+    loss.backward()
+    return dict(out=out.detach(), x_grad=x.grad, **{k: v.grad for k, v in w.items()})
+
+
+def _full_grads(ranks: list[dict]) -> dict[str, torch.Tensor]:
+    """Sum every rank's gradient shard into the full tensor at the place its spec names."""
+    full = {k: torch.zeros_like(v) for k, v in full_weights(SEED, H, F_SIZE, E).items()}
+    for result in ranks:
+        for key, (grad, spec) in result["grads"].items():
+            if spec.expert_ids is None:
+                full[key] += grad
+                continue
+            lo, hi = spec.slice_range()
+            for i, e in enumerate(spec.expert_ids):
+                full[key][e].narrow(spec.dim, lo, hi - lo).add_(grad[i])
+    return full
+
+
+def check_layouts(layouts: dict[str, dict], tokens_per_rank: list[int], backend: str = "gloo") -> list[dict]:
+    """Run the layouts, compare each with the reference; return the per-rank results."""
+    per_rank = run_distributed(len(tokens_per_rank), _run_layouts, layouts, tokens_per_rank, backend=backend)
+    ref = _reference(tokens_per_rank)
+    ref_out, ref_x_grad = ref["out"].split(tokens_per_rank), ref["x_grad"].split(tokens_per_rank)
+    for name in layouts:
+        ranks = [r[name] for r in per_rank]
+        for rank, result in enumerate(ranks):
+            torch.testing.assert_close(result["out"], ref_out[rank], **ATOL, msg=f"{name} rank {rank} output")
+            torch.testing.assert_close(result["x_grad"], ref_x_grad[rank], **ATOL, msg=f"{name} rank {rank} dx")
+        for key, grad in _full_grads(ranks).items():
+            torch.testing.assert_close(grad, ref[key], **ATOL, msg=f"{name} grad of {key}")
+        # Uneven splits: some rank routes nothing to some expert (and one rank owns no token at all).
+        assert any((r["counts"] == 0).any() for r in ranks), name
+    return per_rank
+
+
+def test_ep2_and_etp2_on_two_ranks():
+    check_layouts({"ep2": dict(ep=2), "etp2": dict(etp=2)}, tokens_per_rank=[7, 3])
+
+
+def test_ep4_ep2xetp2_tp2xep2_on_four_ranks():
+    layouts = {"ep4": dict(ep=4), "ep2xetp2": dict(ep=2, etp=2), "tp2xep2": dict(tp=2, ep=2),
+               "tp2xep2xetp2": dict(tp=2, ep=2, etp=2)}
+    per_rank = check_layouts(layouts, tokens_per_rank=[6, 0, 9, 4])
+    specs = [{k: spec for k, (_, spec) in r["tp2xep2xetp2"]["grads"].items()} for r in per_rank]
+    # Rank order for experts is (ep * ETP + etp): ranks 0,1 hold experts 0..3, ranks 2,3 experts 4..7.
+    assert [s["gate"].expert_ids for s in specs] == [(0, 1, 2, 3)] * 2 + [(4, 5, 6, 7)] * 2
+    assert [s["gate"].slice_range() for s in specs] == [(0, 4), (4, 8)] * 2
+    assert [s["down"].slice_range() for s in specs] == [(0, 4), (4, 8)] * 2
+    assert all(s["down"].dim == 1 and s["gate"].group == "etp" for s in specs)
+    assert all(s["router"].sum_grad_over_tp and s["router"].dim is None for s in specs)
+    assert specs[2]["up"].hf_names()[0] == "model.layers.0.mlp.experts.4.up_proj.weight"
