@@ -16,7 +16,7 @@ per step on the whole batch, whatever the mode:
   corrects for the behaviour policy inside the ratio and spares the old-log-prob forward pass. There is no second
   policy to weight against, so rollout_is must be null.
 Token-level weights use each token's own ratio (biased, low variance); sequence-level weights use the product of the
-sequence's token ratios, exp(sum of log ratios over valid tokens) (unbiased for whole-sequence rewards, high
+sequence's token ratios, exp(sum of log ratios over valid tokens) (unbiased before truncation, high
 variance). Weights are computed in log space and truncated there, so no overflow is possible, and are detached:
 they re-weight samples, they are not something to optimise.
 """
