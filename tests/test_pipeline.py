@@ -20,7 +20,8 @@ from shardrl.parallel.p2p import PipelineCommError
 from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
 
 VOCAB, HIDDEN, LAYERS = 11, 6, 8
-LENGTHS = (5, 9, 3, 7, 4, 6, 2, 8)  # tokens per micro batch: every activation has its own shape
+LENGTHS = (5, 9, 3, 7, 4, 6, 2, 8)
+AUX_COEF = 0.01  # tokens per micro batch: every activation has its own shape
 
 
 class Toy(nn.Module):
@@ -44,97 +45,138 @@ def chunk_of(full: Toy, layer_ids: range, pre: bool, post: bool) -> Toy:
     return chunk
 
 
-def micro_batches(num: int) -> list[dict]:
+def micro_batches(num: int, device: torch.device | str = "cpu") -> list[dict]:
     gen = torch.Generator().manual_seed(1)
     lengths = LENGTHS[:num]
     total = sum(n - 1 for n in lengths)  # predicted tokens in the whole mini batch
-    return [dict(tokens=torch.randint(0, VOCAB, (n,), generator=gen), num_global_tokens=total) for n in lengths]
+    return [dict(tokens=torch.randint(0, VOCAB, (n,), generator=gen).to(device), num_global_tokens=total)
+            for n in lengths]
+
+
+def forward_step_with_aux(chunk: Toy, mb: dict, x: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Also returns a per-layer activation penalty, like an MoE aux loss (per layer, so its sum ignores the cut)."""
+    if x is None:
+        x = chunk.embed(mb["tokens"])[None]  # [1, T, H]
+    aux = torch.zeros((), device=x.device)
+    for layer in chunk.layers.values():
+        x = torch.tanh(layer(x))
+        aux = aux + AUX_COEF * x.pow(2).sum()
+    return (x if chunk.head is None else chunk.head(x)), aux  # [1, T, H] or logits [1, T, V]
 
 
 def forward_step(chunk: Toy, mb: dict, x: torch.Tensor | None) -> torch.Tensor:
-    if x is None:
-        x = chunk.embed(mb["tokens"])[None]  # [1, T, H]
-    for layer in chunk.layers.values():
-        x = torch.tanh(layer(x))
-    return x if chunk.head is None else chunk.head(x)  # [1, T, H] or logits [1, T, V]
+    return forward_step_with_aux(chunk, mb, x)[0]
 
 
 def loss_step(logits: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
     tokens = mb["tokens"]
     logprobs = torch.log_softmax(logits[0, :-1], dim=-1).gather(-1, tokens[1:, None])[:, 0]  # [T-1]
     loss = -logprobs.sum() / mb["num_global_tokens"]
-    return loss, dict(logprobs=logprobs, num_tokens=torch.tensor(len(tokens)))
+    return loss, dict(logprobs=logprobs, num_tokens=torch.tensor(len(tokens), device=tokens.device))
 
 
-def reference(num: int, forward_only: bool = False) -> tuple[list[dict], dict]:
+def reference(num: int, aux: bool = False) -> tuple[list[dict], dict]:
     model = full_model()
     outs = []
     for mb in micro_batches(num):
-        loss, outputs = loss_step(forward_step(model, mb, None), mb)
-        if not forward_only:
-            loss.backward()
-        outs.append(dict(loss=loss.detach(), **{k: v.detach() for k, v in outputs.items()}))
+        logits, aux_loss = forward_step_with_aux(model, mb, None)
+        loss, outputs = loss_step(logits, mb)
+        (loss + aux_loss if aux else loss).backward()
+        outs.append(dict(loss=loss.detach(), **outputs))
     return outs, {name: p.grad for name, p in model.named_parameters()}
 
 
-def _pipeline_rank(pp: int, vpp: int, num: int) -> dict:
-    layout = Layout.create(LayoutSpec(world_size=pp, pp=pp, vpp=vpp))
-    full = full_model()
-    chunks = []
-    for c in range(vpp):
-        ids = stage_layer_ids(LAYERS, pp, vpp, layout.pp_rank, c)
-        chunks.append(chunk_of(full, ids, *chunk_pre_post(pp, vpp, layout.pp_rank, c)))
+def _cpu(tree):
+    if isinstance(tree, torch.Tensor):
+        return tree.detach().cpu()
+    if isinstance(tree, dict):
+        return {k: _cpu(v) for k, v in tree.items()}
+    return [_cpu(v) for v in tree] if isinstance(tree, list) else tree
 
-    live: list[weakref.ref] = []  # stage outputs of this rank: alive ones are held for a backward
+
+def _train_and_evaluate(chunks: list[Toy], layout: Layout, num: int, aux: bool) -> dict:
+    live: list[weakref.ref] = []  # this rank's stage outputs; the alive ones are held for a backward
     peak = [0]
 
     def counting_step(chunk: Toy, mb: dict, x):
-        y = forward_step(chunk, mb, x)
-        live.append(weakref.ref(y))
+        y = forward_step_with_aux(chunk, mb, x) if aux else forward_step(chunk, mb, x)
+        live.append(weakref.ref(y[0] if aux else y))
         peak[0] = max(peak[0], sum(r() is not None for r in live))
         return y
 
-    mbs = micro_batches(num)
+    mbs = micro_batches(num, layout.device)
     trained = forward_backward(chunks, mbs, layout, counting_step, loss_step, broadcast_outputs=True)
     grads = {name: p.grad for chunk in chunks for name, p in chunk.named_parameters()}
     for chunk in chunks:
         chunk.zero_grad(set_to_none=True)
     evaluated = forward_backward(chunks, mbs, layout, forward_step, loss_step, forward_only=True)
-    return dict(trained=trained, grads=grads, peak=peak[0], evaluated=evaluated,
-                grads_after_eval=[p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None],
-                evaluated_requires_grad=any(v.requires_grad for d in evaluated for v in d.values()))
+    return _cpu(dict(trained=trained, grads=grads, peak=peak[0], evaluated=evaluated,
+                     grads_after_eval=[p.grad for chunk in chunks for p in chunk.parameters() if p.grad is not None],
+                     evaluated_requires_grad=any(v.requires_grad for d in evaluated for v in d.values())))
 
 
-def assert_outputs_equal(got: list[dict], want: list[dict]) -> None:
+def _pipeline_rank(world: int, pp: int, vpp: int, nums: tuple[int, ...], aux: bool) -> dict:
+    layout = Layout.create(LayoutSpec(world_size=world, pp=pp, vpp=vpp))
+    full = full_model()
+    chunks = []
+    for c in range(vpp):
+        ids = stage_layer_ids(LAYERS, pp, vpp, layout.pp_rank, c)
+        chunks.append(chunk_of(full, ids, *chunk_pre_post(pp, vpp, layout.pp_rank, c)).to(layout.device))
+    runs = [_train_and_evaluate(chunks, layout, num, aux) for num in nums]
+    return dict(pp_rank=layout.pp_rank, dp_rank=layout.dp_rank, runs=runs)
+
+
+def assert_outputs_equal(got: list[dict], want: list[dict], atol: float) -> None:
     assert len(got) == len(want)
     for g, w in zip(got, want):
         assert g.keys() == w.keys()
         for key in w:
             assert g[key].shape == w[key].shape and g[key].dtype == w[key].dtype, key
-            torch.testing.assert_close(g[key], w[key], rtol=0, atol=1e-6)
+            torch.testing.assert_close(g[key], w[key], rtol=0, atol=atol)
 
 
-@pytest.mark.parametrize("pp, vpp, num", [(2, 1, 8), (4, 1, 8), (2, 2, 8), (4, 2, 4), (4, 1, 2)],
-                         ids=["pp2", "pp4", "pp2-vpp2", "pp4-vpp2", "pp4-fewer-micro-batches-than-stages"])
-def test_pipeline_matches_single_process(pp, vpp, num):
-    results = run_distributed(pp, _pipeline_rank, pp, vpp, num)
-    want, want_grads = reference(num)
-    for rank, res in enumerate(results):  # broadcast_outputs: every stage has the last stage's outputs
-        assert_outputs_equal(res["trained"], want)
-    grads = {name: g for res in results for name, g in res["grads"].items()}
-    assert grads.keys() == want_grads.keys()
-    for name, grad in want_grads.items():
-        torch.testing.assert_close(grads[name], grad, rtol=0, atol=1e-6, msg=name)
+def check_against_reference(results: list[dict], pp: int, vpp: int, nums: tuple[int, ...], aux: bool,
+                            atol: float) -> None:
+    for replica in {res["dp_rank"] for res in results}:  # each data-parallel replica is its own pipeline
+        stages = sorted((res for res in results if res["dp_rank"] == replica), key=lambda res: res["pp_rank"])
+        for i, num in enumerate(nums):
+            runs = [stage["runs"][i] for stage in stages]
+            want, want_grads = reference(num, aux)
+            for run in runs:  # broadcast_outputs: every stage has the last stage's outputs
+                assert_outputs_equal(run["trained"], want, atol)
+            grads = {name: g for run in runs for name, g in run["grads"].items()}
+            assert grads.keys() == want_grads.keys()
+            for name, grad in want_grads.items():
+                torch.testing.assert_close(grads[name], grad, rtol=0, atol=atol, msg=name)
 
-    # Forward only: same outputs on the last stage, nothing elsewhere, no grads and no graph kept.
-    assert_outputs_equal(results[-1]["evaluated"], want)
-    assert all(res["evaluated"] == [] for res in results[:-1])
-    assert all(res["grads_after_eval"] == [] and not res["evaluated_requires_grad"] for res in results)
+            # Forward only: same outputs on the last stage, nothing elsewhere, no grads and no graph kept.
+            assert_outputs_equal(runs[-1]["evaluated"], reference(num)[0], atol)
+            assert all(run["evaluated"] == [] for run in runs[:-1])
+            assert all(run["grads_after_eval"] == [] and not run["evaluated_requires_grad"] for run in runs)
 
-    # Peak number of micro batches whose activations rank 0 holds: PP for 1F1B (not `num`, as all-forward-first
-    # would give); for interleaved the warm-up of 2*(PP-1) + (VPP-1)*PP virtual micro batches, plus one.
-    bound = pp if vpp == 1 else 2 * (pp - 1) + (vpp - 1) * pp + 1
-    assert results[0]["peak"] == min(bound, num * vpp)
+            # Peak number of micro batches whose activations stage 0 holds: PP for 1F1B (not `num`, as
+            # all-forwards-first would give); interleaved: a warm-up of 2*(PP-1) + (VPP-1)*PP virtual ones, plus one.
+            bound = pp if vpp == 1 else 2 * (pp - 1) + (vpp - 1) * pp + 1
+            assert runs[0]["peak"] == min(bound, num * vpp)
+
+
+@pytest.mark.parametrize(
+    "world, pp, vpp, nums, aux",
+    [(4, 2, 1, (8,), False), (4, 4, 1, (8, 2), False), (2, 2, 2, (8,), False), (4, 4, 2, (4,), True)],
+    ids=["pp2-dp2", "pp4-and-fewer-micro-batches-than-stages", "pp2-vpp2", "pp4-vpp2-aux-loss"],
+)
+def test_pipeline_matches_single_process(world, pp, vpp, nums, aux):
+    results = run_distributed(world, _pipeline_rank, world, pp, vpp, nums, aux)
+    check_against_reference(results, pp, vpp, nums, aux, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("vpp", [1, 2])
+def test_pipeline_on_nccl(vpp):
+    nums, aux = ((8, 2), False) if vpp == 1 else ((4,), True)
+    results = run_distributed(2, _pipeline_rank, 2, 2, vpp, nums, aux, backend="nccl")
+    check_against_reference(results, 2, vpp, nums, aux, atol=1e-5)
 
 
 def test_no_pipeline_is_gradient_accumulation():
@@ -142,7 +184,7 @@ def test_no_pipeline_is_gradient_accumulation():
     mbs = micro_batches(4)
     out = forward_backward([model], mbs, Layout.single(), forward_step, loss_step)
     want, want_grads = reference(4)
-    assert_outputs_equal(out, want)
+    assert_outputs_equal(out, want, atol=1e-6)
     for name, p in model.named_parameters():
         torch.testing.assert_close(p.grad, want_grads[name], rtol=0, atol=1e-6, msg=name)
 

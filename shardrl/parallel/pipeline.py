@@ -12,7 +12,9 @@ A rank builds one module per chunk, in chunk order.
 
 * ``forward_step(chunk_module, micro_batch, x) -> y``: runs one chunk. ``x`` is None on the first virtual stage
   (read the tokens from ``micro_batch``) and the previous stage's output otherwise. Tensors of any shape and dtype
-  may pass between stages and may differ per micro batch (packed sequences of different lengths).
+  may pass between stages and may differ per micro batch (packed sequences of different lengths). A chunk with
+  losses of its own (MoE load-balancing / z-loss) returns ``(y, aux_loss)`` instead: the scalar ``aux_loss`` is
+  backpropagated together with ``y`` on whatever stage the chunk sits, and is not part of the returned ``"loss"``.
 * ``loss_step(y, micro_batch) -> (loss, outputs)``: runs on the last virtual stage only. ``loss`` is a scalar that
   is backpropagated *as is* (the schedule never divides by the micro-batch count: losses are already normalised by
   global counts, see DESIGN.md); ``outputs`` is a dict of tensors on the layout's device (logprobs, values, metrics).
@@ -39,9 +41,9 @@ from torch import Tensor, nn
 
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.p2p import StageLink, broadcast_dicts
-from shardrl.parallel.schedules import Action, ScheduleError, Step, plan
+from shardrl.parallel.schedules import Action, Message, ScheduleError, Step, plan
 
-ForwardStep = Callable[[nn.Module, Any, Tensor | None], Tensor]
+ForwardStep = Callable[[nn.Module, Any, Tensor | None], Tensor | tuple[Tensor, Tensor]]
 LossStep = Callable[[Tensor, Any], tuple[Tensor, dict[str, Tensor]]]
 
 
@@ -101,8 +103,8 @@ class _Run:
         self.link = StageLink(layout)
         self.inputs: dict[tuple[int, int], Tensor] = {}  # (chunk, micro batch) -> received activation
         self.grads: dict[tuple[int, int], Tensor] = {}  # (chunk, micro batch) -> received grad of our output
-        # (chunk, micro batch) -> (input or None, output or loss) kept for the backward; freed by it.
-        self.saved: dict[tuple[int, int], tuple[Tensor | None, Tensor]] = {}
+        # (chunk, micro batch) -> (input or None, output or loss, aux loss or None) kept for the backward; freed by it.
+        self.saved: dict[tuple[int, int], tuple[Tensor | None, Tensor, Tensor | None]] = {}
         self.outputs: dict[int, dict[str, Tensor]] = {}
 
     def step(self, step: Step) -> None:
@@ -118,7 +120,7 @@ class _Run:
         for msg, tensor in zip(step.recvs, received):
             (self.inputs if msg.kind == "F" else self.grads)[(msg.chunk, msg.micro_batch)] = tensor
 
-    def _output_meta(self, msg) -> tuple[torch.Size, torch.dtype]:
+    def _output_meta(self, msg: Message) -> tuple[torch.Size, torch.dtype]:
         output = self.saved[(msg.chunk, msg.micro_batch)][1]  # a gradient has its activation's shape and dtype
         return output.shape, output.dtype
 
@@ -131,20 +133,25 @@ class _Run:
         if x is not None and not self.forward_only:
             x.requires_grad_()
         y = self.forward_step(self.chunks[action.chunk], micro_batch, x)
+        y, aux_loss = y if isinstance(y, tuple) else (y, None)
         if last:
             loss, outputs = self.loss_step(y, micro_batch)
             self.outputs[action.micro_batch] = _detached(loss, outputs)
             y = loss
         if not self.forward_only:
-            self.saved[key] = (x, y)
+            self.saved[key] = (x, y, aux_loss)
         return None if last else y
 
     def _backward(self, action: Action) -> Tensor | None:
         """Backward one chunk; returns the gradient of its input for the previous stage (None on the first)."""
         first, last = chunk_pre_post(self.pp_size, self.vpp_size, self.pp_rank, action.chunk)
         key = (action.chunk, action.micro_batch)
-        x, y = self.saved.pop(key)
-        torch.autograd.backward(y, grad_tensors=None if last else self.grads.pop(key))
+        x, y, aux_loss = self.saved.pop(key)
+        outputs, grads = [y], [None if last else self.grads.pop(key)]  # None: y is the (scalar) loss
+        if aux_loss is not None:
+            outputs.append(aux_loss)
+            grads.append(None)
+        torch.autograd.backward(outputs, grad_tensors=grads)
         if first:
             return None
         # A stage whose output ignores its input still owes the previous stage a gradient: zero is the true one.
