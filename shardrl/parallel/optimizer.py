@@ -1,0 +1,205 @@
+"""AdamW over fp32 master weights, optionally sharded over data parallel, with global grad-norm clipping and LR
+schedules.
+
+* Master weights and both Adam moments are flat fp32 tensors laid out like the gradient buffers (data.py). Without
+  the distributed optimizer every rank keeps all of them; with it (``distributed=True``) each rank keeps only its
+  1/dp chunk of every bucket (dense params: over ``"dp_cp"``, experts: over ``"edp"``), gets only that chunk of the
+  reduced gradient (reduce-scatter), updates it, and all-gathers the updated values into the model's params. Both
+  modes compute the same numbers: the update is elementwise and the grad norm is computed identically.
+* The update is torch's AdamW: decoupled weight decay ``p *= 1 - lr * wd`` (skipped for params whose HF tensor is
+  1-D: norms, biases), bias-corrected moments, ``eps`` added after the square root.
+* `step()` finalises the gradients if the caller has not, clips them by the global norm (every element of the whole
+  model counted once, see `GradBuffers.global_norm`) and skips the update when the norm is not finite.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from shardrl.parallel.data import GradBuffer, GradBuffers
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.spec import get_spec
+
+
+@dataclass
+class _State:
+    """Owned fp32 state of one gradient buffer: its owned chunks of every bucket, back to back."""
+
+    master: Tensor  # [owned numel]
+    exp_avg: Tensor  # [owned numel]
+    exp_avg_sq: Tensor  # [owned numel]
+
+
+class AdamW:
+    """AdamW for shardrl models (see the module docstring). `lr` is set by `LRScheduler` each step."""
+
+    def __init__(self, params: Iterable[nn.Parameter], layout: Layout, *, lr: float,
+                 betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8, weight_decay: float = 0.01,
+                 clip_grad: float | None = 1.0, distributed: bool = False, bucket_mb: float = 40.0) -> None:
+        self.layout = layout
+        self.grads = GradBuffers(params, layout, bucket_mb=bucket_mb, shard=distributed)
+        self.lr, self.betas, self.eps, self.weight_decay, self.clip_grad = lr, tuple(betas), eps, weight_decay, clip_grad
+        self.num_steps = 0  # updates applied (skipped steps do not count): Adam's bias correction step
+        self.states = [self._init_state(buf) for buf in self.grads.buffers]
+
+    @torch.no_grad()
+    def _init_state(self, buf: GradBuffer) -> _State:
+        _, count = self.grads.owner(buf)
+        numel = sum(end - start for start, end in buf.buckets) // count
+        master = torch.zeros(numel, dtype=torch.float32, device=buf.data.device)
+        for param, lo, hi, pos in self.grads.fragments(buf):
+            master[pos:pos + hi - lo] = param.detach().reshape(-1)[lo:hi]
+        return _State(master, torch.zeros_like(master), torch.zeros_like(master))
+
+    def zero_grad(self) -> None:
+        self.grads.zero()
+
+    @torch.no_grad()
+    def step(self) -> tuple[float, bool]:
+        """Finalise, clip and apply one update. Returns (global grad norm before clipping, skipped)."""
+        self.grads.finalize()
+        grad_norm = self.grads.global_norm().item()
+        if not math.isfinite(grad_norm):
+            return grad_norm, True
+        scale = 1.0
+        if self.clip_grad is not None and self.clip_grad > 0:
+            scale = min(1.0, self.clip_grad / (grad_norm + 1e-6))
+        self.num_steps += 1
+        for buf, state in zip(self.grads.buffers, self.states):
+            rank, count = self.grads.owner(buf)
+            for bucket in range(len(buf.buckets)):
+                lo, hi = buf.chunk(bucket, rank, count)
+                pos = buf.buckets[bucket][0] // count
+                grad = buf.data[lo:hi]
+                if scale < 1.0:
+                    grad.mul_(scale)
+                self._update(buf.decay, grad, *(t[pos:pos + hi - lo] for t in
+                                                (state.master, state.exp_avg, state.exp_avg_sq)))
+            self._publish(buf, state)
+        return grad_norm, False
+
+    def _update(self, decay: bool, grad: Tensor, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+        beta1, beta2 = self.betas
+        if decay and self.weight_decay:
+            master.mul_(1 - self.lr * self.weight_decay)
+        exp_avg.lerp_(grad, 1 - beta1)
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias_correction1 = 1 - beta1**self.num_steps
+        bias_correction2 = 1 - beta2**self.num_steps
+        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(self.eps)
+        master.addcdiv_(exp_avg, denom, value=-self.lr / bias_correction1)
+
+    def _publish(self, buf: GradBuffer, state: _State) -> None:
+        """Write the updated master values into the model's params (all-gathered over DP when sharded)."""
+        rank, count = self.grads.owner(buf)
+        group = self.layout.group(buf.group_name) if count > 1 else None
+        current, values = -1, state.master
+        for param, offset, bucket in zip(buf.params, buf.offsets, buf.param_bucket):  # params in bucket order
+            start, end = buf.buckets[bucket]
+            if group is not None and bucket != current:
+                current, pos = bucket, start // count
+                owned = state.master[pos:pos + (end - start) // count].to(buf.dtype)  # [bucket numel / dp]
+                values = torch.empty(end - start, dtype=buf.dtype, device=owned.device)  # [bucket numel]
+                dist.all_gather_into_tensor(values, owned, group=group)
+            base = start if group is not None else 0  # `values` is this bucket, or the whole unsharded master
+            param.copy_(values[offset - base:offset - base + param.numel()].view_as(param))
+
+    def state_tensors(self) -> list[Tensor]:
+        """Every optimizer-state tensor (what offloading the optimizer state moves)."""
+        return [t for s in self.states for t in (s.master, s.exp_avg, s.exp_avg_sq)]
+
+    def state_dict(self) -> dict[str, Any]:
+        """This rank's state, keyed by HF name. Layout dependent: ``params[name]["range"]`` is the [lo, hi) of the
+        flattened local shard this rank owns (all of it without the distributed optimizer; with it, the part inside
+        this rank's DP chunk). Tensors are views of the live state: save them before the next step."""
+        params: dict[str, dict[str, Any]] = {}
+        for buf, state in zip(self.grads.buffers, self.states):
+            for param, lo, hi, pos in self.grads.fragments(buf):
+                name = get_spec(param).hf_name
+                if name in params:
+                    raise ValueError(f"two parameters on this rank share hf_name {name!r}; state is keyed by it")
+                params[name] = {"range": (lo, hi), "master": state.master[pos:pos + hi - lo],
+                                "exp_avg": state.exp_avg[pos:pos + hi - lo],
+                                "exp_avg_sq": state.exp_avg_sq[pos:pos + hi - lo]}
+        return {"num_steps": self.num_steps, "params": params}
+
+    @torch.no_grad()
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load a `state_dict` saved by the same rank of the same layout (and distributed-optimizer setting); the
+        model params are then set from the loaded master weights."""
+        mine = self.state_dict()
+        saved = state_dict["params"]
+        if set(saved) != set(mine["params"]):
+            raise ValueError(f"optimizer state has params {sorted(set(saved) ^ set(mine['params']))} on one side only")
+        for name, target in mine["params"].items():
+            if tuple(saved[name]["range"]) != target["range"]:
+                raise ValueError(f"optimizer state for {name!r} covers {tuple(saved[name]['range'])} but this rank "
+                                 f"owns {target['range']}: saved with another layout or distributed setting")
+            for key in ("master", "exp_avg", "exp_avg_sq"):
+                target[key].copy_(saved[name][key])
+        self.num_steps = state_dict["num_steps"]
+        for buf, state in zip(self.grads.buffers, self.states):
+            self._publish(buf, state)
+
+
+ScheduleStyle = Literal["constant", "cosine", "linear"]
+
+
+class LRScheduler:
+    """Sets ``optimizer.lr`` for each step: linear warmup from 0 to the optimizer's initial lr, then constant, cosine
+    or linear decay to ``min_lr_ratio * lr`` at `total_steps`, held there afterwards.
+
+    Step ``n`` counts the `step()` calls so far, and the first update runs at ``lr_at(0)`` (0 with warmup, as in verl
+    and Megatron). ``warmup_steps`` < 0 or None: ``int(warmup_steps_ratio * total_steps)`` steps. With
+    ``progress = (n - warmup) / (total_steps - warmup)`` clipped to [0, 1]:
+    cosine ``min + (lr - min) * (1 + cos(2 pi num_cycles progress)) / 2`` (num_cycles 0.5: one half wave down);
+    linear ``lr - (lr - min) * progress``.
+    """
+
+    def __init__(self, optimizer: AdamW, *, total_steps: int, warmup_steps: int | None = -1,
+                 warmup_steps_ratio: float = 0.0, style: ScheduleStyle = "constant", min_lr_ratio: float = 0.0,
+                 num_cycles: float = 0.5) -> None:
+        if style not in ("constant", "cosine", "linear"):
+            raise ValueError(f"lr schedule style {style!r}: expected constant, cosine or linear")
+        if warmup_steps is None or warmup_steps < 0:
+            if warmup_steps_ratio > 0 and total_steps <= 0:
+                raise ValueError(f"warmup_steps_ratio={warmup_steps_ratio} needs total_steps > 0, got {total_steps}")
+            warmup_steps = int(warmup_steps_ratio * max(total_steps, 0))
+        if style != "constant" and total_steps <= warmup_steps:
+            raise ValueError(f"{style} lr decay needs total_steps > warmup steps, got total_steps={total_steps}, "
+                             f"warmup_steps={warmup_steps}")
+        self.optimizer, self.peak_lr = optimizer, optimizer.lr
+        self.total_steps, self.warmup_steps, self.style = total_steps, warmup_steps, style
+        self.min_lr, self.num_cycles = min_lr_ratio * optimizer.lr, num_cycles
+        self.num_steps = 0
+        optimizer.lr = self.lr_at(0)
+
+    def lr_at(self, step: int) -> float:
+        if step < self.warmup_steps:
+            return self.peak_lr * step / self.warmup_steps
+        if self.style == "constant":
+            return self.peak_lr
+        progress = min((step - self.warmup_steps) / (self.total_steps - self.warmup_steps), 1.0)
+        if self.style == "cosine":
+            factor = 0.5 * (1.0 + math.cos(2.0 * math.pi * self.num_cycles * progress))
+        else:
+            factor = 1.0 - progress
+        return self.min_lr + (self.peak_lr - self.min_lr) * factor
+
+    def step(self) -> None:
+        self.num_steps += 1
+        self.optimizer.lr = self.lr_at(self.num_steps)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"num_steps": self.num_steps}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self.num_steps = state_dict["num_steps"]
+        self.optimizer.lr = self.lr_at(self.num_steps)
