@@ -1,0 +1,103 @@
+"""Sampling the next token of each request in a batch: temperature, top-k, top-p, greedy, per-request seeds.
+
+Order of operations (that of HF's logits warpers): divide by the temperature, keep the top-k logits, keep the
+smallest set of those whose renormalised probability reaches top-p; sample from the softmax of what is left. The
+logprob returned for each sampled token is taken from exactly that distribution, so the trainer's train/inference
+mismatch metric compares like with like. Greedy rows take the argmax and report the filtered temperature-1
+logprob (a point mass would always report 0).
+
+Drawing uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, from one
+batched noise tensor. Seeded requests draw their row of noise from their own `torch.Generator`, so their samples do
+not depend on the rest of the batch; unseeded rows share the engine's generator. Every TP rank runs this on the same
+full logits with identically seeded generators, so all ranks pick the same tokens without a broadcast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from shardrl.rollout.request import SamplingParams
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Per-row settings of one batch as tensors (built once per step from the requests' `SamplingParams`)."""
+
+    temperature: Tensor  # [B] fp32, 1.0 on greedy rows
+    greedy: Tensor  # [B] bool
+    top_k: Tensor | None  # [B] int64, vocab size where off; None when no row filters
+    top_p: Tensor | None  # [B] fp32, 1.0 where off
+    generators: list[torch.Generator | None]  # a row's own generator, or None: the shared one
+    all_greedy: bool
+    raw: bool  # some row asked for raw temperature-1 logprobs
+
+    @classmethod
+    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
+              device: torch.device) -> SamplingBatch:
+        filtered = any(p.filtered for p in params)
+        top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+        return cls(
+            temperature=torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device),
+            greedy=torch.tensor([p.greedy for p in params], device=device),
+            top_k=torch.tensor(top_k, device=device) if filtered else None,
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device) if filtered else None,
+            generators=generators, all_greedy=all(p.greedy for p in params),
+            raw=any(p.raw_logprobs for p in params))
+
+
+@dataclass(frozen=True)
+class Sampled:
+    token_ids: Tensor  # [B] int64
+    logprobs: Tensor  # [B] fp32 under the distribution sampled from
+    raw_logprobs: Tensor | None  # [B] fp32 under log_softmax(logits), when the batch asked for them
+
+
+def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
+    """logits [B, V] -> the same with every token outside row b's top-k / top-p set at -inf.
+
+    Top-p is applied to the distribution renormalised after top-k; a token stays when the probability of the
+    tokens ranked above it is still below top_p, so the most likely token always stays.
+    """
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [B, V]
+    rank = torch.arange(logits.shape[-1], device=logits.device)
+    drop = rank.unsqueeze(0) >= top_k.unsqueeze(1)  # [B, V] in sorted order
+    probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+    mass_above = probs.cumsum(dim=-1) - probs  # [B, V]
+    drop |= mass_above >= top_p.unsqueeze(1)
+    drop = torch.zeros_like(drop).scatter_(-1, order, drop)  # back to vocab order
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+                      shared: torch.Generator | None, device: torch.device) -> Tensor:
+    """[B, V] Exp(1) noise; row b from `generators[b]` when set, else from `shared`."""
+    noise = torch.empty(shape, device=device)
+    if any(g is None for g in generators):
+        noise.exponential_(generator=shared)
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            noise[row].exponential_(generator=generator)
+    # An exact 0 (possible in float32) would turn p/E into inf or nan; the clamp changes no ordering otherwise.
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+@torch.no_grad()
+def sample(logits: Tensor, batch: SamplingBatch, shared: torch.Generator | None = None) -> Sampled:
+    """logits [B, V] (full vocab, any float dtype) -> one token per row with its logprobs."""
+    logits = logits.float()
+    scaled = logits / batch.temperature.unsqueeze(1)  # [B, V]
+    if batch.top_k is not None:
+        scaled = filter_top_k_top_p(scaled, batch.top_k, batch.top_p)
+    logprobs = torch.log_softmax(scaled, dim=-1)  # [B, V], -inf outside the kept set
+    if batch.all_greedy:
+        token_ids = scaled.argmax(dim=-1)
+    else:
+        noise = exponential_noise(tuple(logprobs.shape), batch.generators, shared, logits.device)
+        drawn = (logprobs - noise.log()).argmax(dim=-1)  # log(p / E): the exponential race
+        token_ids = torch.where(batch.greedy, scaled.argmax(dim=-1), drawn)
+    chosen = token_ids.unsqueeze(1)
+    raw = torch.log_softmax(logits, dim=-1).gather(1, chosen).squeeze(1) if batch.raw else None
+    return Sampled(token_ids, logprobs.gather(1, chosen).squeeze(1), raw)
