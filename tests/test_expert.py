@@ -86,7 +86,7 @@ def copy_into_hf(block: torch.nn.Module, w: dict[str, torch.Tensor]) -> None:
         block.experts.down_proj.copy_(w["down"])
 
 
-def hf_block(name: str) -> tuple[torch.nn.Module, bool]:
+def hf_block(name: str, hidden: int = H, ffn: int = F_SIZE, experts: int = E) -> tuple[torch.nn.Module, bool]:
     """A tiny HF sparse MoE block and whether it renormalises its top-k weights.
 
     transformers is imported here, not at module level, because the multi-rank workers import this module's helpers
@@ -97,13 +97,14 @@ def hf_block(name: str) -> tuple[torch.nn.Module, bool]:
     from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
 
-    qwen = dict(hidden_size=H, moe_intermediate_size=F_SIZE, num_experts=E, num_experts_per_tok=K)
+    qwen = dict(hidden_size=hidden, moe_intermediate_size=ffn, num_experts=experts, num_experts_per_tok=K)
     if name == "mixtral":  # Mixtral always renormalises (no config switch)
-        config = MixtralConfig(hidden_size=H, intermediate_size=F_SIZE, num_local_experts=E, num_experts_per_tok=K)
+        config = MixtralConfig(hidden_size=hidden, intermediate_size=ffn, num_local_experts=experts,
+                               num_experts_per_tok=K)
         return MixtralSparseMoeBlock(config), True
     if name == "qwen2":
         block = Qwen2MoeSparseMoeBlock(Qwen2MoeConfig(**qwen, norm_topk_prob=False,
-                                                      shared_expert_intermediate_size=F_SIZE))
+                                                      shared_expert_intermediate_size=ffn))
         with torch.no_grad():  # the shared expert is the model block's job: silence it, leaving the routed experts
             for p in block.shared_expert.parameters():
                 p.zero_()

@@ -51,4 +51,18 @@ def _grouped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down
     # grouped_mm computes x_e @ b[e] with b [E, K, N]; the transposed views are the column-major operand it prefers.
     gate = F.grouped_mm(x, w_gate.transpose(1, 2), offs=offsets)  # [N, F]
     up = F.grouped_mm(x, w_up.transpose(1, 2), offs=offsets)  # [N, F]
-    return F.grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)  # [N, H]
+    down = F.grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)  # [N, H]
+    return _ContiguousGrad.apply(down)
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    """Identity whose backward makes the gradient contiguous: grouped_mm's backward rejects broadcast gradients
+    (stride 0, as `out.sum().backward()` produces) with "Invalid strides/sizes" (seen on torch 2.11)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        return x
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.contiguous()
