@@ -7,6 +7,7 @@ token attends causally to earlier tokens of its own sequence only.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -20,6 +21,13 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_tp
 
 
+class KVCacheHook(Protocol):
+    """Inference-only replacement for `packed_attention` (the rollout engine's KV cache, `shardrl.rollout`): it
+    stores this layer's k and v and returns the attention output."""
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor: ...
+
+
 @dataclass(frozen=True)
 class PackedSeqs:
     """What every layer needs to know about the packed micro batch; built once per forward."""
@@ -28,6 +36,7 @@ class PackedSeqs:
     max_seqlen: int
     cos: Tensor  # [T, head_dim] fp32 rotary angles of each token's position
     sin: Tensor  # [T, head_dim]
+    kv_cache: KVCacheHook | None = None  # set only by the rollout engine
 
     @property
     def num_tokens(self) -> int:
@@ -71,7 +80,7 @@ class Attention(nn.Module):
         if num_heads % tp or (num_kv % tp and tp % num_kv):
             raise ValueError(f"num_attention_heads={num_heads}, num_key_value_heads={num_kv}: tensor parallel size "
                              f"{tp} must divide the query heads and divide or be a multiple of the KV heads")
-        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
+        self.group, self.sequence_parallel, self.layer_id = layout.tp_group, sequence_parallel, layer_id
         self.head_dim, self.scale = head_dim, head_dim ** -0.5
         kv_shards = min(num_kv, tp)
         self.q_proj = ColumnParallelLinear(hidden, num_heads * head_dim, layout, f"{prefix}.q_proj",
@@ -98,5 +107,8 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, seqs.cos, seqs.sin), apply_rope(k, seqs.cos, seqs.sin)
-        out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
+        if seqs.kv_cache is None:
+            out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
+        else:
+            out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)
         return self.o_proj(out.flatten(1))

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from shardrl.models.attention import Attention, PackedSeqs
+from shardrl.models.attention import Attention, KVCacheHook, PackedSeqs
 from shardrl.models.config import ModelConfig
 from shardrl.models.mlp import MLP, MoEBlock
 from shardrl.models.norm import RMSNorm
@@ -98,14 +98,18 @@ class Transformer(nn.Module):
                 self.lm_head = nn.Parameter(torch.empty(spec.local_shape(), device=layout.device, dtype=dtype))
                 set_spec(self.lm_head, spec)
 
-    def forward(self, x: Tensor, position_ids: Tensor, cu_seqlens: Tensor) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, cu_seqlens: Tensor, kv_cache: KVCacheHook | None = None,
+                max_seqlen: int | None = None) -> Tensor:
         """x: input_ids [T] on the first stage, else the previous stage's hidden states.
 
         Returns hidden states [T, H] ([T_r, H] with sequence parallelism), after the final norm on the last stage;
-        feed those to `compute_logprobs`, `compute_logits` or `compute_values`.
+        feed those to `compute_logprobs`, `compute_logits` or `compute_values`. The rollout engine passes its
+        `kv_cache` hook, and `max_seqlen` when it knows it (computing it is a host sync a CUDA graph cannot hold).
         """
         cos, sin = self.rotary(position_ids)
-        seqs = PackedSeqs(cu_seqlens, int((cu_seqlens[1:] - cu_seqlens[:-1]).max()), cos, sin)
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        seqs = PackedSeqs(cu_seqlens, max_seqlen, cos, sin, kv_cache)
         h = self.embed_tokens(x) if self.pre_process else x
         for layer in self.layers:
             h = checkpoint(layer, h, seqs, use_reentrant=False) if self.recompute else layer(h, seqs)
