@@ -83,7 +83,11 @@ class StageLink:
     def _run(self, ops: list[tuple[dist.P2POp, Message]]) -> None:
         if not ops:
             return
-        works = dist.batch_isend_irecv([op for op, _ in ops])
+        try:
+            works = dist.batch_isend_irecv([op for op, _ in ops])  # gloo may already fail here on a dead peer
+        except RuntimeError as exc:
+            peers = sorted({self.ranks[msg.peer] for _, msg in ops})
+            raise PipelineCommError(f"pipeline exchange with global rank(s) {peers} failed: {exc}") from exc
         for work, (op, msg) in zip(works, ops):
             try:
                 work.wait()  # bounded by the PP group's timeout

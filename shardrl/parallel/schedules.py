@@ -16,6 +16,7 @@ and gradients the opposite way.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -75,8 +76,8 @@ def interleaved_order(pp_size: int, vpp_size: int, pp_rank: int, num_micro_batch
     """
     if num_micro_batches % pp_size:
         raise ScheduleError(
-            f"interleaved pipeline (VPP={vpp_size}) needs the number of micro batches to be a multiple of PP={pp_size}, "
-            f"got {num_micro_batches}; change the micro batch size or the mini batch size"
+            f"interleaved pipeline (VPP={vpp_size}) needs the number of micro batches to be a multiple of "
+            f"PP={pp_size}, got {num_micro_batches}; change the micro batch size or the mini batch size"
         )
     group = pp_size * vpp_size
     total = num_micro_batches * vpp_size
@@ -165,6 +166,7 @@ def _post(action: Action, rank: int, pp_size: int, last: int, ticks: list[Step])
     ticks[peer].recvs.append(Message(action.kind, to_stage // pp_size, action.micro_batch, rank))
 
 
+@functools.lru_cache(maxsize=32)  # every training step replays the same plan; callers must not modify it
 def plan(pp_size: int, vpp_size: int, num_micro_batches: int, forward_only: bool) -> list[list[Step]]:
     """Every pipeline rank's steps for one forward(-backward) pass over `num_micro_batches` micro batches."""
     return play(rank_orders(pp_size, vpp_size, num_micro_batches, forward_only), vpp_size)
