@@ -1,0 +1,157 @@
+"""One role's model on one rank: pipeline chunks, optimizer and the forward/backward over micro batches.
+
+The actor, reference and critic all run through this class; only their loss functions differ (actor.py,
+critic.py). It ties together the pieces that each know one thing: `Transformer` (models/), the pipeline schedule
+(parallel/pipeline.py), gradient buffers + AdamW (parallel/optimizer.py) and packing (packing.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from shardrl.data.balance import split_by_token_budget
+from shardrl.data.batch import Batch
+from shardrl.models.config import ModelConfig
+from shardrl.models.hf_bridge import load_hf_weights
+from shardrl.models.transformer import Transformer
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.optimizer import AdamW, LRScheduler
+from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
+from shardrl.workers.packing import Packed, pack
+
+# loss_fn(last chunk, hidden [T, H] of the last stage, micro batch) -> (scalar loss, outputs dict of tensors)
+LossFn = Callable[[Transformer, Tensor, "MicroBatch"], tuple[Tensor, dict[str, Tensor]]]
+
+
+@dataclass
+class OptimOptions:
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float | None = 1.0
+    distributed: bool = False
+    total_steps: int = 1
+    warmup_steps: int | None = -1
+    warmup_ratio: float = 0.0
+    decay_style: str = "constant"
+    min_lr_ratio: float = 0.0
+
+
+@dataclass
+class EngineOptions:
+    sequence_parallel: bool = False
+    recompute: bool = False
+    dtype: torch.dtype = torch.float32
+    value_head: bool = False
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
+    optim: OptimOptions | None = None  # None: inference only (reference policy)
+
+
+@dataclass
+class MicroBatch:
+    """A packed micro batch plus the per-sample tensors its loss reads ([b, R] each) and its rows in the batch."""
+
+    packed: Packed
+    data: dict[str, Tensor]
+    rows: list[int] = field(default_factory=list)
+
+
+class ModelEngine:
+    def __init__(self, config: ModelConfig, layout: Layout, options: EngineOptions, hf_path: str | None = None,
+                 optional_weights: Sequence[str] = ()) -> None:
+        """Build this rank's chunks and load `hf_path` (before the optimizer copies the weights into its fp32
+        master copy). `optional_weights`: HF names that may be missing (a critic's value head)."""
+        self.config, self.layout, self.options = config, layout, options
+        pp, vpp = layout.pp_size, layout.spec.vpp
+        self.chunks = []
+        for chunk in range(vpp):
+            pre, post = chunk_pre_post(pp, vpp, layout.pp_rank, chunk)
+            self.chunks.append(Transformer(
+                config, layout, stage_layer_ids(config.num_layers, pp, vpp, layout.pp_rank, chunk), pre, post,
+                value_head=options.value_head, sequence_parallel=options.sequence_parallel,
+                recompute=options.recompute, dtype=options.dtype, moe_aux_loss_coef=options.moe_aux_loss_coef,
+                moe_z_loss_coef=options.moe_z_loss_coef))
+        if hf_path is not None:
+            load_hf_weights(self.chunks, hf_path, optional=optional_weights)
+        self.optimizer: AdamW | None = None
+        self.scheduler: LRScheduler | None = None
+        if options.optim is not None:
+            o = options.optim
+            params = [p for chunk in self.chunks for p in chunk.parameters()]
+            self.optimizer = AdamW(params, layout, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
+                                   clip_grad=o.clip_grad, distributed=o.distributed)
+            self.scheduler = LRScheduler(self.optimizer, total_steps=o.total_steps, warmup_steps=o.warmup_steps,
+                                         warmup_steps_ratio=o.warmup_ratio, style=o.decay_style,
+                                         min_lr_ratio=o.min_lr_ratio)
+        else:
+            for chunk in self.chunks:
+                chunk.requires_grad_(False)
+
+    def run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Tensor]]:
+        """Forward (+ backward) every micro batch through the pipeline; per-micro-batch outputs on every rank."""
+        last = self.chunks[-1]
+
+        def forward_step(chunk: Transformer, mb: MicroBatch, x: Tensor | None) -> Tensor:
+            p = mb.packed
+            return chunk(p.input_ids if x is None else x, p.position_ids, p.cu_seqlens)
+
+        return forward_backward(self.chunks, micro_batches, self.layout, forward_step,
+                                lambda hidden, mb: loss_fn(last, hidden, mb), forward_only=forward_only,
+                                broadcast_outputs=True)
+
+    def step(self) -> dict[str, float]:
+        """Apply one optimizer update from the accumulated gradients, then advance the LR schedule."""
+        assert self.optimizer is not None and self.scheduler is not None, "step() on an inference-only engine"
+        lr = self.optimizer.lr
+        grad_norm, skipped = self.optimizer.step()
+        self.scheduler.step()
+        self.optimizer.zero_grad()
+        return {"grad_norm": grad_norm, "lr": lr, "update_skipped": float(skipped)}
+
+
+def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, micro_batch_size: int | None,
+                       max_token_len: int | None) -> tuple[list[MicroBatch], list[int]]:
+    """Cut a rank's batch into packed micro batches: fixed `micro_batch_size` samples, or (dynamic batch size)
+    at most `max_token_len` tokens each. Returns them and `restore` so that concatenated per-row outputs
+    `[restore]` are back in batch order."""
+    lengths = batch.tensors["attention_mask"].sum(-1).tolist()
+    if max_token_len is not None:
+        groups, restore = split_by_token_budget(lengths, max_token_len)
+    else:
+        if not micro_batch_size or micro_batch_size < 1:
+            raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")
+        groups = [list(range(i, min(i + micro_batch_size, len(batch)))) for i in range(0, len(batch),
+                                                                                     micro_batch_size)]
+        restore = list(range(len(batch)))
+    response_length = batch.tensors["responses"].shape[1]
+    out = []
+    for rows in groups:
+        t = batch.tensors[rows]
+        packed = pack(t["input_ids"], t["attention_mask"], t["position_ids"], response_length).to(device)
+        out.append(MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows))
+    return out, restore
+
+
+def all_reduce_sum(values: Tensor, layout: Layout) -> Tensor:
+    """Sum over the data-parallel replicas (each replica's TP/PP ranks hold the same data)."""
+    group = layout.dp_cp_group
+    if group is not None:
+        dist.all_reduce(values, group=group)
+    return values
+
+
+def stack_outputs(outputs: list[dict[str, Tensor]], key: str, restore: list[int]) -> Tensor:
+    """Concatenate a per-row output over micro batches and put the rows back in batch order."""
+    return torch.cat([o[key] for o in outputs])[restore]
+
+
+def metric_sums(outputs: list[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
+    return {k: float(sum(o[k] for o in outputs)) for k in keys}

@@ -1,0 +1,52 @@
+"""Padded rollout batches <-> packed token streams for the trainer's models.
+
+Rollout batches use verl's padded layout: ``input_ids [B, S]`` is the left-padded prompt (P tokens) followed by the
+right-padded response (R tokens), ``S = P + R``, with ``attention_mask [B, S]`` and ``position_ids [B, S]``. The
+models consume packed sequences without padding (``input_ids [T]``, ``cu_seqlens [N+1]``), so no compute is spent
+on pad tokens. The logprob of ``responses[b, j]`` is read at the packed position of token ``P + j - 1`` (the
+position that predicts it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class Packed:
+    input_ids: Tensor  # [T]
+    position_ids: Tensor  # [T]
+    cu_seqlens: Tensor  # [N+1] int32
+    targets: Tensor  # [T] the next token of every position (garbage at each sequence's last token, never read)
+    response_index: Tensor  # [B, R] packed position predicting responses[b, j] (0 where the response is padding)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> Packed:
+        return Packed(*(t.to(device) for t in (self.input_ids, self.position_ids, self.cu_seqlens, self.targets,
+                                               self.response_index)))
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_length: int) -> Packed:
+    """Drop padding from a padded batch (see the module docstring); the valid tokens of a row must be contiguous."""
+    mask = attention_mask.bool()  # [B, S]
+    lengths = mask.sum(-1)  # [B]
+    if (lengths == 0).any():
+        raise ValueError("pack: a row has no valid token (attention_mask all zero)")
+    packed_pos = torch.cumsum(mask.flatten().long(), 0).view_as(mask) - 1  # [B, S] packed index of each token
+    ids = input_ids[mask]  # [T]
+    prompt_length = input_ids.shape[1] - response_length
+    response_index = packed_pos[:, prompt_length - 1:-1].clamp_min(0)  # [B, R]
+    cu_seqlens = torch.zeros(lengths.shape[0] + 1, dtype=torch.int32, device=input_ids.device)
+    cu_seqlens[1:] = torch.cumsum(lengths, 0)
+    return Packed(ids, position_ids[mask], cu_seqlens, torch.roll(ids, -1), response_index)
+
+
+def unpack_responses(per_token: Tensor, packed: Packed) -> Tensor:
+    """[T] values at packed positions -> [B, R] aligned with `responses` (differentiable gather)."""
+    return per_token[packed.response_index]
