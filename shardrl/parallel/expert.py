@@ -15,7 +15,8 @@ transposed collective, so gradients of inputs and weights are exact.
 
 The load-balancing and z losses act on the gradient only: the layer output is returned unchanged but its backward
 also back-propagates `aux_loss_scale * (aux_loss_coef * aux + z_loss_coef * z)`, so pipeline stages need not carry
-a side loss. The trainer sets `aux_loss_scale` per micro batch to normalise by global token counts.
+a side loss. Both losses are computed over the micro batch that the TP group holds (the tokens of all its ranks),
+as a single process would; the trainer sets `aux_loss_scale` per micro batch to normalise by global token counts.
 """
 
 from __future__ import annotations
@@ -64,10 +65,12 @@ class MoELayer(nn.Module):
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.num_local_experts = num_experts // ep
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
-        self.aux_loss_scale = 1.0  # set by the trainer per micro batch (e.g. local tokens / global tokens)
-        self.last_aux_loss: Tensor | None = None  # unweighted, detached: for metrics
+        # Weight of this micro batch's router losses, set by the trainer (e.g. micro-batch tokens / global tokens).
+        self.aux_loss_scale = 1.0
+        # Metrics of the last forward over the micro batch of this TP group (unweighted, detached):
+        self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
-        self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments of this rank's tokens
+        self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments per expert
 
         device = layout.device
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
@@ -124,17 +127,35 @@ class MoELayer(nn.Module):
         return all_to_all_rows(y, plan.recv, plan.send, layout.ep_group)
 
     def _attach_router_losses(self, out: Tensor, logits: Tensor, probs: Tensor, counts: Tensor) -> Tensor:
-        num_tokens = max(probs.shape[0], 1)
-        # Switch load balancing: E * sum_e f_e * P_e, f_e the fraction of top-k assignments to e, P_e its mean prob.
-        fraction = counts.to(probs.dtype) / (num_tokens * self.top_k)  # [E]
-        aux = self.num_experts * (fraction * probs.sum(dim=0) / num_tokens).sum()
-        z = torch.logsumexp(logits.float(), dim=-1).square().sum() / num_tokens  # ST-MoE router z-loss
-        self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
-        self.last_tokens_per_expert = counts.detach()
+        aux, z = self._router_losses(logits, probs, counts)
         if not (self.aux_loss_coef or self.z_loss_coef) or not torch.is_grad_enabled():
             return out
         loss = self.aux_loss_scale * (self.aux_loss_coef * aux + self.z_loss_coef * z)
         return _InjectLossGrad.apply(out, loss)
+
+    def _router_losses(self, logits: Tensor, probs: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
+        """This rank's share of the load-balancing and z losses of the micro batch its TP group holds.
+
+        The model splits a micro batch's tokens over TP before this layer; both losses are defined over the whole
+        micro batch (as at one process), so the counts are summed over TP first. The returned shares sum over TP
+        to the micro batch's losses, and so do their gradients (the router's are summed over TP by its spec).
+        Switch load balancing: E * sum_e f_e * P_e, f_e the fraction of top-k assignments routed to expert e and
+        P_e its mean router probability; ST-MoE z-loss: mean over tokens of logsumexp(logits)^2.
+        """
+        lse_sq = torch.logsumexp(logits.float(), dim=-1).square()  # [T]
+        prob_sum = probs.sum(dim=0)  # [E]
+        num_experts = self.num_experts
+        totals = torch.cat([counts.to(probs.dtype), prob_sum.detach(), lse_sq.sum().detach().view(1),
+                            prob_sum.new_tensor([probs.shape[0]])])  # [2E + 2]
+        if self.layout.tp_group is not None:
+            dist.all_reduce(totals, group=self.layout.tp_group)
+        group_counts, group_prob_sum = totals[:num_experts], totals[num_experts:2 * num_experts]
+        num_tokens = totals[-1].clamp(min=1)
+        fraction = group_counts / (num_tokens * self.top_k)  # [E]
+        self.last_aux_loss = num_experts * (fraction * group_prob_sum).sum() / num_tokens
+        self.last_z_loss = totals[-2] / num_tokens
+        self.last_tokens_per_expert = group_counts.long()
+        return num_experts * (fraction * prob_sum).sum() / num_tokens, lse_sq.sum() / num_tokens
 
 
 def _inverse(perm: Tensor) -> Tensor:
