@@ -14,13 +14,14 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from shardrl.rewards import gsm8k
+from shardrl.rewards import digits, gsm8k
 
 ScoreFn = Callable[..., "float | dict[str, Any]"]
 
 # data_source -> fn(solution_str, ground_truth) -> float
 _RULE_SCORERS: dict[str, Callable[[str, Any], float]] = {
     "openai/gsm8k": gsm8k.compute_score,
+    digits.DATA_SOURCE: digits.compute_score,
 }
 
 

@@ -1,0 +1,39 @@
+"""The default job's task: text path round trip, scorer, and that an untrained policy scores far below 0.3."""
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from shardrl.data.builtin_task import prepare
+from shardrl.data.rl_dataset import RLDataset
+from shardrl.rewards.digits import DATA_SOURCE
+from shardrl.rewards.registry import default_compute_score
+
+
+def test_prepare_dataset_and_scorer(tmp_path):
+    paths = prepare(tmp_path, train_rows=64, val_rows=8)
+    assert prepare(tmp_path) == paths  # idempotent: a second call reuses the files
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    assert tokenizer("7 0 9 ->")["input_ids"] == tokenizer.convert_tokens_to_ids(list("709->"))
+    dataset = RLDataset([paths["train_files"]], tokenizer, max_prompt_length=12)
+    batch = dataset.collate(list(range(4)))
+    for row, truth in zip(batch.non_tensors["raw_prompt"], batch.non_tensors["reward_model"]):
+        last_digit = int(row[0]["content"].split()[-2])
+        assert truth["ground_truth"] == str((last_digit + 1) % 10)
+    assert default_compute_score(DATA_SOURCE, " 3<eos>", "3") == 1.0
+    assert default_compute_score(DATA_SOURCE, "4", "3") == 0.0
+    assert default_compute_score(DATA_SOURCE, "", "3") == 0.0
+
+
+def test_untrained_policy_scores_well_below_threshold(tmp_path):
+    paths = prepare(tmp_path, train_rows=256, val_rows=8)
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
+    model = AutoModelForCausalLM.from_pretrained(paths["model"])
+    dataset = RLDataset([paths["train_files"]], tokenizer, max_prompt_length=12)
+    batch = dataset.collate(list(range(256)))
+    torch.manual_seed(0)
+    out = model.generate(input_ids=batch.tensors["input_ids"], attention_mask=batch.tensors["attention_mask"],
+                         do_sample=True, max_new_tokens=2, pad_token_id=0)
+    texts = tokenizer.batch_decode(out[:, 12:], skip_special_tokens=True)
+    truths = [r["ground_truth"] for r in batch.non_tensors["reward_model"]]
+    accuracy = sum(default_compute_score(DATA_SOURCE, t, g) for t, g in zip(texts, truths)) / len(texts)
+    assert accuracy < 0.2, accuracy
