@@ -1,0 +1,500 @@
+"""The config schema: typed, frozen dataclasses mirroring the Hydra yaml in `shardrl/trainer/config/`.
+
+Users write verl's key names (yaml or command line); `load_config(cfg)` turns the composed OmegaConf tree into a
+`PPOConfig`, checking every value's type, choice and range (`schema.build`) and then the rules that tie keys
+together (`_validate`). Parallel layouts and batch-size normalisation need world sizes and are checked by
+`shardrl.trainer.plan.build_plan`. Meaning, default and unit of every key: docs/config.md (a test keeps the yaml,
+these dataclasses and the doc in step).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from shardrl.parallel.layout import LayoutSpec
+from shardrl.trainer.schema import ConfigError, Fraction, Max, Min, NonNegFloat, NonNegInt, PosFloat, PosInt, build
+
+CONFIG_DIR = Path(__file__).resolve().parent / "config"
+
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo"]
+LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+DType = Literal["float32", "bfloat16", "float16"]
+LrDecayStyle = Literal["constant", "linear", "cosine"]
+CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
+Logger = Literal["console", "wandb", "tensorboard", "mlflow", "file"]
+Mode = Literal["sync", "one_step_off", "fully_async"]
+AtLeastMinusOne = Annotated[int, Min(-1)]  # -1 means "off" / "derive it"
+UnitInterval = Annotated[float, Min(0), Max(1)]  # [0, 1]
+
+
+@dataclass(frozen=True)
+class MegatronConfig:
+    """Parallel layout, offload and precision of one role (actor, ref or critic)."""
+
+    tensor_model_parallel_size: PosInt
+    pipeline_model_parallel_size: PosInt
+    virtual_pipeline_model_parallel_size: PosInt | None  # null: no interleaving
+    context_parallel_size: PosInt
+    sequence_parallel: bool  # only matters when TP > 1
+    expert_model_parallel_size: PosInt
+    expert_tensor_parallel_size: PosInt | None  # null: same as TP (Megatron's default)
+    param_offload: bool
+    grad_offload: bool
+    optimizer_offload: bool
+    use_distributed_optimizer: bool
+    use_dist_checkpointing: bool  # load initial weights from dist_checkpointing_path instead of HF
+    dist_checkpointing_path: str | None
+    dtype: DType
+    seed: int
+    override_transformer_config: dict[str, Any]
+
+    def layout(self, world_size: int) -> LayoutSpec:
+        """This role's layout over `world_size` ranks (raises LayoutError when the sizes do not fit)."""
+        return LayoutSpec(
+            world_size=world_size,
+            tp=self.tensor_model_parallel_size,
+            pp=self.pipeline_model_parallel_size,
+            vpp=self.virtual_pipeline_model_parallel_size or 1,
+            cp=self.context_parallel_size,
+            ep=self.expert_model_parallel_size,
+            etp=self.expert_tensor_parallel_size or self.tensor_model_parallel_size,
+        )
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """Adam with warmup then a decay schedule; lr in absolute units, steps are optimizer steps."""
+
+    lr: NonNegFloat
+    lr_warmup_steps: AtLeastMinusOne  # -1: use lr_warmup_steps_ratio
+    lr_warmup_steps_ratio: UnitInterval
+    lr_decay_style: LrDecayStyle
+    lr_decay_steps: PosInt | None  # null: total_training_steps - warmup
+    min_lr_ratio: UnitInterval  # final lr = lr * min_lr_ratio
+    weight_decay: NonNegFloat
+    betas: list[float]
+    clip_grad: PosFloat  # max global grad norm
+    total_training_steps: AtLeastMinusOne  # -1: filled in by the trainer
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    save_contents: list[CheckpointContent]
+    load_contents: list[CheckpointContent]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A HF model directory (config.json, tokenizer, safetensors); path null: the built-in tiny model."""
+
+    path: str | None
+    tokenizer_path: str | None
+    trust_remote_code: bool
+    external_lib: str | None
+    override_config: dict[str, Any]  # overrides of config.json fields
+    enable_gradient_checkpointing: bool
+    use_remove_padding: bool
+
+    @property
+    def tokenizer(self) -> str | None:
+        return self.tokenizer_path or self.path
+
+
+@dataclass(frozen=True)
+class ActorConfig:
+    strategy: Literal["megatron"]
+    ppo_mini_batch_size: PosInt  # prompts per mini batch (global)
+    ppo_micro_batch_size: PosInt | None  # deprecated global form of the per-GPU size
+    ppo_micro_batch_size_per_gpu: PosInt | None  # samples per micro batch on one rank
+    use_dynamic_bsz: bool
+    ppo_max_token_len_per_gpu: PosInt
+    ppo_epochs: PosInt
+    shuffle: bool
+    clip_ratio: PosFloat
+    clip_ratio_low: PosFloat
+    clip_ratio_high: PosFloat
+    clip_ratio_c: Annotated[float, Min(1, strict=True)]
+    loss_agg_mode: LossAggMode
+    entropy_coeff: float
+    use_kl_loss: bool
+    kl_loss_coef: NonNegFloat
+    kl_loss_type: KLEstimator
+    grad_clip: PosFloat | None  # verl's FSDP spelling; when set it replaces optim.clip_grad
+    load_weight: bool
+    optim: OptimConfig
+    megatron: MegatronConfig
+    checkpoint: CheckpointConfig
+
+    @property
+    def clip_grad_norm(self) -> float:
+        return self.grad_clip if self.grad_clip is not None else self.optim.clip_grad
+
+
+@dataclass(frozen=True)
+class RefConfig:
+    strategy: Literal["megatron"]
+    log_prob_micro_batch_size: PosInt | None
+    log_prob_micro_batch_size_per_gpu: PosInt | None
+    log_prob_use_dynamic_bsz: bool
+    log_prob_max_token_len_per_gpu: PosInt
+    megatron: MegatronConfig
+
+
+@dataclass(frozen=True)
+class SamplingConfig:
+    temperature: NonNegFloat
+    top_k: AtLeastMinusOne  # -1 or 0: off
+    top_p: Fraction
+    do_sample: bool
+    n: PosInt
+
+
+@dataclass(frozen=True)
+class WeightSyncConfig:
+    bucket_size_mb: PosInt
+    verify: Literal["checksum", "full"]
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """The generation engine (colocated with the actor, or on its own pool in the async modes)."""
+
+    name: Literal["native", "vllm", "sglang"]
+    mode: Literal["sync", "async"]
+    temperature: NonNegFloat
+    top_k: AtLeastMinusOne
+    top_p: Fraction
+    do_sample: bool
+    n: PosInt  # responses per prompt
+    prompt_length: PosInt
+    response_length: PosInt
+    dtype: DType
+    gpu_memory_utilization: Fraction
+    ignore_eos: bool
+    enforce_eager: bool
+    free_cache_engine: bool
+    load_format: Literal["dummy", "auto", "hf", "safetensors"]
+    tensor_model_parallel_size: PosInt
+    data_parallel_size: PosInt | None  # null: pool / TP
+    expert_parallel_size: PosInt
+    max_num_seqs: PosInt
+    max_num_batched_tokens: PosInt
+    max_model_len: PosInt | None  # null: prompt_length + response_length
+    enable_chunked_prefill: bool
+    enable_prefix_caching: bool
+    log_prob_micro_batch_size: PosInt | None  # old-logprob pass of the actor (global, deprecated)
+    log_prob_micro_batch_size_per_gpu: PosInt | None
+    log_prob_use_dynamic_bsz: bool
+    log_prob_max_token_len_per_gpu: PosInt
+    calculate_log_probs: bool
+    seed: int
+    engine_kwargs: dict[str, Any]
+    val_kwargs: SamplingConfig
+    weight_sync: WeightSyncConfig
+
+    def layout(self, world_size: int) -> LayoutSpec:
+        """The rollout's layout over its own pool: TP inside an engine replica, replicas = world / TP. Experts are
+        split over EP ranks when EP > 1 and tensor-split like dense layers otherwise."""
+        tp, ep = self.tensor_model_parallel_size, self.expert_parallel_size
+        return LayoutSpec(world_size=world_size, tp=tp, ep=ep, etp=1 if ep > 1 else tp)
+
+
+@dataclass(frozen=True)
+class ActorRolloutRefConfig:
+    hybrid_engine: bool  # actor and rollout share processes (sync mode)
+    model: ModelConfig
+    actor: ActorConfig
+    ref: RefConfig
+    rollout: RolloutConfig
+
+
+@dataclass(frozen=True)
+class CriticConfig:
+    strategy: Literal["megatron"]
+    enable: bool | None  # null: only when adv_estimator needs values (gae)
+    model: ModelConfig
+    ppo_mini_batch_size: PosInt
+    ppo_micro_batch_size: PosInt | None
+    ppo_micro_batch_size_per_gpu: PosInt | None
+    forward_micro_batch_size: PosInt | None
+    forward_micro_batch_size_per_gpu: PosInt | None
+    use_dynamic_bsz: bool
+    ppo_max_token_len_per_gpu: PosInt
+    forward_max_token_len_per_gpu: PosInt
+    ppo_epochs: PosInt
+    shuffle: bool
+    cliprange_value: PosFloat
+    loss_agg_mode: LossAggMode
+    grad_clip: PosFloat | None
+    load_weight: bool
+    optim: OptimConfig
+    megatron: MegatronConfig
+    checkpoint: CheckpointConfig
+
+    @property
+    def clip_grad_norm(self) -> float:
+        return self.grad_clip if self.grad_clip is not None else self.optim.clip_grad
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    enable: bool  # model-based reward models are not supported; rewards are rule-based
+    reward_manager: Literal["naive", "batch"]
+    reward_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class CustomRewardFunctionConfig:
+    path: str | None
+    name: str
+
+
+@dataclass(frozen=True)
+class KLControlConfig:
+    type: Literal["fixed", "adaptive"]
+    kl_coef: NonNegFloat
+    horizon: PosInt
+    target_kl: PosFloat
+
+
+@dataclass(frozen=True)
+class RolloutCorrectionConfig:
+    """Off-policy correction between behaviour (rollout) and trainer logprobs."""
+
+    rollout_is: Literal["token", "sequence"] | None  # truncated importance sampling level; null: off
+    rollout_is_threshold: PosFloat
+    decoupled: bool  # true: recompute old logprobs (proximal policy); false: anchor on behaviour logprobs
+
+
+@dataclass(frozen=True)
+class AlgorithmConfig:
+    adv_estimator: AdvEstimator
+    gamma: UnitInterval
+    lam: UnitInterval
+    norm_adv_by_std_in_grpo: bool
+    use_kl_in_reward: bool
+    kl_penalty: KLEstimator
+    kl_ctrl: KLControlConfig
+    rollout_correction: RolloutCorrectionConfig
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    tokenizer: str | None  # null: the actor's tokenizer
+    train_files: str | list[str] | None  # null: the built-in task of the default job
+    val_files: str | list[str] | None
+    train_max_samples: AtLeastMinusOne
+    val_max_samples: AtLeastMinusOne
+    prompt_key: str
+    reward_fn_key: str
+    max_prompt_length: PosInt
+    max_response_length: PosInt
+    train_batch_size: PosInt  # prompts per step
+    val_batch_size: PosInt | None
+    return_raw_input_ids: bool
+    return_raw_chat: bool
+    shuffle: bool
+    validation_shuffle: bool
+    seed: int
+    filter_overlong_prompts: bool
+    truncation: Literal["error", "left", "right"]
+    dataloader_num_workers: NonNegInt
+    apply_chat_template_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class TrainerConfig:
+    project_name: str
+    experiment_name: str
+    logger: list[Logger]
+    log_val_generations: NonNegInt
+    nnodes: PosInt
+    n_gpus_per_node: PosInt  # ranks per node (CPU processes when device is cpu)
+    device: Literal["auto", "cpu", "cuda"]
+    total_epochs: PosInt
+    total_training_steps: PosInt | None
+    save_freq: AtLeastMinusOne
+    test_freq: AtLeastMinusOne
+    critic_warmup: NonNegInt
+    val_before_train: bool
+    resume_mode: Literal["auto", "disable", "resume_path"]
+    resume_from_path: str | None
+    default_local_dir: str
+    max_actor_ckpt_to_keep: PosInt | None
+    max_critic_ckpt_to_keep: PosInt | None
+    balance_batch: bool
+    seed: int
+    dry_run: bool
+    collective_timeout_s: PosInt
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    ray_init: dict[str, Any]  # passed to ray.init
+
+
+@dataclass(frozen=True)
+class RolloutPoolConfig:
+    """The detached rollout pool of the async modes (verl's top-level `rollout` group)."""
+
+    nnodes: PosInt
+    n_gpus_per_node: PosInt
+    total_rollout_steps: PosInt | None = None  # fully_async only: prompts to generate in all; null: epochs x data
+
+
+@dataclass(frozen=True)
+class AsyncTrainingConfig:
+    mode: Literal["one_step_off", "fully_async"]
+    use_rollout_log_probs: bool  # train on behaviour logprobs instead of recomputing old logprobs
+    # fully_async only:
+    staleness_threshold: NonNegFloat | None = None
+    trigger_parameter_sync_step: PosInt | None = None
+    require_batches: PosInt | None = None
+    partial_rollout: bool | None = None
+
+
+@dataclass(frozen=True)
+class PPOConfig:
+    data: DataConfig
+    actor_rollout_ref: ActorRolloutRefConfig
+    critic: CriticConfig
+    reward_model: RewardModelConfig
+    custom_reward_function: CustomRewardFunctionConfig
+    algorithm: AlgorithmConfig
+    trainer: TrainerConfig
+    ray_kwargs: RayConfig
+    rollout: RolloutPoolConfig | None = field(default=None)  # async modes only
+    async_training: AsyncTrainingConfig | None = field(default=None)  # async modes only
+
+    @property
+    def mode(self) -> Mode:
+        return self.async_training.mode if self.async_training else "sync"
+
+    @property
+    def use_critic(self) -> bool:
+        enable = self.critic.enable
+        return enable if enable is not None else self.algorithm.adv_estimator == "gae"
+
+    @property
+    def recompute_old_log_probs(self) -> bool:
+        """Whether the actor recomputes old logprobs (else PPO is anchored on the rollout's behaviour logprobs)."""
+        return self.algorithm.rollout_correction.decoupled
+
+    @property
+    def use_reference_policy(self) -> bool:
+        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
+
+    def at(self, dotted: str) -> Any:
+        """The group or value at a dotted key, e.g. `config.at("critic.megatron")`."""
+        node: Any = self
+        for part in dotted.split("."):
+            node = getattr(node, part)
+        return node
+
+
+def load_config(cfg: DictConfig | dict) -> PPOConfig:
+    """Resolve interpolations, build the typed config and check the rules that tie keys together."""
+    try:
+        tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+    except OmegaConfBaseException as err:  # e.g. an interpolation to a missing key
+        raise ConfigError(getattr(err, "full_key", None) or "<config>", str(err).splitlines()[0]) from None
+    tree = {k: v for k, v in tree.items() if k != "hydra"}
+    config = build(PPOConfig, tree)
+    _validate(config)
+    return config
+
+
+def compose(config_name: str = "ppo_trainer", overrides: Sequence[str] = ()) -> PPOConfig:
+    """Compose a packaged config with Hydra-style overrides (for tests and scripts; the CLI uses main_ppo)."""
+    from hydra import compose as hydra_compose, initialize_config_dir
+
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return load_config(hydra_compose(config_name=config_name, overrides=list(overrides)))
+
+
+# (group, stem): `<stem>` (global, deprecated) and `<stem>_per_gpu` must not both be set.
+_MICRO_BATCH_PAIRS = (
+    ("actor_rollout_ref.actor", "ppo_micro_batch_size"),
+    ("actor_rollout_ref.ref", "log_prob_micro_batch_size"),
+    ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
+    ("critic", "ppo_micro_batch_size"),
+    ("critic", "forward_micro_batch_size"),
+)
+_FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout")
+
+
+def _validate(config: PPOConfig) -> None:
+    """Rules between keys that need no world size (those are in plan.build_plan)."""
+    for group, stem in _MICRO_BATCH_PAIRS:
+        node = config.at(group)
+        total, per_gpu = getattr(node, stem), getattr(node, f"{stem}_per_gpu")
+        if total is not None and per_gpu is not None:
+            raise ConfigError(f"{group}.{stem}", f"set only one of {stem} (global, deprecated; ={total}) and "
+                                                 f"{stem}_per_gpu (={per_gpu}); prefer {stem}_per_gpu")
+    for name, betas in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor.optim.betas),
+                        ("critic", config.critic.optim.betas)):
+        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError(f"{name}.optim.betas", f"expected two numbers in [0, 1), got {betas}")
+    if config.critic.enable is False and config.algorithm.adv_estimator == "gae":
+        raise ConfigError("critic.enable", "adv_estimator=gae needs a critic (values); enable it or use grpo")
+    if config.reward_model.enable:
+        raise ConfigError("reward_model.enable", "model-based reward models are not supported; use rule-based "
+                                                 "rewards (custom_reward_function.path) with reward_model.enable=false")
+    if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
+        raise ConfigError("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
+    _validate_async(config)
+    _validate_behaviour_logprobs(config)
+
+
+def _validate_async(config: PPOConfig) -> None:
+    """Sync mode colocates actor and rollout; the async modes need a rollout pool and their own keys."""
+    async_cfg, pool = config.async_training, config.rollout
+    if (async_cfg is None) != (pool is None):
+        present = "async_training" if pool is None else "rollout"
+        raise ConfigError(present, "the async modes need both the rollout pool (rollout.nnodes/n_gpus_per_node) and "
+                                   "async_training; use --config-name=one_step_off_ppo_trainer or fully_async_ppo_trainer")
+    hybrid = config.actor_rollout_ref.hybrid_engine
+    if async_cfg is None and not hybrid:
+        raise ConfigError("actor_rollout_ref.hybrid_engine", "false needs a separate rollout pool; use "
+                                                             "--config-name=one_step_off_ppo_trainer or fully_async_ppo_trainer")
+    if async_cfg is None:
+        return
+    if hybrid:
+        raise ConfigError("actor_rollout_ref.hybrid_engine", f"must be false in {async_cfg.mode} mode (rollout runs "
+                                                             "on its own pool)")
+    fully = async_cfg.mode == "fully_async"
+    for key in _FULLY_ASYNC_KEYS:
+        value = getattr(async_cfg, key)
+        if fully and value is None:
+            raise ConfigError(f"async_training.{key}", "is required in fully_async mode")
+        if not fully and value is not None:
+            raise ConfigError(f"async_training.{key}", "is only used in fully_async mode")
+    if not fully and pool.total_rollout_steps is not None:
+        raise ConfigError("rollout.total_rollout_steps", "is only used in fully_async mode")
+
+
+def _validate_behaviour_logprobs(config: PPOConfig) -> None:
+    """The PPO anchor (see shardrl.algos.off_policy): decoupled=true recomputes old logprobs with the actor;
+    decoupled=false anchors on the rollout's behaviour logprobs, which verl's async recipes call
+    use_rollout_log_probs. Importance weights compare the two, so they need both."""
+    correction = config.algorithm.rollout_correction
+    if correction.rollout_is is not None and not correction.decoupled:
+        raise ConfigError("algorithm.rollout_correction.rollout_is", "needs decoupled=true (importance weights compare "
+                                                                     "recomputed old logprobs with behaviour logprobs)")
+    async_cfg = config.async_training
+    if async_cfg is not None and async_cfg.use_rollout_log_probs == correction.decoupled:
+        wanted = "false" if async_cfg.use_rollout_log_probs else "true"
+        raise ConfigError("async_training.use_rollout_log_probs",
+                          f"{str(async_cfg.use_rollout_log_probs).lower()} needs algorithm.rollout_correction."
+                          f"decoupled={wanted} (true: train on behaviour logprobs; false: recompute old logprobs)")
+    needs_behaviour = not correction.decoupled or correction.rollout_is is not None
+    if needs_behaviour and not config.actor_rollout_ref.rollout.calculate_log_probs:
+        raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs",
+                          "must be true: algorithm.rollout_correction reads the rollout's behaviour logprobs")

@@ -1,0 +1,76 @@
+"""Entry point: ``python -m shardrl.trainer.main_ppo [--config-name=NAME] [key=value ...]`` (verl's command line).
+
+Configs live in `shardrl/trainer/config/`. A relative ``--config-path`` (verl users pass ``--config-path=./config``)
+is looked up in this package first and then in the current directory, whatever the cwd is. With
+``trainer.dry_run=true`` the config is validated and the plan printed; invalid input prints one line
+``error: <dotted.key>: <reason>`` on stderr and exits 2.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+from omegaconf import DictConfig
+
+from shardrl.trainer.config import load_config
+from shardrl.trainer.plan import build_plan, format_plan
+from shardrl.trainer.preflight import check_launch
+from shardrl.trainer.schema import ConfigError
+
+PACKAGE_DIR = Path(__file__).resolve().parent
+CONFIG_PATH_FLAGS = ("--config-path", "-cp")
+
+
+def run(cfg: DictConfig) -> int:
+    """Validate, plan, and (dry run) print the plan; returns the exit status."""
+    try:
+        config = load_config(cfg)
+        plan = build_plan(config)
+        if config.trainer.dry_run:
+            print(format_plan(plan, config))
+            return 0
+        check_launch(config)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    print("error: trainer.dry_run: false, but the PPO loop is not implemented yet; use trainer.dry_run=true to "
+          "validate the config and print the plan", file=sys.stderr)
+    return 1
+
+
+def resolve_config_path(path: str, cwd: Path) -> str:
+    """A relative config dir: this package's own (``./config``) if it exists there, else relative to `cwd`."""
+    if "://" in path or Path(path).is_absolute():
+        return path
+    in_package = PACKAGE_DIR / path
+    return str(in_package.resolve() if in_package.is_dir() else (cwd / path).resolve())
+
+
+def absolute_config_args(argv: list[str], cwd: Path) -> list[str]:
+    """`argv` with every ``--config-path``/``-cp`` value made absolute (``--flag=value`` and ``--flag value``)."""
+    out = list(argv)
+    for i, arg in enumerate(out):
+        flag, eq, value = arg.partition("=")
+        if flag not in CONFIG_PATH_FLAGS:
+            continue
+        if eq:
+            out[i] = f"{flag}={resolve_config_path(value, cwd)}"
+        elif i + 1 < len(out):
+            out[i + 1] = resolve_config_path(out[i + 1], cwd)
+    return out
+
+
+@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
+def _hydra_main(cfg: DictConfig) -> None:
+    sys.exit(run(cfg))
+
+
+def main() -> None:
+    sys.argv = absolute_config_args(sys.argv, Path.cwd())
+    _hydra_main()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,92 @@
+"""Model-config checks of the planner: does each role's layout fit the model? Reads `config.json` only, never weights,
+and only when the model path is a local directory (a hub id or a missing path skips the checks with a note)."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardrl.parallel.layout import LayoutSpec
+from shardrl.trainer.schema import ConfigError
+
+if TYPE_CHECKING:
+    from shardrl.trainer.config import ModelConfig, PPOConfig
+    from shardrl.trainer.plan import RolePlan
+
+EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
+
+
+def _megatron_keys(group: str) -> dict[str, str]:
+    return {"tp": f"{group}.tensor_model_parallel_size", "pp": f"{group}.pipeline_model_parallel_size",
+            "ep": f"{group}.expert_model_parallel_size"}
+
+
+# Config keys that set each role's TP / PP / EP, for error messages.
+ROLE_KEYS = {
+    "actor": _megatron_keys("actor_rollout_ref.actor.megatron"),
+    "ref": _megatron_keys("actor_rollout_ref.ref.megatron"),
+    "critic": _megatron_keys("critic.megatron"),
+    "rollout": {"tp": "actor_rollout_ref.rollout.tensor_model_parallel_size",
+                "ep": "actor_rollout_ref.rollout.expert_parallel_size"},
+}
+
+
+def read_hf_config(model: ModelConfig, key: str) -> tuple[dict[str, Any], str] | None:
+    """config.json of a local model directory with `model.override_config` applied, and its path; else None.
+    `key` names the model group for errors."""
+    if model.path is None:
+        return None
+    path = Path(model.path).expanduser() / "config.json"
+    if not path.is_file():
+        return None
+    try:
+        hf = json.loads(path.read_text())
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{key}.path", f"{path} is not valid JSON ({err})") from None
+    return {**hf, **model.override_config}, str(path)
+
+
+def check_model(config: PPOConfig, roles: dict[str, RolePlan]) -> list[str]:
+    """Check every planned role against its model's config.json; returns one note per role for the printout."""
+    notes = []
+    for key, names in (("actor_rollout_ref.model", ("actor", "ref", "rollout")), ("critic.model", ("critic",))):
+        names = [n for n in names if n in roles]
+        if not names:
+            continue
+        model = config.at(key)
+        found = read_hf_config(model, key)
+        if found is None:
+            where = "built-in tiny model" if model.path is None else f"{model.path}: no local config.json"
+            notes.append(f"{'/'.join(names)} model: {where}; model checks skipped")
+            continue
+        hf, source = found
+        notes.extend(f"{name}: {check_layout_fits(hf, source, roles[name].spec, ROLE_KEYS[name])}" for name in names)
+    return notes
+
+
+def check_layout_fits(hf: dict[str, Any], source: str, spec: LayoutSpec, keys: dict[str, str]) -> str:
+    """Heads and KV heads vs TP, experts vs EP, layers vs PP x VPP; returns a summary with the padded vocab."""
+    heads = hf.get("num_attention_heads")
+    kv_heads = hf.get("num_key_value_heads") or heads
+    if heads and heads % spec.tp:
+        raise ConfigError(keys["tp"], f"TP {spec.tp} does not divide num_attention_heads={heads} of {source}")
+    if kv_heads and kv_heads % spec.tp and spec.tp % kv_heads:  # fewer KV heads than TP: replicated, see spec.py
+        raise ConfigError(keys["tp"], f"TP {spec.tp} and num_key_value_heads={kv_heads} of {source}: one must "
+                                      "divide the other")
+    experts = next((hf[f] for f in EXPERT_COUNT_FIELDS if hf.get(f)), None)
+    if experts and experts % spec.ep:
+        raise ConfigError(keys["ep"], f"EP {spec.ep} does not divide the {experts} experts of {source}")
+    layers = hf.get("num_hidden_layers")
+    stages = spec.pp * spec.vpp
+    if layers and layers % stages:
+        raise ConfigError(keys["pp"], f"PP {spec.pp} x VPP {spec.vpp} = {stages} stages do not divide "
+                                      f"num_hidden_layers={layers} of {source}")
+    parts = [f"{heads} heads / {kv_heads} KV heads over TP{spec.tp}", f"{layers} layers over PP{spec.pp}"]
+    if experts:
+        parts.append(f"{experts} experts over EP{spec.ep}")
+    vocab = hf.get("vocab_size")
+    if vocab:
+        parts.append(f"vocab {vocab} padded to {math.ceil(vocab / spec.tp) * spec.tp}")
+    return ", ".join(parts) + " - fits"

@@ -1,0 +1,173 @@
+"""Config loading: every packaged config composes and loads; types, choices, ranges and cross-key rules fail with one
+line naming the dotted key; verl's own spellings are accepted; launch-only checks stay out of the dry run."""
+
+import importlib.util
+
+import pytest
+from hydra.errors import ConfigCompositionException
+
+from shardrl.trainer.config import CONFIG_DIR, compose
+from shardrl.trainer.preflight import check_launch
+from shardrl.trainer.schema import ConfigError
+
+CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def error_key(overrides, config_name="ppo_trainer"):
+    with pytest.raises(ConfigError) as info:
+        compose(config_name, overrides)
+    assert "\n" not in str(info.value)  # one line
+    return info.value.key
+
+
+def test_all_six_configs_are_packaged_and_load():
+    assert CONFIG_NAMES == sorted(["ppo_trainer", "ppo_megatron_trainer", "one_step_off_ppo_trainer",
+                                   "one_step_off_ppo_megatron_trainer", "fully_async_ppo_trainer",
+                                   "fully_async_ppo_megatron_trainer"])
+    modes = {name: compose(name).mode for name in CONFIG_NAMES}
+    assert modes == {"ppo_trainer": "sync", "ppo_megatron_trainer": "sync",
+                     "one_step_off_ppo_trainer": "one_step_off", "one_step_off_ppo_megatron_trainer": "one_step_off",
+                     "fully_async_ppo_trainer": "fully_async", "fully_async_ppo_megatron_trainer": "fully_async"}
+
+
+def test_megatron_config_keeps_the_base_keys_and_changes_defaults():
+    base, mega = compose("ppo_trainer"), compose("ppo_megatron_trainer")
+    assert (base.data.train_batch_size, mega.data.train_batch_size) == (16, 1024)
+    assert mega.algorithm.adv_estimator == "gae" and mega.use_critic and not base.use_critic
+    # interpolations follow the overridden values
+    assert mega.critic.ppo_mini_batch_size == 256 and mega.actor_rollout_ref.rollout.response_length == 512
+    assert mega.critic.megatron.dtype == "bfloat16"
+
+
+def test_interpolated_defaults_follow_the_keys_they_name():
+    config = compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3", "trainer.seed=7",
+                                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
+    actor = config.actor_rollout_ref.actor
+    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.3)
+    assert config.data.seed == 7 and config.actor_rollout_ref.rollout.seed == 7
+    assert config.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
+
+
+@pytest.mark.parametrize("override, key", [
+    ("algorithm.adv_estimator=ppo2", "algorithm.adv_estimator"),
+    ("actor_rollout_ref.actor.loss_agg_mode=seq-sum", "actor_rollout_ref.actor.loss_agg_mode"),
+    ("algorithm.kl_penalty=full", "algorithm.kl_penalty"),
+    ("data.truncation=middle", "data.truncation"),
+    ("actor_rollout_ref.rollout.name=hf", "actor_rollout_ref.rollout.name"),
+])
+def test_unknown_choice_names_the_key(override, key):
+    assert error_key([override]) == key
+
+
+def test_unknown_choice_message_lists_the_choices():
+    with pytest.raises(ConfigError, match=r"^data.truncation: 'middle' is not one of error \| left \| right$"):
+        compose("ppo_trainer", ["data.truncation=middle"])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("data.train_batch_size=0", "data.train_batch_size"),
+    ("actor_rollout_ref.actor.ppo_mini_batch_size=-4", "actor_rollout_ref.actor.ppo_mini_batch_size"),
+    ("actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=0", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"),
+    ("trainer.n_gpus_per_node=0", "trainer.n_gpus_per_node"),
+    ("trainer.nnodes=-1", "trainer.nnodes"),
+    ("actor_rollout_ref.actor.megatron.tensor_model_parallel_size=0",
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"),
+    ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n"),
+    ("data.max_response_length=0", "data.max_response_length"),
+    ("actor_rollout_ref.rollout.weight_sync.bucket_size_mb=-512", "actor_rollout_ref.rollout.weight_sync.bucket_size_mb"),
+])
+def test_zero_or_negative_size_names_the_key(override, key):
+    assert error_key([override]) == key
+
+
+def test_wrong_type_names_the_key():
+    with pytest.raises(ConfigError, match=r"^trainer.total_epochs: expected an integer, got 'many'$"):
+        compose("ppo_trainer", ["trainer.total_epochs=many"])
+
+
+def test_both_micro_batch_keys_set():
+    key = error_key(["actor_rollout_ref.actor.ppo_micro_batch_size=16",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4"])
+    assert key == "actor_rollout_ref.actor.ppo_micro_batch_size"
+
+
+def test_unknown_key_is_a_hydra_error_and_added_unknown_key_ours():
+    with pytest.raises(ConfigCompositionException, match="trainer.not_a_key"):
+        compose("ppo_trainer", ["trainer.not_a_key=1"])
+    assert error_key(["+trainer.not_a_key=1"]) == "trainer.not_a_key"
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["critic.enable=false", "algorithm.adv_estimator=gae"], "critic.enable"),
+    (["reward_model.enable=true"], "reward_model.enable"),
+    (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
+    (["actor_rollout_ref.hybrid_engine=false"], "actor_rollout_ref.hybrid_engine"),
+    (["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+     "actor_rollout_ref.rollout.calculate_log_probs"),
+    (["algorithm.rollout_correction.decoupled=false", "actor_rollout_ref.rollout.calculate_log_probs=false"],
+     "actor_rollout_ref.rollout.calculate_log_probs"),
+    (["algorithm.rollout_correction.rollout_is=sequence", "algorithm.rollout_correction.decoupled=false"],
+     "algorithm.rollout_correction.rollout_is"),
+    (["actor_rollout_ref.actor.optim.betas=[0.9]"], "actor_rollout_ref.actor.optim.betas"),
+])
+def test_cross_key_rules(overrides, key):
+    assert error_key(overrides) == key
+
+
+def test_async_rules():
+    assert error_key(["actor_rollout_ref.hybrid_engine=true"], "fully_async_ppo_trainer") == \
+        "actor_rollout_ref.hybrid_engine"
+    assert error_key(["+async_training.partial_rollout=true"], "one_step_off_ppo_trainer") == \
+        "async_training.partial_rollout"
+    # verl's use_rollout_log_probs and our decoupled flag name the same choice and must agree
+    assert error_key(["algorithm.rollout_correction.decoupled=true"], "fully_async_ppo_trainer") == \
+        "async_training.use_rollout_log_probs"
+    compose("fully_async_ppo_trainer", ["algorithm.rollout_correction.decoupled=true",
+                                        "async_training.use_rollout_log_probs=false"])
+
+
+def test_verl_spellings_are_accepted():
+    config = compose("ppo_megatron_trainer", [
+        "actor_rollout_ref.actor.grad_clip=0.5", "trainer.logger=['console','wandb']",
+        "actor_rollout_ref.rollout.name=vllm", "data.train_files=/data/gsm8k/train.parquet",
+        "+actor_rollout_ref.model.override_config.max_position_embeddings=32768",
+        "+actor_rollout_ref.actor.megatron.override_transformer_config.recompute_granularity=full",
+    ])
+    assert config.actor_rollout_ref.actor.clip_grad_norm == 0.5
+    assert config.critic.clip_grad_norm == 1.0
+    assert config.trainer.logger == ["console", "wandb"]
+    assert config.actor_rollout_ref.model.override_config == {"max_position_embeddings": 32768}
+    assert config.actor_rollout_ref.ref.megatron.override_transformer_config == {"recompute_granularity": "full"}
+
+
+def test_nonexistent_data_file_fails_only_at_launch(tmp_path):
+    missing = tmp_path / "train.parquet"
+    config = compose("ppo_trainer", [f"data.train_files={missing}"])  # loading (and the dry run) accept it
+    with pytest.raises(ConfigError, match=f"^data.train_files: {missing} does not exist$"):
+        check_launch(config)
+    missing.write_bytes(b"")
+    check_launch(config)
+
+
+def test_val_file_list_is_checked_item_by_item(tmp_path):
+    present = tmp_path / "a.parquet"
+    present.write_bytes(b"")
+    config = compose("ppo_trainer", [f"data.val_files=[{present},{tmp_path / 'b.parquet'}]"])
+    with pytest.raises(ConfigError, match="^data.val_files: .*b.parquet does not exist$"):
+        check_launch(config)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
+def test_missing_rollout_engine_fails_at_launch_suggesting_native():
+    config = compose("ppo_trainer", ["actor_rollout_ref.rollout.name=vllm"])
+    with pytest.raises(ConfigError) as info:
+        check_launch(config)
+    assert info.value.key == "actor_rollout_ref.rollout.name"
+    assert "vllm is not installed" in str(info.value) and "actor_rollout_ref.rollout.name=native" in str(info.value)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
+def test_missing_logger_package_fails_at_launch():
+    config = compose("ppo_trainer", ["trainer.logger=[console,wandb]"])
+    with pytest.raises(ConfigError, match="^trainer.logger: wandb is not installed"):
+        check_launch(config)

@@ -1,0 +1,219 @@
+"""Dry-run planner: layouts, rank tables, normalised batch sizes and model-config checks, against hand-computed
+values; every invalid layout or batch size fails with one line naming the dotted key."""
+
+import json
+
+import pytest
+
+from shardrl.trainer.config import compose
+from shardrl.trainer.plan import MicroBatching, build_plan, format_plan
+from shardrl.trainer.schema import ConfigError
+from example_command import example_overrides
+
+
+def plan_of(overrides=(), name="ppo_trainer"):
+    return build_plan(compose(name, overrides))
+
+
+def error_of(overrides, name="ppo_trainer"):
+    with pytest.raises(ConfigError) as info:
+        plan_of(overrides, name)
+    assert "\n" not in str(info.value)
+    return info.value
+
+
+def test_issue_example_plan_hand_computed():
+    config = compose("ppo_megatron_trainer", example_overrides())
+    plan = build_plan(config)
+    actor = plan.roles["actor"]
+    s = actor.spec
+    assert (s.world_size, s.tp, s.pp, s.vpp, s.cp, s.dp, s.ep, s.etp, s.edp) == (8, 4, 2, 1, 1, 1, 4, 1, 1)
+    assert actor.tables["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert actor.tables["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert actor.tables["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert actor.tables["edp"] == [[r] for r in range(8)]
+    # 32 prompts x n=1 / DP 1 = 32 samples per rank, micro 1 -> 32; old logprobs: 128 samples, micro 2 -> 64
+    assert actor.batches == {"update": MicroBatching(32, 1, 32, None), "log_prob": MicroBatching(128, 2, 64, None)}
+    assert plan.roles["critic"].batches == {"update": MicroBatching(32, 1, 32, None),
+                                            "values": MicroBatching(128, 1, 128, None)}
+    assert "ref" not in plan.roles and "ref" in plan.skipped
+    rollout = plan.roles["rollout"]
+    assert (rollout.spec.tp, rollout.spec.dp, rollout.ranks) == (4, 2, list(range(8)))
+    assert (plan.placement, plan.step_prompts, plan.mini_batches_per_step) == ("colocated", 128, 4)
+    text = format_plan(plan, config)
+    assert "actor: TP4 PP2 DP1, EP4 ETP1 expert-DP1 on 8 GPUs" in text
+    assert "  tp        [[0,1,2,3],[4,5,6,7]]" in text
+
+
+def test_default_config_plans_on_cpu_with_ranks_as_gpus():
+    plan = plan_of(["trainer.device=cpu", "trainer.n_gpus_per_node=2"])
+    assert plan.device == "cpu" and plan.roles["actor"].spec.dp == 2
+    # mini 8 prompts x n 4 = 32 samples / DP 2 = 16 per rank, micro 8 -> 2; step 16 x 4 = 64 / 2 = 32, micro 16 -> 2
+    assert plan.roles["actor"].batches == {"update": MicroBatching(16, 8, 2, None),
+                                           "log_prob": MicroBatching(32, 16, 2, None)}
+    assert set(plan.skipped) == {"ref", "critic"}
+
+
+def test_reference_policy_planned_when_kl_is_used():
+    plan = plan_of(["actor_rollout_ref.actor.use_kl_loss=true"])
+    assert plan.roles["ref"].batches == {"log_prob": MicroBatching(64, 16, 4, None)}
+
+
+def test_world_not_divisible_by_tp_pp_cp():
+    err = error_of(["trainer.n_gpus_per_node=6", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"])
+    assert err.key == "actor_rollout_ref.actor.megatron"
+    assert "world size 6 is not divisible by TP*CP*PP = 4*1*1" in err.reason
+
+
+def test_ep_etp_not_dividing_world_over_pp():
+    err = error_of(["algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=2",
+                    "critic.megatron.pipeline_model_parallel_size=2", "critic.megatron.expert_model_parallel_size=2"])
+    assert err.key == "critic.megatron" and "EP*ETP = 2*1 does not divide world/PP = 2/2" in err.reason
+
+
+def test_normalised_mini_batch_is_zero():
+    err = error_of(["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=2",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    assert err.key == "actor_rollout_ref.actor.ppo_mini_batch_size"
+    assert "1 prompts x rollout.n 2 = 2 samples do not split evenly over DP=4 (0 per rank)" in err.reason
+
+
+def test_normalised_mini_batch_uneven_over_dp():
+    err = error_of(["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=6",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+    assert err.key == "actor_rollout_ref.actor.ppo_mini_batch_size"
+
+
+def test_normalised_mini_batch_not_divisible_by_micro_batch():
+    err = error_of(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"])
+    assert err.key == "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+    assert "32 samples per DP rank" in err.reason and "micro batch 3" in err.reason
+
+
+def test_train_batch_smaller_than_mini_batch():
+    err = error_of(["data.train_batch_size=4"])
+    assert err.key == "actor_rollout_ref.actor.ppo_mini_batch_size"
+    assert "8 prompts is larger than the 4 prompts of a step" in err.reason
+
+
+def test_train_batch_not_a_multiple_of_mini_batch():
+    assert error_of(["data.train_batch_size=12"]).key == "data.train_batch_size"
+
+
+def test_no_micro_batch_key_set():
+    err = error_of(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"])
+    assert err.key == "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+
+
+def test_deprecated_global_micro_batch_is_divided_by_dp():
+    plan = plan_of(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size=8",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"])
+    assert plan.roles["actor"].batches["update"] == MicroBatching(16, 4, 4, None)  # 8/2 = 4 per rank; 16/4 = 4
+    err = error_of(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size=3",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"])
+    assert err.key == "actor_rollout_ref.actor.ppo_micro_batch_size"
+
+
+def test_dynamic_batch_size_uses_token_budget():
+    plan = plan_of(["actor_rollout_ref.actor.use_dynamic_bsz=true"])
+    assert plan.roles["actor"].batches["update"] == MicroBatching(32, None, None, 4096)
+    assert plan.roles["actor"].batches["log_prob"] == MicroBatching(64, None, None, 4096)  # interpolated keys follow
+    err = error_of(["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=95"])
+    assert err.key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"  # 64 prompt + 32 response = 96 tokens
+
+
+def test_rollout_tp_not_dividing_colocated_pool():
+    err = error_of(["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"])
+    assert err.key == "actor_rollout_ref.rollout.tensor_model_parallel_size"
+
+
+def test_rollout_tp_not_dividing_detached_rollout_pool():
+    err = error_of(["rollout.n_gpus_per_node=3", "actor_rollout_ref.rollout.tensor_model_parallel_size=2"],
+                   "one_step_off_ppo_trainer")
+    assert err.key == "actor_rollout_ref.rollout.tensor_model_parallel_size" and "rollout pool" in err.reason
+
+
+def test_detached_rollout_pool_ignores_the_trainer_layout():
+    # trainer: 2 ranks at TP2; rollout: 3 ranks at TP1 -- TP2 would not divide 3, and must not matter
+    plan = plan_of(["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=4", "rollout.n_gpus_per_node=3"],
+                   "one_step_off_ppo_trainer")
+    assert plan.placement == "detached"
+    assert plan.trainer_ranks == [0, 1] and plan.rollout_ranks == [2, 3, 4]
+    assert plan.roles["actor"].tables["tp"] == [[0, 1]]
+    rollout = plan.roles["rollout"]
+    assert (rollout.spec.world_size, rollout.spec.tp, rollout.spec.dp) == (3, 1, 3)
+    assert rollout.tables["dp"] == [[2, 3, 4]]
+
+
+def test_fully_async_step_is_require_batches_mini_batches():
+    plan = plan_of(["async_training.require_batches=2"], "fully_async_ppo_trainer")
+    assert (plan.step_prompts, plan.mini_batches_per_step) == (16, 2)
+    assert set(plan.roles["actor"].batches) == {"update"}  # use_rollout_log_probs: no old-logprob pass
+
+
+def test_rollout_data_parallel_size_must_match_pool():
+    assert error_of(["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                     "actor_rollout_ref.rollout.data_parallel_size=4"]).key == "actor_rollout_ref.rollout.data_parallel_size"
+
+
+@pytest.fixture
+def model_dir(tmp_path):
+    hf = {"num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 6, "vocab_size": 1001,
+          "num_experts": 6}
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    return tmp_path
+
+
+def test_model_config_fits(model_dir):
+    plan = plan_of([f"actor_rollout_ref.model.path={model_dir}", "trainer.n_gpus_per_node=4",
+                    "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4",
+                    "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                    "actor_rollout_ref.actor.megatron.expert_tensor_parallel_size=1"])
+    # KV heads 2 < TP 4: replicated (TP divisible by them); vocab 1001 padded to a multiple of TP 4 = 1004
+    assert plan.model_notes[0] == ("actor: 8 heads / 2 KV heads over TP4, 6 layers over PP1, 6 experts over EP2, "
+                                   "vocab 1001 padded to 1004 - fits")
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=4"],
+     "actor_rollout_ref.actor.megatron.expert_model_parallel_size"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=4"],
+     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"),
+    (["trainer.n_gpus_per_node=4", "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2",
+      "actor_rollout_ref.actor.megatron.virtual_pipeline_model_parallel_size=2"],
+     "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"),  # 6 layers over 2 x 2 chunks
+    (["+actor_rollout_ref.model.override_config.num_attention_heads=6", "trainer.n_gpus_per_node=4",
+      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=4"],
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"),
+    (["+actor_rollout_ref.model.override_config.num_key_value_heads=3", "trainer.n_gpus_per_node=2",
+      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"],
+     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"),
+    (["trainer.n_gpus_per_node=3", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+      "data.train_batch_size=24", "actor_rollout_ref.actor.ppo_mini_batch_size=3",
+      "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+      "actor_rollout_ref.rollout.tensor_model_parallel_size=3"],
+     "actor_rollout_ref.rollout.tensor_model_parallel_size"),  # 8 heads over rollout TP3
+])
+def test_model_config_mismatch_names_the_key(model_dir, overrides, key):
+    err = error_of([f"actor_rollout_ref.model.path={model_dir}", *overrides])
+    assert err.key == key and str(model_dir / "config.json") in err.reason
+
+
+def test_critic_model_checked_against_critic_layout(model_dir, tmp_path_factory):
+    critic_dir = tmp_path_factory.mktemp("critic")
+    (critic_dir / "config.json").write_text(json.dumps({"num_attention_heads": 6, "num_hidden_layers": 2}))
+    err = error_of([f"actor_rollout_ref.model.path={model_dir}", f"critic.model.path={critic_dir}",
+                    "algorithm.adv_estimator=gae", "trainer.n_gpus_per_node=4",
+                    "critic.megatron.tensor_model_parallel_size=4"])
+    assert err.key == "critic.megatron.tensor_model_parallel_size"
+
+
+def test_missing_model_dir_skips_checks():
+    plan = plan_of(["actor_rollout_ref.model.path=/nonexistent/model"])
+    assert plan.model_notes == ["actor/rollout model: /nonexistent/model: no local config.json; model checks skipped"]
+
+
+def test_old_logprob_pass_only_when_recomputed():
+    assert "log_prob" in plan_of([]).roles["actor"].batches  # decoupled=true: the actor recomputes old logprobs
+    assert "log_prob" not in plan_of(["algorithm.rollout_correction.decoupled=false"]).roles["actor"].batches
