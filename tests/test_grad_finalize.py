@@ -21,8 +21,9 @@ from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout, LayoutSpec
 from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
 
-H, F, HEADS, V, E, N = 4, 8, 4, 8, 4, 16  # hidden, ffn (HEADS heads of 2), vocab, experts, global tokens
-TINY_BUCKET_MB = 24 * 4 / 2**20  # 24 fp32 elements: several buckets even in this toy
+H, F, HEADS, V, E, N = 6, 12, 4, 12, 4, 16  # hidden, ffn (HEADS heads of 3), vocab, experts, global tokens
+# 100 fp32 elements: several buckets even in this toy, and (sizes not powers of two) params straddling DP chunks.
+SMALL_BUCKET_MB = 100 * 4 / 2**20
 
 LAYOUTS: dict[str, tuple[LayoutSpec, int]] = {  # name: (layout, kv heads)
     "dp2": (LayoutSpec(2), 1),
@@ -205,7 +206,7 @@ def _finalize_layouts() -> dict[str, dict]:
     for name, (spec, kv_heads) in LAYOUTS.items():
         layout = create_layout(spec)
         model = ToyModel(layout, full_params(kv_heads))
-        grads = GradBuffers(model.parameters(), layout, bucket_mb=TINY_BUCKET_MB)
+        grads = GradBuffers(model.parameters(), layout, bucket_mb=SMALL_BUCKET_MB)
         for step in range(2):  # two micro batches, accumulated
             model.loss(batch(step)).backward()
         grads.finalize()
@@ -243,14 +244,16 @@ def test_grad_norm_counts_every_element_once(finalized, name):
 
 
 def test_bucket_layout_hand_written():
-    # 10 + 30 elements fill the first bucket (>= 24), 5 start the next; buckets padded to 64 (ALIGN x dp=1).
-    params = [set_spec(nn.Parameter(torch.zeros(n)), ShardSpec(f"p{i}", (n,))) for i, n in enumerate((10, 30))]
-    params += [set_spec(nn.Parameter(torch.zeros(5, 1)), ShardSpec("p2", (5, 1)))]
-    grads = GradBuffers(params, Layout.single(), bucket_mb=TINY_BUCKET_MB)
+    # 60 + 50 elements reach the bucket size (100): the bucket closes, padded to 128 (ALIGN 64 x dp 1); 7 start
+    # the next. The 2-D param goes to its own (weight-decay) buffer.
+    params = [set_spec(nn.Parameter(torch.zeros(n)), ShardSpec(f"p{i}", (n,))) for i, n in enumerate((60, 50, 7))]
+    params += [set_spec(nn.Parameter(torch.zeros(5, 1)), ShardSpec("w", (5, 1)))]
+    grads = GradBuffers(params, Layout.single(), bucket_mb=SMALL_BUCKET_MB)
     no_decay, decay = grads.buffers
     assert (no_decay.decay, decay.decay) == (False, True)
-    assert no_decay.offsets == [0, 10] and no_decay.buckets == [(0, 64)]
-    assert decay.buckets == [(0, 64)] and params[2].main_grad.data_ptr() == decay.data.data_ptr()
+    assert no_decay.offsets == [0, 60, 128] and no_decay.buckets == [(0, 128), (128, 192)]
+    assert decay.buckets == [(0, 64)] and params[3].main_grad.data_ptr() == decay.data.data_ptr()
+    assert params[2].main_grad.data_ptr() == no_decay.data[128:].data_ptr()
 
 
 def test_micro_batches_accumulate_in_fp32_and_backward_after_finalize_fails():

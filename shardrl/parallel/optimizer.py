@@ -134,16 +134,14 @@ class AdamW:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `state_dict` saved by the same rank of the same layout (and distributed-optimizer setting); the
         model params are then set from the loaded master weights."""
-        mine = self.state_dict()
-        saved = state_dict["params"]
-        if set(saved) != set(mine["params"]):
-            raise ValueError(f"optimizer state has params {sorted(set(saved) ^ set(mine['params']))} on one side only")
-        for name, target in mine["params"].items():
-            if tuple(saved[name]["range"]) != target["range"]:
-                raise ValueError(f"optimizer state for {name!r} covers {tuple(saved[name]['range'])} but this rank "
-                                 f"owns {target['range']}: saved with another layout or distributed setting")
+        mine, saved = self.state_dict()["params"], state_dict["params"]
+        for name in sorted(set(mine) | set(saved)):
+            own, theirs = mine.get(name, {}).get("range"), saved.get(name, {}).get("range")
+            if theirs is None or own != tuple(theirs):
+                raise ValueError(f"optimizer state for {name!r} covers {theirs} but this rank owns {own}: "
+                                 "saved with another layout or distributed setting")
             for key in ("master", "exp_avg", "exp_avg_sq"):
-                target[key].copy_(saved[name][key])
+                mine[name][key].copy_(saved[name][key])
         self.num_steps = state_dict["num_steps"]
         for buf, state in zip(self.grads.buffers, self.states):
             self._publish(buf, state)
