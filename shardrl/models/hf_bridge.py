@@ -105,10 +105,32 @@ def load_hf_weights(model: Model, source: str | Path | HFCheckpointReader, optio
                 piece = full if spec.dim is None else full.narrow(spec.dim, start, stop - start)
             else:
                 piece = reader.read(name, spec.full_shape, spec.dim, start, stop)
-            if piece.shape != dest.shape:  # padded vocab rows past the real vocabulary stay zero
-                dest.zero_()
-                dest = dest.narrow(spec.dim, 0, piece.shape[spec.dim])
-            dest.copy_(piece)
+            _copy_piece(dest, spec, piece)
+
+
+def _copy_piece(dest: Tensor, spec: ShardSpec, piece: Tensor) -> None:
+    if piece.shape != dest.shape:  # padded vocab rows past the real vocabulary stay zero
+        dest.zero_()
+        dest = dest.narrow(spec.dim, 0, piece.shape[spec.dim])
+    dest.copy_(piece)
+
+
+def hf_name_index(model: Model) -> dict[str, tuple[nn.Parameter, int]]:
+    """Every HF tensor name the model's local shards cover -> (parameter, local expert index; 0 if not an expert)."""
+    return {name: (param, i) for param in _unique_params(model) for i, name in enumerate(get_spec(param).hf_names())}
+
+
+@torch.no_grad()
+def load_hf_tensor(param: nn.Parameter, expert_index: int, full: Tensor) -> None:
+    """Copy this rank's slice of `full` (one whole HF tensor, any device and dtype) into `param` (its
+    `expert_index`-th local expert for expert params): `load_hf_weights` for tensors that arrive in memory."""
+    spec = get_spec(param)
+    if tuple(full.shape) != spec.full_shape:
+        raise CheckpointError(f"tensor {spec.hf_names()[expert_index]!r} has shape {tuple(full.shape)} but the model "
+                              f"expects {spec.full_shape}")
+    start, stop = spec.slice_range() or (0, 0)
+    piece = full if spec.dim is None else full.narrow(spec.dim, start, stop - start)
+    _copy_piece(param[expert_index] if spec.expert else param, spec, piece)
 
 
 def _exported(spec: ShardSpec, layout: Layout) -> bool:

@@ -1,0 +1,110 @@
+"""Per-slot KV cache and the two attention hooks (prefill, decode) the model calls through `PackedSeqs.kv_cache`.
+
+Layout (the design choice): the cache has `num_slots` rows; a running sequence owns one row and keeps the keys and
+values of its positions 0..max_model_len-1 there, per layer `[num_slots, kv_heads/tp, max_model_len, head_dim]`.
+Compared with paged blocks this wastes the unused tail of each row, but decode attention then needs no gather and
+no custom kernel: decode row b *is* slot b, so attention reads a plain view `cache[:B, :, :L]` (the scheduler hands
+out the lowest free slot, keeping running sequences packed at the front). Slot count comes from a byte budget:
+`gpu_memory_utilization` on GPU, a token budget on CPU (see `num_slots_for_budget`).
+
+Prefill never reads the cache: a (re)started sequence is prefilled whole (prompt plus any tokens generated before an
+abort), so prefill attention is the model's own packed attention, and the hook only stores k and v.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from shardrl.models.attention import PackedSeqs, packed_attention
+
+
+class KVCacheError(RuntimeError):
+    """The cache does not fit; the message names the setting to change."""
+
+
+class KVCache:
+    """Keys and values of every layer for `num_slots` sequences of up to `max_len` tokens."""
+
+    def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.shape = (num_layers, 2, num_slots, num_kv_heads, max_len, head_dim)
+        self.num_slots, self.max_len, self.dtype, self.device = num_slots, max_len, dtype, device
+        self.data: Tensor | None = None
+        self.allocate()
+
+    @staticmethod
+    def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return num_layers * 2 * num_kv_heads * max_len * head_dim * dtype.itemsize
+
+    def allocate(self) -> None:
+        # Zeros, not empty: unwritten positions are masked, but masked NaN garbage would still poison softmax rows.
+        self.data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+
+    def free(self) -> None:
+        self.data = None
+
+    def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
+        """(keys, values) of one layer, each [S, nkv, L, D]."""
+        return self.data[layer_id, 0], self.data[layer_id, 1]
+
+
+def num_slots_for_budget(budget_bytes: int, bytes_per_slot: int, max_num_seqs: int, source: str) -> int:
+    """How many sequences the cache can hold (at most `max_num_seqs`); `source` names the budget's setting."""
+    slots = min(max_num_seqs, budget_bytes // bytes_per_slot)
+    if slots < 1:
+        raise KVCacheError(f"{source}: the KV cache budget of {budget_bytes / 2**20:.1f} MiB does not hold one "
+                           f"sequence of max_model_len tokens ({bytes_per_slot / 2**20:.1f} MiB); raise {source} or "
+                           f"lower max_model_len")
+    return slots
+
+
+def gpu_cache_budget(device: torch.device, gpu_memory_utilization: float, reserve_bytes: int) -> int:
+    """Bytes left for the cache when everything on the device may use `gpu_memory_utilization` of it, after what is
+    in use now (weights, other processes) and `reserve_bytes` for activations."""
+    free, total = torch.cuda.mem_get_info(device)
+    return int(gpu_memory_utilization * total) - (total - free) - reserve_bytes
+
+
+class PrefillAttention:
+    """Hook for a prefill forward: store each token's k and v at (its slot, its position); attend as usual."""
+
+    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor) -> None:
+        self.cache, self.slots, self.positions = cache, slots, positions  # [T] each
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+        keys, values = self.cache.layer(layer_id)
+        keys[self.slots, :, self.positions] = k  # k [T, nkv, D]
+        values[self.slots, :, self.positions] = v
+        return packed_attention(q, k, v, seqs, scale)
+
+
+class DecodeAttention:
+    """Hook for a decode forward over slots 0..B-1 (one new token each, at `positions[b]`), attending to the first
+    `length` cache positions. Only tensor ops with static shapes: the forward can be captured in a CUDA graph."""
+
+    def __init__(self, cache: KVCache, positions: Tensor, length: int) -> None:
+        self.cache, self.positions, self.length = cache, positions, length  # positions [B]
+        self.rows = torch.arange(positions.shape[0], device=positions.device)
+        self.valid = torch.arange(length, device=positions.device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+        keys, values = self.cache.layer(layer_id)
+        keys[self.rows, :, self.positions] = k  # k [B, nkv, D]
+        values[self.rows, :, self.positions] = v
+        num_rows = self.rows.shape[0]
+        return decode_attention(q, keys[:num_rows, :, :self.length], values[:num_rows, :, :self.length],
+                                self.valid, scale)
+
+
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float) -> Tensor:
+    """One query token per row against its cached keys: q [B, nq, D], keys/values [B, nkv, L, D], valid [B, L].
+
+    The query heads sharing a KV head are stacked as that head's query rows ([B, nkv, nq/nkv, D]), so grouped-query
+    attention needs no copies of the cache; SDPA keeps fp32 scores and picks a fused kernel on GPU.
+    """
+    num_rows, num_heads, head_dim = q.shape
+    grouped = q.view(num_rows, keys.shape[1], -1, head_dim)  # [B, nkv, nq/nkv, D]
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    return out.reshape(num_rows, num_heads, head_dim)
