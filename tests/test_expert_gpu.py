@@ -62,14 +62,15 @@ def test_grouped_mm_backward_takes_a_broadcast_gradient():
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
-def test_ep2_and_etp2_on_nccl():
-    check_layouts({"ep2": dict(ep=2), "etp2": dict(etp=2)}, tokens_per_rank=[7, 3], backend="nccl")
+def test_two_rank_layouts_on_nccl():
+    check_layouts({"ep2": dict(ep=2), "etp2": dict(etp=2), "tp2xep2": dict(tp=2, ep=2)}, tokens_per_rank=[7, 3],
+                  backend="nccl")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 4, reason="needs 4 GPUs")
 def test_four_rank_layouts_on_nccl():
-    check_layouts({"ep4": dict(ep=4), "ep2xetp2": dict(ep=2, etp=2), "tp2xep2": dict(tp=2, ep=2)},
-                  tokens_per_rank=[6, 0, 9, 4], backend="nccl")
+    check_layouts({"ep4": dict(ep=4), "ep2xetp2": dict(ep=2, etp=2), "tp2xep2": dict(tp=2, ep=2),
+                   "tp2xep2xetp2": dict(tp=2, ep=2, etp=2)}, tokens_per_rank=[6, 0, 9, 4], backend="nccl")
 
 
 @needs_cuda

@@ -97,11 +97,11 @@ def check_layouts(layouts: dict[str, dict], tokens_per_rank: list[int], backend:
     return per_rank
 
 
-def test_ep2_and_etp2_on_two_ranks():
-    check_layouts({"ep2": dict(ep=2), "etp2": dict(etp=2)}, tokens_per_rank=[7, 3])
+def test_ep2_etp2_tp2xep2_on_two_ranks():
+    check_layouts({"ep2": dict(ep=2), "etp2": dict(etp=2), "tp2xep2": dict(tp=2, ep=2)}, tokens_per_rank=[7, 3])
 
 
-def test_ep4_ep2xetp2_tp2xep2_on_four_ranks():
+def test_four_rank_layouts_and_their_specs():
     layouts = {"ep4": dict(ep=4), "ep2xetp2": dict(ep=2, etp=2), "tp2xep2": dict(tp=2, ep=2),
                "tp2xep2xetp2": dict(tp=2, ep=2, etp=2)}
     per_rank = check_layouts(layouts, tokens_per_rank=[6, 0, 9, 4])
