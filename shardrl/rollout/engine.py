@@ -64,7 +64,7 @@ class EngineError(ValueError):
 
 class Engine:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig = EngineConfig()) -> None:
-        _check_layout(layout)
+        _check_layout(layout, model_config)
         self.model_config, self.layout, self.config = model_config, layout, config
         self.device = layout.device
         self.model = Transformer(model_config, layout, dtype=config.dtype).eval().requires_grad_(False)
@@ -276,11 +276,11 @@ class Engine:
         return torch.cuda.max_memory_allocated(self.device) - base
 
 
-def _check_layout(layout: Layout) -> None:
+def _check_layout(layout: Layout, model_config: ModelConfig) -> None:
     if layout.pp_size > 1:
         raise EngineError(f"rollout pipeline parallel size {layout.pp_size}: the engine runs the whole model per "
                           f"rank; use tensor_model_parallel_size instead")
-    if layout.ep_size * layout.etp_size != layout.tp_size:
+    if model_config.moe is not None and layout.ep_size * layout.etp_size != layout.tp_size:
         raise EngineError(f"rollout expert_parallel_size={layout.ep_size} x expert TP {layout.etp_size} must equal "
                           f"tensor_model_parallel_size={layout.tp_size}: experts stay inside one engine replica")
 
