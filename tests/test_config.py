@@ -74,7 +74,8 @@ def test_unknown_choice_message_lists_the_choices():
      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size"),
     ("actor_rollout_ref.rollout.n=0", "actor_rollout_ref.rollout.n"),
     ("data.max_response_length=0", "data.max_response_length"),
-    ("actor_rollout_ref.rollout.weight_sync.bucket_size_mb=-512", "actor_rollout_ref.rollout.weight_sync.bucket_size_mb"),
+    ("actor_rollout_ref.rollout.weight_sync.bucket_size_mb=-512",
+     "actor_rollout_ref.rollout.weight_sync.bucket_size_mb"),
 ])
 def test_zero_or_negative_size_names_the_key(override, key):
     assert error_key([override]) == key

@@ -73,14 +73,16 @@ def test_ep_etp_not_dividing_world_over_pp():
 
 def test_normalised_mini_batch_is_zero():
     err = error_of(["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=2",
-                    "actor_rollout_ref.actor.ppo_mini_batch_size=1", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=1",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
     assert err.key == "actor_rollout_ref.actor.ppo_mini_batch_size"
     assert "1 prompts x rollout.n 2 = 2 samples do not split evenly over DP=4 (0 per rank)" in err.reason
 
 
 def test_normalised_mini_batch_uneven_over_dp():
     err = error_of(["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=6",
-                    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                    "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"])
     assert err.key == "actor_rollout_ref.actor.ppo_mini_batch_size"
 
 
@@ -118,7 +120,8 @@ def test_dynamic_batch_size_uses_token_budget():
     plan = plan_of(["actor_rollout_ref.actor.use_dynamic_bsz=true"])
     assert plan.roles["actor"].batches["update"] == MicroBatching(32, None, None, 4096)
     assert plan.roles["actor"].batches["log_prob"] == MicroBatching(64, None, None, 4096)  # interpolated keys follow
-    err = error_of(["actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=95"])
+    err = error_of(["actor_rollout_ref.actor.use_dynamic_bsz=true",
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=95"])
     assert err.key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"  # 64 prompt + 32 response = 96 tokens
 
 
@@ -153,8 +156,9 @@ def test_fully_async_step_is_require_batches_mini_batches():
 
 
 def test_rollout_data_parallel_size_must_match_pool():
-    assert error_of(["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
-                     "actor_rollout_ref.rollout.data_parallel_size=4"]).key == "actor_rollout_ref.rollout.data_parallel_size"
+    err = error_of(["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.tensor_model_parallel_size=2",
+                    "actor_rollout_ref.rollout.data_parallel_size=4"])
+    assert err.key == "actor_rollout_ref.rollout.data_parallel_size"
 
 
 @pytest.fixture

@@ -57,8 +57,9 @@ def test_missing_data_file_fails_at_start_but_not_in_dry_run(tmp_path, capsys):
 
 def test_config_path_resolution(tmp_path):
     package_config = str(CONFIG_DIR)
-    assert main_ppo.absolute_config_args(["m", "--config-path=./config"], tmp_path) == ["m", f"--config-path={package_config}"]
-    assert main_ppo.absolute_config_args(["m", "-cp", "config", "x=1"], tmp_path) == ["m", "-cp", package_config, "x=1"]
+    resolve = main_ppo.absolute_config_args
+    assert resolve(["m", "--config-path=./config"], tmp_path) == ["m", f"--config-path={package_config}"]
+    assert resolve(["m", "-cp", "config", "x=1"], tmp_path) == ["m", "-cp", package_config, "x=1"]
     # a directory the package does not have is the user's, relative to the cwd
-    assert main_ppo.absolute_config_args(["m", "--config-path=mine"], tmp_path) == ["m", f"--config-path={tmp_path / 'mine'}"]
-    assert main_ppo.absolute_config_args(["m", "--config-path=/abs"], tmp_path) == ["m", "--config-path=/abs"]
+    assert resolve(["m", "--config-path=mine"], tmp_path) == ["m", f"--config-path={tmp_path / 'mine'}"]
+    assert resolve(["m", "--config-path=/abs"], tmp_path) == ["m", "--config-path=/abs"]

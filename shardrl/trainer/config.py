@@ -2,7 +2,7 @@
 
 Users write verl's key names (yaml or command line); `load_config(cfg)` turns the composed OmegaConf tree into a
 `PPOConfig`, checking every value's type, choice and range (`schema.build`) and then the rules that tie keys
-together (`_validate`). Parallel layouts and batch-size normalisation need world sizes and are checked by
+together (`config_rules.validate`). Parallel layouts and batch-size normalisation need world sizes and are checked by
 `shardrl.trainer.plan.build_plan`. Meaning, default and unit of every key: docs/config.md (a test keeps the yaml,
 these dataclasses and the doc in step).
 """
@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardrl.parallel.layout import LayoutSpec
+from shardrl.trainer.config_rules import validate
 from shardrl.trainer.schema import ConfigError, Fraction, Max, Min, NonNegFloat, NonNegInt, PosFloat, PosInt, build
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"
@@ -399,15 +400,15 @@ class PPOConfig:
         return node
 
 
-def load_config(cfg: DictConfig | dict) -> PPOConfig:
+def load_config(cfg: DictConfig) -> PPOConfig:
     """Resolve interpolations, build the typed config and check the rules that tie keys together."""
     try:
-        tree = OmegaConf.to_container(cfg, resolve=True) if isinstance(cfg, DictConfig) else cfg
+        tree = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:  # e.g. an interpolation to a missing key
         raise ConfigError(getattr(err, "full_key", None) or "<config>", str(err).splitlines()[0]) from None
     tree = {k: v for k, v in tree.items() if k != "hydra"}
     config = build(PPOConfig, tree)
-    _validate(config)
+    validate(config)
     return config
 
 
@@ -417,84 +418,3 @@ def compose(config_name: str = "ppo_trainer", overrides: Sequence[str] = ()) -> 
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return load_config(hydra_compose(config_name=config_name, overrides=list(overrides)))
-
-
-# (group, stem): `<stem>` (global, deprecated) and `<stem>_per_gpu` must not both be set.
-_MICRO_BATCH_PAIRS = (
-    ("actor_rollout_ref.actor", "ppo_micro_batch_size"),
-    ("actor_rollout_ref.ref", "log_prob_micro_batch_size"),
-    ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
-    ("critic", "ppo_micro_batch_size"),
-    ("critic", "forward_micro_batch_size"),
-)
-_FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout")
-
-
-def _validate(config: PPOConfig) -> None:
-    """Rules between keys that need no world size (those are in plan.build_plan)."""
-    for group, stem in _MICRO_BATCH_PAIRS:
-        node = config.at(group)
-        total, per_gpu = getattr(node, stem), getattr(node, f"{stem}_per_gpu")
-        if total is not None and per_gpu is not None:
-            raise ConfigError(f"{group}.{stem}", f"set only one of {stem} (global, deprecated; ={total}) and "
-                                                 f"{stem}_per_gpu (={per_gpu}); prefer {stem}_per_gpu")
-    for name, betas in (("actor_rollout_ref.actor", config.actor_rollout_ref.actor.optim.betas),
-                        ("critic", config.critic.optim.betas)):
-        if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
-            raise ConfigError(f"{name}.optim.betas", f"expected two numbers in [0, 1), got {betas}")
-    if config.critic.enable is False and config.algorithm.adv_estimator == "gae":
-        raise ConfigError("critic.enable", "adv_estimator=gae needs a critic (values); enable it or use grpo")
-    if config.reward_model.enable:
-        raise ConfigError("reward_model.enable", "model-based reward models are not supported; use rule-based "
-                                                 "rewards (custom_reward_function.path) with reward_model.enable=false")
-    if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
-        raise ConfigError("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
-    _validate_async(config)
-    _validate_behaviour_logprobs(config)
-
-
-def _validate_async(config: PPOConfig) -> None:
-    """Sync mode colocates actor and rollout; the async modes need a rollout pool and their own keys."""
-    async_cfg, pool = config.async_training, config.rollout
-    if (async_cfg is None) != (pool is None):
-        present = "async_training" if pool is None else "rollout"
-        raise ConfigError(present, "the async modes need both the rollout pool (rollout.nnodes/n_gpus_per_node) and "
-                                   "async_training; use --config-name=one_step_off_ppo_trainer or fully_async_ppo_trainer")
-    hybrid = config.actor_rollout_ref.hybrid_engine
-    if async_cfg is None and not hybrid:
-        raise ConfigError("actor_rollout_ref.hybrid_engine", "false needs a separate rollout pool; use "
-                                                             "--config-name=one_step_off_ppo_trainer or fully_async_ppo_trainer")
-    if async_cfg is None:
-        return
-    if hybrid:
-        raise ConfigError("actor_rollout_ref.hybrid_engine", f"must be false in {async_cfg.mode} mode (rollout runs "
-                                                             "on its own pool)")
-    fully = async_cfg.mode == "fully_async"
-    for key in _FULLY_ASYNC_KEYS:
-        value = getattr(async_cfg, key)
-        if fully and value is None:
-            raise ConfigError(f"async_training.{key}", "is required in fully_async mode")
-        if not fully and value is not None:
-            raise ConfigError(f"async_training.{key}", "is only used in fully_async mode")
-    if not fully and pool.total_rollout_steps is not None:
-        raise ConfigError("rollout.total_rollout_steps", "is only used in fully_async mode")
-
-
-def _validate_behaviour_logprobs(config: PPOConfig) -> None:
-    """The PPO anchor (see shardrl.algos.off_policy): decoupled=true recomputes old logprobs with the actor;
-    decoupled=false anchors on the rollout's behaviour logprobs, which verl's async recipes call
-    use_rollout_log_probs. Importance weights compare the two, so they need both."""
-    correction = config.algorithm.rollout_correction
-    if correction.rollout_is is not None and not correction.decoupled:
-        raise ConfigError("algorithm.rollout_correction.rollout_is", "needs decoupled=true (importance weights compare "
-                                                                     "recomputed old logprobs with behaviour logprobs)")
-    async_cfg = config.async_training
-    if async_cfg is not None and async_cfg.use_rollout_log_probs == correction.decoupled:
-        wanted = "false" if async_cfg.use_rollout_log_probs else "true"
-        raise ConfigError("async_training.use_rollout_log_probs",
-                          f"{str(async_cfg.use_rollout_log_probs).lower()} needs algorithm.rollout_correction."
-                          f"decoupled={wanted} (true: train on behaviour logprobs; false: recompute old logprobs)")
-    needs_behaviour = not correction.decoupled or correction.rollout_is is not None
-    if needs_behaviour and not config.actor_rollout_ref.rollout.calculate_log_probs:
-        raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs",
-                          "must be true: algorithm.rollout_correction reads the rollout's behaviour logprobs")
