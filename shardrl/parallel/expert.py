@@ -183,7 +183,7 @@ class _Exchange:
         ep, etp = layout.ep_size, layout.etp_size
         table = torch.stack(table).view(ep, etp, ep, num_local)  # [src EP, src ETP, dest EP, local expert]
         mine = table[:, :, layout.ep_rank].transpose(0, 1)  # [ETP, EP, E_local]: row order after the ETP gather
-        host = table.cpu()  # the one host sync of the layer: split sizes must be Python ints
+        host = table.cpu()  # the dispatch's one host sync: split sizes must be Python ints
         mine_host = host[:, :, layout.ep_rank].transpose(0, 1)  # [ETP, EP, E_local]
         etp_rows = mine_host.sum(dim=(1, 2)).tolist()
         row_experts = torch.arange(num_local, device=counts.device).repeat(etp * ep)
