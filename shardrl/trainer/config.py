@@ -87,6 +87,8 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class CheckpointConfig:
+    """What a role's checkpoints hold and what a resume restores."""
+
     save_contents: list[CheckpointContent]
     load_contents: list[CheckpointContent]
 
@@ -110,6 +112,8 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class ActorConfig:
+    """The policy being trained: PPO loss, mini/micro batching, optimizer, layout."""
+
     strategy: Literal["megatron"]
     ppo_mini_batch_size: PosInt  # prompts per mini batch (global)
     ppo_micro_batch_size: PosInt | None  # deprecated global form of the per-GPU size
@@ -140,6 +144,8 @@ class ActorConfig:
 
 @dataclass(frozen=True)
 class RefConfig:
+    """The frozen reference policy (only used with a KL term): its log-prob pass and layout."""
+
     strategy: Literal["megatron"]
     log_prob_micro_batch_size: PosInt | None
     log_prob_micro_batch_size_per_gpu: PosInt | None
@@ -150,6 +156,8 @@ class RefConfig:
 
 @dataclass(frozen=True)
 class SamplingConfig:
+    """Sampling settings of validation rollouts."""
+
     temperature: NonNegFloat
     top_k: AtLeastMinusOne  # -1 or 0: off
     top_p: Fraction
@@ -159,6 +167,8 @@ class SamplingConfig:
 
 @dataclass(frozen=True)
 class WeightSyncConfig:
+    """Trainer -> rollout weight transfer (shardrl's keys)."""
+
     bucket_size_mb: PosInt
     verify: Literal["checksum", "full"]
 
@@ -209,6 +219,8 @@ class RolloutConfig:
 
 @dataclass(frozen=True)
 class ActorRolloutRefConfig:
+    """verl's `actor_rollout_ref` group: the policy model and its three roles."""
+
     hybrid_engine: bool  # actor and rollout share processes (sync mode)
     model: ModelConfig
     actor: ActorConfig
@@ -218,6 +230,8 @@ class ActorRolloutRefConfig:
 
 @dataclass(frozen=True)
 class CriticConfig:
+    """The value model (used with adv_estimator=gae): loss, batching, optimizer, layout."""
+
     strategy: Literal["megatron"]
     enable: bool | None  # null: only when adv_estimator needs values (gae)
     model: ModelConfig
@@ -246,6 +260,8 @@ class CriticConfig:
 
 @dataclass(frozen=True)
 class RewardModelConfig:
+    """Rule-based reward settings (verl's `reward_model` group; model-based RMs are refused)."""
+
     enable: bool  # model-based reward models are not supported; rewards are rule-based
     reward_manager: Literal["naive", "batch"]
     reward_kwargs: dict[str, Any]
@@ -253,12 +269,16 @@ class RewardModelConfig:
 
 @dataclass(frozen=True)
 class CustomRewardFunctionConfig:
+    """A user scoring function loaded from a file."""
+
     path: str | None
     name: str
 
 
 @dataclass(frozen=True)
 class KLControlConfig:
+    """Coefficient controller of the in-reward KL penalty."""
+
     type: Literal["fixed", "adaptive"]
     kl_coef: NonNegFloat
     horizon: PosInt
@@ -276,6 +296,8 @@ class RolloutCorrectionConfig:
 
 @dataclass(frozen=True)
 class AlgorithmConfig:
+    """Advantage estimation, KL in reward and off-policy correction."""
+
     adv_estimator: AdvEstimator
     gamma: UnitInterval
     lam: UnitInterval
@@ -288,6 +310,8 @@ class AlgorithmConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
+    """Prompt datasets in verl's RL format and how they are batched and truncated."""
+
     tokenizer: str | None  # null: the actor's tokenizer
     train_files: str | list[str] | None  # null: the built-in task of the default job
     val_files: str | list[str] | None
@@ -312,6 +336,8 @@ class DataConfig:
 
 @dataclass(frozen=True)
 class TrainerConfig:
+    """The run: pools, device, length, validation, checkpoints, logging, seeds."""
+
     project_name: str
     experiment_name: str
     logger: list[Logger]
@@ -338,6 +364,8 @@ class TrainerConfig:
 
 @dataclass(frozen=True)
 class RayConfig:
+    """verl's `ray_kwargs` group."""
+
     ray_init: dict[str, Any]  # passed to ray.init
 
 
@@ -347,11 +375,13 @@ class RolloutPoolConfig:
 
     nnodes: PosInt
     n_gpus_per_node: PosInt
-    total_rollout_steps: PosInt | None = None  # fully_async only: prompts to generate in all; null: epochs x data
+    total_rollout_steps: PosInt | None = None  # fully_async only: samples to generate in all; null: epochs x data
 
 
 @dataclass(frozen=True)
 class AsyncTrainingConfig:
+    """The async schedules (present only in the one_step_off / fully_async configs)."""
+
     mode: Literal["one_step_off", "fully_async"]
     use_rollout_log_probs: bool  # train on behaviour logprobs instead of recomputing old logprobs
     # fully_async only:
@@ -363,6 +393,8 @@ class AsyncTrainingConfig:
 
 @dataclass(frozen=True)
 class PPOConfig:
+    """The whole config (root of the Hydra tree); build it with `load_config` or `compose`."""
+
     data: DataConfig
     actor_rollout_ref: ActorRolloutRefConfig
     critic: CriticConfig

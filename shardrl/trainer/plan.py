@@ -113,16 +113,22 @@ def build_plan(config: PPOConfig) -> Plan:
     )
 
 
+def _step_key(config: PPOConfig) -> str:
+    """The key that sets the prompts of one training step."""
+    return "async_training.require_batches" if config.mode == "fully_async" else "data.train_batch_size"
+
+
 def _step(config: PPOConfig) -> tuple[int, int]:
     """Prompts per training step and actor mini batches per step; every mini batch size must divide the step."""
     actor_mini = config.actor_rollout_ref.actor.ppo_mini_batch_size
     minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor_mini)]
     if config.use_critic:
         minis.append(("critic.ppo_mini_batch_size", config.critic.ppo_mini_batch_size))
+    step_key = _step_key(config)
     if config.mode == "fully_async":
-        step, step_key = config.async_training.require_batches * actor_mini, "async_training.require_batches"
+        step = config.async_training.require_batches * actor_mini
     else:
-        step, step_key = config.data.train_batch_size, "data.train_batch_size"
+        step = config.data.train_batch_size
     for key, mini in minis:
         if mini > step:
             raise ConfigError(key, f"{mini} prompts is larger than the {step} prompts of a step ({step_key})")
@@ -144,7 +150,7 @@ class _Batch:
 
 
 def _batches_of(config: PPOConfig, role: str, step_prompts: int) -> dict[str, _Batch]:
-    step_key = "async_training.require_batches" if config.mode == "fully_async" else "data.train_batch_size"
+    step_key = _step_key(config)
 
     def log_prob(group: str) -> _Batch:
         return _Batch(step_prompts, step_key, group, "log_prob_micro_batch_size", "log_prob_use_dynamic_bsz",
