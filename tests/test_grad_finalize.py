@@ -149,13 +149,14 @@ class ToyModel(nn.Module):
             specs.append(ShardSpec("experts.{expert}.w", (H, H), group="etp", expert_ids=ids))
         for spec in specs:
             attr = spec.hf_name.split(".")[0]
-            setattr(self, attr, set_spec(nn.Parameter(shard_of(full, spec).clone()), spec))
+            setattr(self, attr, set_spec(nn.Parameter(shard_of(full, spec).to(layout.device, copy=True)), spec))
 
     def loss(self, data: dict[str, Tensor]) -> Tensor:
         """This rank's share of `reference_loss` (data parallel over tokens, TP ranks split tokens for SP/experts)."""
         layout = self.layout
+        data = {k: v.to(layout.device) for k, v in data.items()}
         n = N // layout.dp_size
-        dp_tokens = torch.arange(layout.dp_rank * n, (layout.dp_rank + 1) * n)
+        dp_tokens = torch.arange(layout.dp_rank * n, (layout.dp_rank + 1) * n, device=layout.device)
         m = n // layout.tp_size
         my_tokens = dp_tokens[layout.tp_rank * m:(layout.tp_rank + 1) * m]
         x = data["x"][dp_tokens]  # [n, H]
@@ -176,7 +177,8 @@ class ToyModel(nn.Module):
         y = torch.relu(h @ self.w1.T)  # [n, F/tp]
         kv = h @ self.k.T  # [n, local kv heads]
         spec = get_spec(self.k)
-        heads = torch.arange(layout.tp_rank * HEADS // layout.tp_size, (layout.tp_rank + 1) * HEADS // layout.tp_size)
+        heads = torch.arange(layout.tp_rank * HEADS // layout.tp_size, (layout.tp_rank + 1) * HEADS // layout.tp_size,
+                             device=layout.device)
         local_kv = heads // (HEADS // spec.full_shape[0]) - spec.index * (spec.full_shape[0] // spec.num_shards)
         y = y * kv[:, local_kv].repeat_interleave(F // HEADS, dim=1)
         # After the reduce every TP rank holds all of z and its gradient: `b` and `norm` get full gradients.
@@ -201,17 +203,20 @@ def create_layout(spec: LayoutSpec) -> Layout:
     return Layout.create(spec, ranks=[0, 1] if dist.get_rank() < 2 else [2, 3])
 
 
-def _finalize_layouts() -> dict[str, dict]:
+def finalize_layouts(names: list[str]) -> dict[str, dict]:
+    """On every rank: the finalised grads (on CPU) and the global norm of the toy model for each named layout."""
     out = {}
-    for name, (spec, kv_heads) in LAYOUTS.items():
+    for name in names:
+        spec, kv_heads = LAYOUTS[name]
         layout = create_layout(spec)
         model = ToyModel(layout, full_params(kv_heads))
         grads = GradBuffers(model.parameters(), layout, bucket_mb=SMALL_BUCKET_MB)
         for step in range(2):  # two micro batches, accumulated
             model.loss(batch(step)).backward()
         grads.finalize()
-        out[name] = dict(grads={get_spec(p).hf_name: (get_spec(p), p.main_grad.clone()) for p in model.parameters()},
-                         norm=grads.global_norm().item())
+        grads_by_name = {get_spec(p).hf_name: (get_spec(p), p.main_grad.to("cpu", copy=True))
+                         for p in model.parameters()}
+        out[name] = dict(grads=grads_by_name, norm=grads.global_norm().item())
     return out
 
 
@@ -221,13 +226,7 @@ def reference_grads(kv_heads: int, steps: range = range(2)) -> dict[str, Tensor]
     return {k: v.grad for k, v in full.items()}
 
 
-@pytest.fixture(scope="module")
-def finalized() -> list[dict]:
-    return run_distributed(4, _finalize_layouts)
-
-
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_finalized_grads_are_reference_slices(finalized, name):
+def check_grads(finalized: list[dict], name: str) -> None:
     ref = reference_grads(LAYOUTS[name][1])
     for rank, result in enumerate(finalized):
         for hf_name, (spec, grad) in result[name]["grads"].items():
@@ -235,12 +234,26 @@ def test_finalized_grads_are_reference_slices(finalized, name):
                                        msg=lambda m: f"rank {rank} {hf_name}: {m}")
 
 
-@pytest.mark.parametrize("name", LAYOUTS)
-def test_grad_norm_counts_every_element_once(finalized, name):
+def check_norm(finalized: list[dict], name: str) -> None:
     ref = reference_grads(LAYOUTS[name][1])
     expected = math.sqrt(sum(g.square().sum().item() for g in ref.values()))
     for result in finalized:
         assert result[name]["norm"] == pytest.approx(expected, rel=1e-6)
+
+
+@pytest.fixture(scope="module")
+def finalized() -> list[dict]:
+    return run_distributed(4, finalize_layouts, list(LAYOUTS))
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_finalized_grads_are_reference_slices(finalized, name):
+    check_grads(finalized, name)
+
+
+@pytest.mark.parametrize("name", LAYOUTS)
+def test_grad_norm_counts_every_element_once(finalized, name):
+    check_norm(finalized, name)
 
 
 def test_bucket_layout_hand_written():

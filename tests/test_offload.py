@@ -23,14 +23,14 @@ class _Model(nn.Module):
                                 ShardSpec("experts.{expert}.w", (4, 4), expert_ids=(2, 3)))
 
     def loss(self, step: int) -> Tensor:
-        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step))
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(step)).to(self.w.device)
         h = (x * self.norm.float()) @ self.experts[0] @ self.experts[1]
         return (h @ self.w.T).square().mean()
 
 
-def _trained(steps: int) -> tuple[_Model, AdamW]:
-    model = _Model()
-    opt = AdamW(model.parameters(), Layout.single(), lr=1e-2)
+def trained(steps: int, device: str = "cpu") -> tuple[_Model, AdamW]:
+    model = _Model().to(device)
+    opt = AdamW(model.parameters(), Layout.single(device), lr=1e-2)
     for step in range(steps):
         opt.zero_grad()
         model.loss(step).backward()
@@ -40,13 +40,13 @@ def _trained(steps: int) -> tuple[_Model, AdamW]:
     return model, opt
 
 
-def _groups(model: _Model, opt: AdamW) -> dict[str, list[Tensor]]:
+def groups(model: _Model, opt: AdamW) -> dict[str, list[Tensor]]:
     return dict(params=list(model.parameters()), grads=opt.grads.tensors(), optimizer_state=opt.state_tensors())
 
 
 def test_round_trip_is_bitwise_and_frees_storage():
-    model, opt = _trained(2)
-    tensors = [t for group in _groups(model, opt).values() for t in group]
+    model, opt = trained(2)
+    tensors = [t for group in groups(model, opt).values() for t in group]
     before = [t.detach().clone() for t in tensors]
     offload(model, opt)
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
@@ -64,8 +64,8 @@ def test_on_device_restores_for_the_block_and_training_continues_like_never_offl
         model.loss(5).backward()
         opt.step()
 
-    model, opt = _trained(1)
-    twin, twin_opt = _trained(1)
+    model, opt = trained(1)
+    twin, twin_opt = trained(1)
     offload(model, opt)
     with on_device(model, opt):
         assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
@@ -77,15 +77,15 @@ def test_on_device_restores_for_the_block_and_training_continues_like_never_offl
 
 
 def test_flags_select_what_moves():
-    model, opt = _trained(1)
+    model, opt = trained(1)
     offload(model, opt, params=False, optimizer_state=False)
-    groups = _groups(model, opt)
-    assert all(t.untyped_storage().nbytes() == 0 for t in groups["grads"])
-    assert all(t.untyped_storage().nbytes() > 0 for t in groups["params"] + groups["optimizer_state"])
+    parts = groups(model, opt)
+    assert all(t.untyped_storage().nbytes() == 0 for t in parts["grads"])
+    assert all(t.untyped_storage().nbytes() > 0 for t in parts["params"] + parts["optimizer_state"])
     offload(model)  # params only; already offloaded grads are left as they are
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     reload(model, opt)
-    assert all(t.untyped_storage().nbytes() > 0 for group in _groups(model, opt).values() for t in group)
+    assert all(t.untyped_storage().nbytes() > 0 for group in groups(model, opt).values() for t in group)
 
 
 def test_tensors_sharing_a_storage_move_once():

@@ -29,7 +29,7 @@ def _model_and_optimizer(layout: Layout, distributed: bool, seed: int = 0) -> tu
 
 
 def _params(model: nn.Module) -> dict:
-    return {get_spec(p).hf_name: (get_spec(p), p.detach().clone()) for p in model.parameters()}
+    return {get_spec(p).hf_name: (get_spec(p), p.detach().to("cpu", copy=True)) for p in model.parameters()}
 
 
 def _train(layout: Layout, distributed: bool) -> dict:
@@ -82,10 +82,11 @@ def _resume(layout: Layout) -> dict:
                 stepped_equal=all(torch.equal(p, q) for p, q in zip(model.parameters(), resumed.parameters())))
 
 
-def _optimizer_runs() -> dict:
+def optimizer_runs(names: list[str]) -> dict:
+    """On every rank: 3 steps in both modes for each named layout, the non-finite and the resume scenarios."""
     train = {}
-    for name, spec in TRAIN_LAYOUTS.items():
-        layout = create_layout(spec)
+    for name in names:
+        layout = create_layout(TRAIN_LAYOUTS[name])
         train[name] = {mode: _train(layout, mode == "distributed") for mode in ("plain", "distributed")}
     dp2 = create_layout(LayoutSpec(2))
     non_finite = {mode: _non_finite(dp2, mode == "distributed") for mode in ("plain", "distributed")}
@@ -94,11 +95,15 @@ def _optimizer_runs() -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> list[dict]:
-    return run_distributed(4, _optimizer_runs)
+    return run_distributed(4, optimizer_runs, list(TRAIN_LAYOUTS))
 
 
 @pytest.fixture(scope="module")
 def reference() -> dict:
+    return reference_run()
+
+
+def reference_run() -> dict:
     """torch.optim.AdamW with clip_grad_norm_ on the full model; no weight decay for 1-D tensors."""
     full = {k: nn.Parameter(v) for k, v in full_params(kv_heads=1).items()}
     groups = [dict(params=[p for p in full.values() if p.ndim >= 2]),
@@ -114,8 +119,7 @@ def reference() -> dict:
     return dict(params={k: v.detach() for k, v in full.items()}, norms=norms)
 
 
-@pytest.mark.parametrize("name", TRAIN_LAYOUTS)
-def test_three_clipped_steps_match_torch_adamw(runs, reference, name):
+def check_against_reference(runs: list[dict], reference: dict, name: str) -> None:
     assert min(reference["norms"]) > HYPER["clip_grad"]  # clipping is active in every step
     for rank, result in enumerate(runs):
         for mode, run in result["train"][name].items():
@@ -126,8 +130,7 @@ def test_three_clipped_steps_match_torch_adamw(runs, reference, name):
                                            msg=lambda m: f"rank {rank} {mode} {hf_name}: {m}")
 
 
-@pytest.mark.parametrize("name", TRAIN_LAYOUTS)
-def test_distributed_optimizer_equals_plain(runs, name):
+def check_distributed_equals_plain(runs: list[dict], name: str) -> None:
     for result in runs:
         plain, sharded = result["train"][name]["plain"], result["train"][name]["distributed"]
         assert [n for n, _ in sharded["norms"]] == pytest.approx([n for n, _ in plain["norms"]], rel=1e-6)
@@ -137,19 +140,28 @@ def test_distributed_optimizer_equals_plain(runs, name):
             torch.testing.assert_close(sharded["params"][hf_name][1], value, rtol=0, atol=1e-6)
 
 
-@pytest.mark.parametrize("mode", ["plain", "distributed"])
-def test_non_finite_grad_skips_the_step_on_every_rank(runs, mode):
+def check_non_finite_and_resume(runs: list[dict]) -> None:
     for result in runs:
-        outcome = result["non_finite"][mode]
-        assert math.isnan(outcome["norm"]) and outcome["skipped"] and outcome["unchanged"]
-        assert outcome["steps_after_skip"] == 0 and outcome["next_skipped"] is False
-
-
-def test_state_dict_round_trip_and_layout_mismatch(runs):
-    for result in runs:
+        for outcome in result["non_finite"].values():  # plain and distributed
+            assert math.isnan(outcome["norm"]) and outcome["skipped"] and outcome["unchanged"]
+            assert outcome["steps_after_skip"] == 0 and outcome["next_skipped"] is False
         resume = result["resume"]
         assert resume["loaded_equal"] and resume["stepped_equal"]
         assert "saved with another layout or distributed setting" in resume["mismatch"]
+
+
+@pytest.mark.parametrize("name", TRAIN_LAYOUTS)
+def test_three_clipped_steps_match_torch_adamw(runs, reference, name):
+    check_against_reference(runs, reference, name)
+
+
+@pytest.mark.parametrize("name", TRAIN_LAYOUTS)
+def test_distributed_optimizer_equals_plain(runs, name):
+    check_distributed_equals_plain(runs, name)
+
+
+def test_non_finite_grad_skips_everywhere_and_state_dict_round_trips(runs):
+    check_non_finite_and_resume(runs)
 
 
 def _scheduled_lrs(steps: int, **kwargs) -> list[float]:

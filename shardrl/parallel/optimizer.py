@@ -45,7 +45,8 @@ class AdamW:
                  clip_grad: float | None = 1.0, distributed: bool = False, bucket_mb: float = 40.0) -> None:
         self.layout = layout
         self.grads = GradBuffers(params, layout, bucket_mb=bucket_mb, shard=distributed)
-        self.lr, self.betas, self.eps, self.weight_decay, self.clip_grad = lr, tuple(betas), eps, weight_decay, clip_grad
+        self.lr, self.betas, self.eps = lr, tuple(betas), eps
+        self.weight_decay, self.clip_grad = weight_decay, clip_grad
         self.num_steps = 0  # updates applied (skipped steps do not count): Adam's bias correction step
         self.states = [self._init_state(buf) for buf in self.grads.buffers]
 
