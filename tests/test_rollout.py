@@ -135,8 +135,10 @@ def test_sleep_wake_round_trip(checkpoints):
     engine = _engine(checkpoints["mixtral"])
     params = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True)
     before = engine.generate(PROMPTS, params)
+    stats = engine.stats  # one prefill of 5 + 9 + 3 tokens, then 5 decode steps of 3 requests
+    assert (stats.prefill_steps, stats.prefill_tokens, stats.decode_steps, stats.decode_tokens) == (1, 17, 5, 15)
     engine.sleep(offload_weights=True)
-    assert engine.cache.data is None
+    assert engine.runner.cache.data is None
     with pytest.raises(EngineError, match="asleep"):
         engine.submit(PROMPTS[0], params)
         engine.step()

@@ -15,6 +15,7 @@ Use:
 from __future__ import annotations
 
 import itertools
+import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,38 +25,24 @@ from torch import Tensor
 
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import hf_name_index, load_hf_tensor, load_hf_weights
-from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.tensor import gather_vocab
-from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket
-from shardrl.rollout.kv_cache import (
-    DecodeAttention,
-    KVCache,
-    PrefillAttention,
-    gpu_cache_budget,
-    num_slots_for_budget,
-)
 from shardrl.rollout.request import Request, RequestOutput, SamplingParams
+from shardrl.rollout.runner import EngineConfig, ModelRunner
 from shardrl.rollout.sampler import SamplingBatch, sample
-from shardrl.rollout.scheduler import Batch, Scheduler
+from shardrl.rollout.scheduler import Scheduler
 
 
-@dataclass(frozen=True)
-class EngineConfig:
-    """Engine sizes (verl's rollout key names). The KV cache gets what `gpu_memory_utilization` of the GPU leaves
-    after everything in use at start-up and the activations of a full prefill; on CPU it holds
-    `cpu_kv_cache_tokens` tokens. `enforce_eager` turns the CUDA-graph decode off."""
+@dataclass
+class EngineStats:
+    """Work done since the last reset (`engine.stats = EngineStats()`), for throughput metrics. Step times are
+    wall-clock; each step ends in a device-to-host copy, so they include the device work."""
 
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    gpu_memory_utilization: float = 0.5
-    cpu_kv_cache_tokens: int = 65536
-    dtype: torch.dtype = torch.float32
-    enforce_eager: bool = False
-    max_graph_rows: int = 512  # larger decode batches run eagerly
-    seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
-    eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
+    prefill_steps: int = 0
+    prefill_tokens: int = 0
+    prefill_seconds: float = 0.0
+    decode_steps: int = 0
+    decode_tokens: int = 0
+    decode_seconds: float = 0.0
 
 
 class EngineError(ValueError):
@@ -67,16 +54,15 @@ class Engine:
         _check_layout(layout, model_config)
         self.model_config, self.layout, self.config = model_config, layout, config
         self.device = layout.device
-        self.model = Transformer(model_config, layout, dtype=config.dtype).eval().requires_grad_(False)
+        self.runner = ModelRunner(model_config, layout, config)
+        self.model = self.runner.model  # weight sync writes into its parameters' shards (by their specs)
         self._names = hf_name_index(self.model)
         self.policy_version = 0
         self.eos_ids = frozenset(_eos_ids(model_config) if config.eos_token_ids is None else config.eos_token_ids)
-        self.cache = self._build_cache()
-        self.scheduler = Scheduler(self.cache.num_slots, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.runner.cache.num_slots, config.max_num_seqs, config.max_num_batched_tokens)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)
-        self.graphs: DecodeGraphs | None = None
+        self.stats = EngineStats()
         self._paused: dict[str, Request] = {}
-        self._offloaded = False
         self._counter = itertools.count()
 
     @classmethod
@@ -102,24 +88,12 @@ class Engine:
         use the GPU. Requests must be finished or aborted first."""
         if self.scheduler.has_work():
             raise EngineError("sleep: requests are still in flight; call abort() or run them to completion first")
-        self.cache.free()
-        self.graphs = None  # they point into the freed cache
-        if offload_weights and self.device.type == "cuda":
-            for param in self.model.parameters():
-                param.data = torch.empty_like(param, device="cpu", pin_memory=True).copy_(param)
-            self._offloaded = True
-        if self.device.type == "cuda":
-            torch.cuda.empty_cache()
+        self.runner.release_memory(offload_weights)
 
     def wake_up(self, kv_cache: bool = True) -> None:
         """Weights back on the device first, then (unless `kv_cache=False`, e.g. to sync weights in between) the
         KV cache, so the two never peak together."""
-        if self._offloaded:
-            for param in self.model.parameters():
-                param.data = param.data.to(self.device, non_blocking=True)
-            self._offloaded = False
-        if kv_cache and self.cache.data is None:
-            self.cache.allocate()
+        self.runner.restore_memory(kv_cache)
 
     # ---- requests ------------------------------------------------------------------------------------------------
 
@@ -144,13 +118,28 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one prefill or decode batch; return the requests that finished in it."""
-        if self.cache.data is None:
+        if self.runner.cache.data is None:
             raise EngineError("step: the engine is asleep; call wake_up() first")
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        requests = batch.requests
-        logits = self._prefill_logits(requests) if batch.kind == "prefill" else self._decode_logits(batch)
+        start, prefill = time.perf_counter(), batch.kind == "prefill"
+        num_tokens = sum(r.num_tokens for r in batch.requests) if prefill else len(batch.requests)
+        logits = self.runner.prefill_logits(batch.requests) if prefill else self.runner.decode_logits(batch)
+        finished = self._sample_and_record(batch.requests, logits)
+        seconds = time.perf_counter() - start
+        if prefill:
+            self.stats.prefill_steps += 1
+            self.stats.prefill_tokens += num_tokens
+            self.stats.prefill_seconds += seconds
+        else:
+            self.stats.decode_steps += 1
+            self.stats.decode_tokens += num_tokens
+            self.stats.decode_seconds += seconds
+        return finished
+
+    def _sample_and_record(self, requests: list[Request], logits: Tensor) -> list[RequestOutput]:
+        """logits [N, V] -> one new token per request; returns the requests this finished."""
         sampling = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests],
                                        self.model_config.vocab_size, self.device)
         drawn = sample(logits, sampling, self.generator)
@@ -192,88 +181,6 @@ class Engine:
         ids = list(self._paused) if request_ids is None else list(request_ids)
         for rid in reversed(ids):
             self.scheduler.add(self._paused.pop(rid), front=True)
-
-    # ---- forward passes ------------------------------------------------------------------------------------------
-
-    def _prefill_logits(self, requests: list[Request]) -> Tensor:
-        """Run whole sequences into their cache slots -> next-token logits [N, V] of each."""
-        sequences = [r.all_ids() for r in requests]
-        lengths = [len(s) for s in sequences]
-        host = torch.tensor([t for s in sequences for t in s] + [p for n in lengths for p in range(n)]
-                            + [r.slot for r, n in zip(requests, lengths) for _ in range(n)] + lengths)
-        ids, positions, slots, lengths_t = host.to(self.device, non_blocking=True).split(
-            [sum(lengths)] * 3 + [len(lengths)])
-        cu_seqlens = torch.nn.functional.pad(lengths_t.cumsum(0), (1, 0)).int()  # [N+1]
-        hidden = self.model(ids, positions, cu_seqlens, PrefillAttention(self.cache, slots, positions), max(lengths))
-        return self._logits(hidden[cu_seqlens[1:] - 1])
-
-    def _decode_logits(self, batch: Batch) -> Tensor:
-        """One token for every slot 0..num_rows-1 (free slots ride along) -> logits [N, V] of the running ones."""
-        ids, positions = [0] * batch.num_rows, [0] * batch.num_rows
-        for r in batch.requests:
-            ids[r.slot], positions[r.slot] = r.token_ids[-1], r.num_tokens - 1
-        length = max(positions) + 1
-        host = torch.tensor(ids + positions + [r.slot for r in batch.requests])
-        ids_t, positions_t, active = host.to(self.device, non_blocking=True).split(
-            [batch.num_rows, batch.num_rows, len(batch.requests)])
-        if self._use_graphs(batch.num_rows):
-            if self.graphs is None:
-                self.graphs = DecodeGraphs(self._decode_hidden, min(self.cache.num_slots, self.config.max_graph_rows),
-                                           self.cache.max_len, self.device)
-            hidden = self.graphs.run(ids_t, positions_t, length)
-        else:
-            hidden = self._decode_hidden(ids_t, positions_t, length_bucket(length, self.cache.max_len))
-        return self._logits(hidden.index_select(0, active))
-
-    def _decode_hidden(self, ids: Tensor, positions: Tensor, length: int) -> Tensor:
-        """The portable decode forward (and what the CUDA graphs capture): ids, positions [B] -> hidden [B, H]."""
-        num_rows = ids.shape[0]
-        cu_seqlens = torch.arange(num_rows + 1, dtype=torch.int32, device=ids.device)
-        return self.model(ids, positions, cu_seqlens, DecodeAttention(self.cache, positions, length), 1)
-
-    def _logits(self, hidden: Tensor) -> Tensor:
-        """hidden [N, H] -> full-vocab logits [N, V] on every TP rank."""
-        logits = self.model.compute_logits(hidden, hidden.shape[0])  # [N, Vp/tp]
-        return gather_vocab(logits, self.layout.tp_group, self.model_config.vocab_size)
-
-    def _use_graphs(self, num_rows: int) -> bool:
-        """CUDA graphs need static shapes: MoE dispatch sizes depend on the routing, so MoE models decode eagerly."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager and self.model_config.moe is None
-                and num_rows <= self.config.max_graph_rows)
-
-    def _build_cache(self) -> KVCache:
-        config, model = self.config, self.model_config
-        kv_heads = max(model.num_kv_heads // self.layout.tp_size, 1)
-        per_slot = KVCache.bytes_per_slot(model.num_layers, config.max_model_len, kv_heads, model.head_dim,
-                                          config.dtype)
-        if self.device.type == "cuda":
-            budget = gpu_cache_budget(self.device, config.gpu_memory_utilization, self._activation_bytes())
-            source = "gpu_memory_utilization"
-        else:
-            budget = config.cpu_kv_cache_tokens * per_slot // config.max_model_len
-            source = "cpu_kv_cache_tokens"
-        slots = num_slots_for_budget(budget, per_slot, config.max_num_seqs, source)
-        return KVCache(model.num_layers, slots, config.max_model_len, kv_heads, model.head_dim, config.dtype,
-                       self.device)
-
-    @torch.inference_mode()
-    def _activation_bytes(self) -> int:
-        """Peak extra GPU memory of the largest step: a full prefill, its logits and sampling for max_num_seqs."""
-        tokens, rows = self.config.max_num_batched_tokens, min(self.config.max_num_seqs,
-                                                               self.config.max_num_batched_tokens)
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        longest = min(tokens, self.config.max_model_len)
-        ids = torch.zeros(tokens, dtype=torch.long, device=self.device)
-        positions = torch.arange(tokens, device=self.device) % longest
-        cu_seqlens = torch.tensor([*range(0, tokens, longest), tokens], dtype=torch.int32, device=self.device)
-        hidden = self.model(ids, positions, cu_seqlens)
-        logits = self._logits(hidden[:rows])
-        params = [SamplingParams(top_p=0.9)] * rows  # the sort makes this the costliest sampling path
-        sample(logits, SamplingBatch.build(params, [None] * rows, self.model_config.vocab_size, self.device))
-        del hidden, logits
-        return torch.cuda.max_memory_allocated(self.device) - base
 
 
 def _check_layout(layout: Layout, model_config: ModelConfig) -> None:
