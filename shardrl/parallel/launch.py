@@ -22,19 +22,31 @@ import torch.multiprocessing as mp
 DEFAULT_TIMEOUT = datetime.timedelta(seconds=120)
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that is free now on `host` ("" = every interface, for rendezvous reached from other nodes)."""
     with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
+        sock.bind((host, 0))
         return sock.getsockname()[1]
 
 
 def init_process(rank: int, world_size: int, port: int, backend: str, timeout: datetime.timedelta) -> None:
     """Join the default group; on NCCL each rank takes GPU `rank` (one process per GPU)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world_size))
+    join_default_group(rank, world_size, backend, timeout, cuda_index=rank)
+
+
+def join_default_group(
+    rank: int, world_size: int, backend: str, timeout: datetime.timedelta, cuda_index: int
+) -> None:
+    """Init the default group from MASTER_ADDR/MASTER_PORT in the environment; NCCL ranks use GPU `cuda_index`.
+
+    The one implementation of process-group init: `run_distributed` and the Ray workers (whose only visible GPU is
+    index 0) both end here.
+    """
     if backend == "nccl":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(cuda_index)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=torch.device("cuda", rank))
+                                device_id=torch.device("cuda", cuda_index))
     else:
         torch.set_num_threads(1)
         dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)

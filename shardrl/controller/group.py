@@ -1,0 +1,259 @@
+"""Worker groups: one Ray actor per rank of a resource pool, holding one or more role objects, called as a unit.
+
+Building a group starts the actors, points every rank at rank 0's address for the rendezvous, initialises the
+default process group in each, then constructs every role in every rank. Calls are routed by a dispatch mode (see
+dispatch.py) and always waited on with a deadline: the first rank that raises or dies ends the call with a
+`WorkerError` naming the role, the rank and the cause, and the whole group is killed, since its surviving ranks
+would otherwise sit in a collective with a missing peer until the collective timeout.
+"""
+
+from __future__ import annotations
+
+import datetime
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import ray
+from ray.exceptions import RayActorError, RayError, RayTaskError
+
+from shardrl.controller.dispatch import DISPATCH_ATTR, Dispatch, plan
+from shardrl.controller.host import RankHost, rank_env
+from shardrl.controller.pool import ResourcePool
+from shardrl.parallel.layout import LayoutSpec
+
+DEFAULT_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
+DEFAULT_CALL_TIMEOUT_S = 3600.0
+# After the first failure, how long to wait for the other ranks' outcomes: a rank that died is usually the cause of
+# its peers' collective errors, and it should be the one named even if a peer's error arrived first.
+FAILURE_GRACE_S = 5.0
+
+RemoteRankHost = ray.remote(RankHost)
+
+
+class WorkerError(RuntimeError):
+    """A rank failed during a call; `role`, `rank` and `method` say where, the message says why."""
+
+    def __init__(self, message: str, role: str, rank: int | None, method: str) -> None:
+        super().__init__(message)
+        self.role, self.rank, self.method = role, rank, method
+
+
+@dataclass
+class Role:
+    """A worker class to build on every rank of the group, under `name`.
+
+    `layout` is the role's parallel layout over the group's ranks; DP_COMPUTE reads its DP coordinates from it.
+    None means every rank is its own DP replica.
+    """
+
+    name: str
+    cls: type
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    layout: LayoutSpec | None = None
+
+
+def _first_line(text: str) -> str:
+    return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def _describe(exc: RayError) -> str:
+    """One line: how the rank failed, without Ray's wrapping and remote traceback (chained on the WorkerError)."""
+    if isinstance(exc, RayActorError):
+        return f"died ({_first_line(str(exc))})"
+    if isinstance(exc, RayTaskError) and exc.cause is not None:
+        return f"raised {type(exc.cause).__name__}: {_first_line(str(exc.cause))}"
+    return f"failed: {type(exc).__name__}: {_first_line(str(exc))}"
+
+
+class PendingCall:
+    """A call in flight on every rank of a group; `get()` waits for it and returns the collected value."""
+
+    def __init__(
+        self, group: WorkerGroup, role: str, method: str, refs: dict[int, ray.ObjectRef],
+        collect: Callable[[dict[int, Any]], Any],
+    ) -> None:
+        self.group, self.role, self.method = group, role, method
+        self._refs = refs
+        self._collect = collect
+
+    def done(self) -> bool:
+        """True when every rank has finished (successfully or not); never blocks."""
+        ready, _ = ray.wait(list(self._refs.values()), num_returns=len(self._refs), timeout=0, fetch_local=False)
+        return len(ready) == len(self._refs)
+
+    def get(self, timeout_s: float | None = None) -> Any:
+        """Wait (at most `timeout_s`, default the group's call timeout) and collect; raise WorkerError on failure."""
+        timeout_s = self.group.call_timeout_s if timeout_s is None else timeout_s
+        rank_of = {ref: rank for rank, ref in self._refs.items()}
+        pending = list(self._refs.values())
+        results: dict[int, Any] = {}
+        deadline = time.monotonic() + timeout_s
+        while pending:
+            done, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, deadline - time.monotonic()))
+            if not done:
+                late = sorted(rank_of[ref] for ref in pending)
+                self._fail(f"ranks {late} did not finish {self.method!r} within {timeout_s:g} s", late[0], None)
+            try:
+                results[rank_of[done[0]]] = ray.get(done[0])
+            except RayError as exc:
+                self._report({rank_of[done[0]]: exc} | self._late_failures(pending, rank_of))
+        return self._collect(results)
+
+    @staticmethod
+    def _late_failures(pending: list[ray.ObjectRef], rank_of: dict[ray.ObjectRef, int]) -> dict[int, RayError]:
+        """Failures among the other ranks that arrive within the grace period."""
+        if not pending:
+            return {}
+        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+        failures = {}
+        for ref in ready:
+            try:
+                ray.get(ref)
+            except RayError as exc:
+                failures[rank_of[ref]] = exc
+        return failures
+
+    def _report(self, failures: dict[int, RayError]) -> None:
+        # Deaths first (the usual root cause), then by rank.
+        order = sorted(failures, key=lambda r: (not isinstance(failures[r], RayActorError), r))
+        ranks_by_text: dict[str, list[int]] = {}
+        for rank in order:
+            ranks_by_text.setdefault(_describe(failures[rank]), []).append(rank)
+        text = "; ".join(
+            f"rank {ranks[0]} {desc}" if len(ranks) == 1 else f"ranks {ranks} {desc}"
+            for desc, ranks in ranks_by_text.items()
+        )
+        self._fail(text, order[0], failures[order[0]])
+
+    def _fail(self, text: str, rank: int, cause: BaseException | None) -> None:
+        error = WorkerError(
+            f"worker group {self.group.name!r}, role {self.role!r}, {self.method!r}: {text}",
+            self.role, rank, self.method,
+        )
+        self.group.kill(error)
+        raise error from cause
+
+
+class RoleHandle:
+    """`group.role("actor").compute_log_prob(batch)`: calls with the mode the worker method declares.
+
+    Each attribute is a `RemoteMethod`; `.submit(...)` on it starts the call without waiting (for overlapping pools).
+    """
+
+    def __init__(self, group: WorkerGroup, role: Role) -> None:
+        self._group = group
+        self._role = role
+
+    def __getattr__(self, method: str) -> RemoteMethod:
+        mode = getattr(getattr(self._role.cls, method, None), DISPATCH_ATTR, None)
+        if mode is None:
+            raise AttributeError(
+                f"role {self._role.name!r}: {self._role.cls.__name__}.{method} has no @dispatch_mode; "
+                "decorate it or use WorkerGroup.call(role, method, mode, ...)"
+            )
+        return RemoteMethod(self._group, self._role.name, method, mode)
+
+
+@dataclass
+class RemoteMethod:
+    group: WorkerGroup
+    role: str
+    method: str
+    mode: Dispatch
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.submit(*args, **kwargs).get()
+
+    def submit(self, *args: Any, **kwargs: Any) -> PendingCall:
+        return self.group.submit(self.role, self.method, self.mode, *args, **kwargs)
+
+
+class WorkerGroup:
+    """One Ray actor per rank of `pool`, each holding an instance of every role in `roles` (colocated roles share
+    the process and its default process group)."""
+
+    def __init__(
+        self,
+        pool: ResourcePool,
+        roles: Sequence[Role],
+        collective_timeout: datetime.timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
+        call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
+    ) -> None:
+        self.name = pool.name
+        self.pool = pool
+        self.world_size = pool.world_size
+        self.call_timeout_s = call_timeout_s
+        self.roles = {r.name: r for r in roles}
+        self.layouts = {r.name: r.layout or LayoutSpec(self.world_size) for r in roles}
+        self._check_roles(roles)
+        self.failure: WorkerError | None = None
+        pool.in_use = True
+        self.hosts = [RemoteRankHost.options(**pool.actor_options(r)).remote() for r in range(self.world_size)]
+        host0 = {0: self.hosts[0].rendezvous_address.remote()}
+        addr, port = PendingCall(self, "(rendezvous)", "rendezvous_address", host0, lambda by_rank: by_rank[0]).get()
+        envs = [
+            rank_env(r, self.world_size, pool.node_local_rank(r), addr, port, pool.device, collective_timeout)
+            for r in range(self.world_size)
+        ]
+        self._on_all("(process group)", "join", [(env,) for env in envs]).get()
+        for role in roles:
+            self._on_all(role.name, "add_role", [(role.name, role.cls, role.kwargs)] * self.world_size).get()
+
+    def _check_roles(self, roles: Sequence[Role]) -> None:
+        if not roles or len(self.roles) != len(roles):
+            raise ValueError(f"worker group {self.name!r}: roles must be non-empty with unique names, got "
+                             f"{[r.name for r in roles]}")
+        for name, spec in self.layouts.items():
+            if spec.world_size != self.world_size:
+                raise ValueError(f"worker group {self.name!r}: role {name!r} has a layout of world size "
+                                 f"{spec.world_size}, the pool has {self.world_size} ranks")
+        if self.pool.in_use:
+            raise ValueError(f"pool {self.name!r} already hosts a worker group; put colocated roles in one group "
+                             "or give each group its own pool")
+
+    def _on_all(self, role: str, host_method: str, per_rank_args: list[tuple]) -> PendingCall:
+        """A set-up step on every rank: `join` the process group, `add_role` to build a role."""
+        refs = {r: getattr(h, host_method).remote(*per_rank_args[r]) for r, h in enumerate(self.hosts)}
+        return PendingCall(self, role, host_method, refs, lambda by_rank: None)
+
+    def role(self, name: str) -> RoleHandle:
+        self._check_role(name)
+        return RoleHandle(self, self.roles[name])
+
+    def _check_role(self, name: str) -> None:
+        if name not in self.roles:
+            raise ValueError(f"worker group {self.name!r} has roles {sorted(self.roles)}, not {name!r}")
+
+    def submit(self, role: str, method: str, mode: Dispatch, /, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start `role.method` on every rank as `mode` routes it; returns at once."""
+        if self.failure is not None:
+            raise WorkerError(f"worker group {self.name!r} is stopped: {self.failure}",
+                              role, self.failure.rank, method)
+        self._check_role(role)
+        if not callable(getattr(self.roles[role].cls, method, None)):
+            raise ValueError(f"role {role!r}: {self.roles[role].cls.__name__} has no method {method!r}")
+        routing = plan(mode, self.layouts[role], args, kwargs)
+        payloads = [ray.put(p) for p in routing.payloads]
+        reporting = set(routing.reporting_ranks)
+        refs = {
+            r: h.run.remote(role, method, payloads[routing.payload_of_rank[r]], r in reporting)
+            for r, h in enumerate(self.hosts)
+        }
+        return PendingCall(self, role, method, refs, routing.collect)
+
+    def call(self, role: str, method: str, mode: Dispatch, /, *args: Any, **kwargs: Any) -> Any:
+        """`submit(...).get()`: run `role.method` on every rank and return the collected value."""
+        return self.submit(role, method, mode, *args, **kwargs).get()
+
+    def kill(self, failure: WorkerError | None = None) -> None:
+        """Stop every rank's process now (also what a failure does); the group cannot be called afterwards."""
+        self.failure = failure or self.failure
+        for host in self.hosts:
+            ray.kill(host, no_restart=True)
+
+    def shutdown(self) -> None:
+        """Stop the ranks and free the pool for another group."""
+        self.kill(self.failure or WorkerError(f"worker group {self.name!r} was shut down", "", None, "shutdown"))
+        self.pool.in_use = False
