@@ -52,6 +52,17 @@ class GradBuffer:
         size = (end - start) // count
         return start + rank * size, start + (rank + 1) * size
 
+    def pieces(self, rank: int, count: int) -> list[tuple[int, int, int, int]]:
+        """(param index, start, end, chunk start): the part [start, end) of each param that lies in chunk `rank`
+        of `count` of its bucket, in positions of `data`; params wholly outside their chunk are left out."""
+        out = []
+        for i, (param, offset, bucket) in enumerate(zip(self.params, self.offsets, self.param_bucket)):
+            lo, hi = self.chunk(bucket, rank, count)
+            start, end = max(offset, lo), min(offset + param.numel(), hi)
+            if start < end:
+                out.append((i, start, end, lo))
+        return out
+
 
 def shard_group(spec: ShardSpec) -> str:
     """The layout group a parameter is sharded or replicated over (the spec's, else TP for dense, ETP for experts)."""
@@ -187,24 +198,17 @@ class GradBuffers:
         owned-state tensor (the owned chunks of all buckets, back to back)."""
         rank, count = self.owner(buf)
         out = []
-        for param, offset, bucket in zip(buf.params, buf.offsets, buf.param_bucket):
-            lo, hi = buf.chunk(bucket, rank, count)
-            start, end = max(offset, lo), min(offset + param.numel(), hi)
-            if start < end:
-                out.append((param, start - offset, end - offset, buf.buckets[bucket][0] // count + start - lo))
+        for i, start, end, lo in buf.pieces(rank, count):
+            offset, bucket_start = buf.offsets[i], buf.buckets[buf.param_bucket[i]][0]
+            out.append((buf.params[i], start - offset, end - offset, bucket_start // count + start - lo))
         return out
 
     def _counted_ranges(self, buf: GradBuffer) -> list[tuple[int, int]]:
         # Data-parallel replicas: each rank counts its 1/dp chunk of every bucket (sharded or not, so the norm is
         # the same number in both modes); within it, only the params whose primary copy this rank holds.
-        rank, count = self.layout.rank(buf.group_name), self.layout.size(buf.group_name)
         ranges: list[tuple[int, int]] = []
-        for param, offset, bucket in zip(buf.params, buf.offsets, buf.param_bucket):
-            if not counts_in_norm(get_spec(param), self.layout):
-                continue
-            lo, hi = buf.chunk(bucket, rank, count)
-            start, end = max(offset, lo), min(offset + param.numel(), hi)
-            if start >= end:
+        for i, start, end, _ in buf.pieces(self.layout.rank(buf.group_name), self.layout.size(buf.group_name)):
+            if not counts_in_norm(get_spec(buf.params[i]), self.layout):
                 continue
             if ranges and ranges[-1][1] == start:
                 ranges[-1] = (ranges[-1][0], end)
