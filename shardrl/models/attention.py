@@ -12,7 +12,6 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch.nn.attention.varlen import varlen_attn
 
 from shardrl.models.config import ModelConfig
 from shardrl.models.norm import RMSNorm
@@ -50,6 +49,8 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: f
     `reference_attention`, which the tests compare against.
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        from torch.nn.attention.varlen import varlen_attn  # imported here: it loads torch._dynamo (seconds on CPU)
+
         cu = seqs.cu_seqlens
         return varlen_attn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, scale=scale, window_size=(-1, 0),
                            enable_gqa=True)

@@ -1,8 +1,9 @@
 """HF `config.json` -> typed `ModelConfig`, the only place model hyper-parameters are read.
 
-HF's own config classes fill in each family's defaults (and translate old `rope_theta`/`rope_scaling` keys into
-`rope_parameters`), so a checkpoint means the same thing here as in transformers. The family decides what HF names
-and optional pieces (biases, q/k norm, shared expert) the model has.
+Keys absent from config.json take the defaults of transformers' config class of the family (5.x), listed in
+`_DEFAULTS`; both the current `rope_parameters` and the older `rope_theta` / `rope_scaling` keys are read. Reading
+needs no transformers import, so workers start fast. The family decides the HF names and the optional pieces
+(biases, q/k norm, shared expert).
 """
 
 from __future__ import annotations
@@ -11,8 +12,6 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
-
-from transformers import AutoConfig
 
 Family = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 FAMILY_PREFIX: dict[Family, str] = {
@@ -90,37 +89,68 @@ class ModelConfig:
         if family is None:
             raise ModelConfigError(f"config.json architectures={raw.get('architectures')!r} is not supported; "
                                    f"supported: {', '.join(sorted(ARCHITECTURES))}")
-        hf = AutoConfig.for_model(family, **{k: v for k, v in raw.items() if k != "model_type"})
-        _check_supported(hf)
-        attention_bias = bool(getattr(hf, "attention_bias", False))
-        qkv_bias = {"qwen2": True, "qwen2_moe": bool(getattr(hf, "qkv_bias", True))}.get(family, attention_bias)
+        given = {_ALIASES.get(k, k): v for k, v in raw.items() if v is not None}
+        cfg = _Keys({**_DEFAULTS["all"], **_DEFAULTS[family], **given})
+        _check_supported(family, cfg)
+        attention_bias = bool(cfg["attention_bias"])
+        qkv_bias = {"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias"))}.get(family, attention_bias)
+        num_heads = cfg["num_attention_heads"]
         return cls(
-            family=family, architecture=architecture, vocab_size=hf.vocab_size, hidden_size=hf.hidden_size,
-            intermediate_size=hf.intermediate_size, num_layers=hf.num_hidden_layers,
-            num_heads=hf.num_attention_heads, num_kv_heads=hf.num_key_value_heads,
-            head_dim=getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads,
-            rms_norm_eps=hf.rms_norm_eps, rope=_rope(hf.rope_parameters),
-            tie_word_embeddings=bool(hf.tie_word_embeddings), qkv_bias=qkv_bias,
+            family=family, architecture=architecture, vocab_size=cfg["vocab_size"], hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"], num_layers=cfg["num_hidden_layers"], num_heads=num_heads,
+            num_kv_heads=cfg.get("num_key_value_heads", num_heads),
+            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // num_heads,
+            rms_norm_eps=float(cfg["rms_norm_eps"]), rope=_rope(cfg),
+            tie_word_embeddings=bool(cfg["tie_word_embeddings"]), qkv_bias=qkv_bias,
             o_bias=attention_bias if family in ("llama", "qwen3", "qwen3_moe") else False,
-            mlp_bias=bool(getattr(hf, "mlp_bias", False)), qk_norm=family in ("qwen3", "qwen3_moe"),
-            initializer_range=hf.initializer_range, moe=_moe(family, hf), hf_config=dict(raw),
+            mlp_bias=bool(cfg["mlp_bias"]), qk_norm=family in ("qwen3", "qwen3_moe"),
+            initializer_range=float(cfg["initializer_range"]), moe=_moe(family, cfg), hf_config=dict(raw),
         )
 
 
-def _check_supported(hf: Any) -> None:
-    if hf.hidden_act != "silu":
-        raise ModelConfigError(f"config.json hidden_act={hf.hidden_act!r}: only 'silu' (SwiGLU) is supported")
-    layer_types = getattr(hf, "layer_types", None)
-    sliding = (any(t != "full_attention" for t in layer_types) if layer_types
-               else getattr(hf, "sliding_window", None) is not None)
+# transformers' defaults for keys a config.json may leave out (sizes have no defaults here: they must be given).
+_DEFAULTS: dict[str, dict[str, Any]] = {
+    "all": dict(rms_norm_eps=1e-6, tie_word_embeddings=False, hidden_act="silu", initializer_range=0.02,
+                rope_theta=10000.0, attention_bias=False, mlp_bias=False),
+    "llama": {},
+    "qwen2": dict(use_sliding_window=False),
+    "qwen3": dict(use_sliding_window=False),
+    "mixtral": dict(rms_norm_eps=1e-5, rope_theta=1e6, num_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(qkv_bias=True, num_experts_per_tok=4, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[], use_sliding_window=False),
+    "qwen3_moe": dict(num_experts_per_tok=8, norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[],
+                      use_sliding_window=False),
+}
+
+# transformers 5 writes Mixtral's and Qwen3-MoE's expert count as num_local_experts; hub configs often num_experts.
+_ALIASES = {"num_local_experts": "num_experts"}
+
+
+class _Keys(dict):
+    def __missing__(self, key: str) -> Any:
+        raise ModelConfigError(f"config.json has no {key!r}, which this model needs")
+
+
+def _check_supported(family: Family, cfg: _Keys) -> None:
+    if cfg["hidden_act"] != "silu":
+        raise ModelConfigError(f"config.json hidden_act={cfg['hidden_act']!r}: only 'silu' (SwiGLU) is supported")
+    layer_types = cfg.get("layer_types")
+    if layer_types:
+        sliding = any(t != "full_attention" for t in layer_types)
+    elif "use_sliding_window" in cfg:  # Qwen families: the window applies only when switched on
+        sliding = bool(cfg["use_sliding_window"])
+    else:
+        sliding = cfg.get("sliding_window") is not None
     if sliding:
-        raise ModelConfigError(f"config.json sliding_window={getattr(hf, 'sliding_window', None)!r} with "
-                               f"layer_types={layer_types!r}: sliding-window attention is not supported")
+        raise ModelConfigError(f"config.json sliding_window={cfg.get('sliding_window')!r} (layer_types="
+                               f"{layer_types!r}, use_sliding_window={cfg.get('use_sliding_window')!r}): "
+                               f"sliding-window attention is not supported")
 
 
-def _rope(params: dict[str, Any]) -> RopeConfig:
-    kind = params.get("rope_type", "default")
-    theta = float(params["rope_theta"])
+def _rope(cfg: _Keys) -> RopeConfig:
+    params = cfg.get("rope_parameters") or {**(cfg.get("rope_scaling") or {}), "rope_theta": cfg["rope_theta"]}
+    kind = params.get("rope_type", params.get("type", "default"))
+    theta = float(params.get("rope_theta", cfg["rope_theta"]))
     if kind == "default":
         return RopeConfig(theta)
     if kind == "linear":
@@ -133,17 +163,18 @@ def _rope(params: dict[str, Any]) -> RopeConfig:
     raise ModelConfigError(f"config.json rope_parameters.rope_type={kind!r}: supported are default, linear, llama3")
 
 
-def _moe(family: Family, hf: Any) -> MoEConfig | None:
+def _moe(family: Family, cfg: _Keys) -> MoEConfig | None:
+    num_layers = cfg["num_hidden_layers"]
     if family == "mixtral":
-        return MoEConfig(num_experts=hf.num_local_experts, top_k=hf.num_experts_per_tok,
-                         ffn_size=hf.intermediate_size, norm_topk_prob=True, shared_expert_size=0,
-                         layers=frozenset(range(hf.num_hidden_layers)), block_name="block_sparse_moe",
+        return MoEConfig(num_experts=cfg["num_experts"], top_k=cfg["num_experts_per_tok"],
+                         ffn_size=cfg["intermediate_size"], norm_topk_prob=True, shared_expert_size=0,
+                         layers=frozenset(range(num_layers)), block_name="block_sparse_moe",
                          expert_proj=("w1", "w3", "w2"))
     if family not in ("qwen2_moe", "qwen3_moe"):
         return None
-    layers = frozenset(i for i in range(hf.num_hidden_layers)
-                       if i not in hf.mlp_only_layers and hf.num_experts > 0 and (i + 1) % hf.decoder_sparse_step == 0)
-    return MoEConfig(num_experts=hf.num_experts, top_k=hf.num_experts_per_tok, ffn_size=hf.moe_intermediate_size,
-                     norm_topk_prob=bool(hf.norm_topk_prob),
-                     shared_expert_size=getattr(hf, "shared_expert_intermediate_size", 0) or 0, layers=layers,
-                     block_name="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))
+    num_experts, step, dense = cfg["num_experts"], cfg["decoder_sparse_step"], cfg["mlp_only_layers"]
+    layers = frozenset(i for i in range(num_layers) if i not in dense and num_experts > 0 and (i + 1) % step == 0)
+    return MoEConfig(num_experts=num_experts, top_k=cfg["num_experts_per_tok"],
+                     ffn_size=cfg["moe_intermediate_size"], norm_topk_prob=bool(cfg["norm_topk_prob"]),
+                     shared_expert_size=cfg["shared_expert_intermediate_size"] if family == "qwen2_moe" else 0,
+                     layers=layers, block_name="mlp", expert_proj=("gate_proj", "up_proj", "down_proj"))

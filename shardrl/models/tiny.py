@@ -10,7 +10,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM
 
 from shardrl.models.config import FAMILY_PREFIX, Family
 
@@ -39,6 +38,8 @@ def make_tiny_checkpoint(family: Family, out_dir: str | Path, seed: int = 0, noi
 
     `max_shard_size` (e.g. "20KB") makes transformers write a sharded checkpoint with an index file.
     """
+    from transformers import AutoConfig, AutoModelForCausalLM  # only the checkpoint makers need transformers
+
     config = AutoConfig.for_model(family, **{**_COMMON, **TINY_CONFIGS[family], **overrides},
                                   architectures=[f"{FAMILY_PREFIX[family]}ForCausalLM"])
     torch.manual_seed(seed)
@@ -49,3 +50,22 @@ def make_tiny_checkpoint(family: Family, out_dir: str | Path, seed: int = 0, noi
     out_dir = Path(out_dir)
     model.save_pretrained(out_dir, **({"max_shard_size": max_shard_size} if max_shard_size else {}))
     return out_dir
+
+
+def packed_batch(lengths: list[int], vocab_size: int, seed: int = 0) -> tuple[torch.Tensor, ...]:
+    """Random packed sequences: input_ids [T], position_ids [T] (restarting per sequence), cu_seqlens [N+1] int32."""
+    generator = torch.Generator().manual_seed(seed)
+    input_ids = torch.randint(0, vocab_size, (sum(lengths),), generator=generator)
+    position_ids = torch.cat([torch.arange(n) for n in lengths])
+    cu_seqlens = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    return input_ids, position_ids, cu_seqlens
+
+
+@torch.no_grad()
+def hf_logits(path: str | Path, input_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Reference logits [T, V] from transformers, each packed sequence run on its own."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    bounds = cu_seqlens.tolist()
+    return torch.cat([model(input_ids[a:b].unsqueeze(0)).logits[0] for a, b in zip(bounds, bounds[1:])])
