@@ -166,3 +166,19 @@ def test_stop_tokens_n_samples_and_streaming_order(checkpoints):
 def test_prompt_longer_than_model_len_is_refused(checkpoints):
     with pytest.raises(EngineError, match="max_model_len"):
         _engine(checkpoints["qwen2"]).submit(list(range(48)), SamplingParams())
+
+
+def test_padding_rows_leave_running_rows_unchanged(checkpoints):
+    """What the CUDA-graph decode relies on: rows for free slots ride along without touching the others."""
+    engine = _engine(checkpoints["qwen2"])
+    for prompt in PROMPTS[:2]:
+        engine.submit(prompt, SamplingParams(max_tokens=4))
+    engine.step()  # prefill both into slots 0 and 1
+    running = [engine.scheduler.running[s] for s in (0, 1)]
+    ids = torch.tensor([r.token_ids[-1] for r in running])
+    positions = torch.tensor([r.num_tokens - 1 for r in running])
+    with torch.inference_mode():
+        exact = engine.runner.decode_hidden(ids, positions, length=16)
+        padded = engine.runner.decode_hidden(torch.cat([ids, torch.zeros(2, dtype=torch.long)]),
+                                             torch.cat([positions, torch.zeros(2, dtype=torch.long)]), length=48)
+    assert_close(padded[:2], exact, atol=1e-6, rtol=0)

@@ -1,0 +1,129 @@
+"""Rollout throughput: shardrl's native engine against HF transformers `generate`, same weights, prompts and run.
+
+Default (one GPU): a 494M Qwen2-shape model (Qwen2.5-0.5B's sizes) with random weights in bf16, 256 prompts of 256
+random tokens, 256 new tokens each (EOS ignored, so every request generates exactly 256), sampling at temperature 1.
+Prints generated tokens per second of each and the ratio (issue 6 asks for >= 15x).
+
+    python bench/rollout_throughput.py            # the GPU benchmark
+    python bench/rollout_throughput.py --quick    # tiny shape, few tokens: a smoke test that runs on CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from transformers import AutoModelForCausalLM, Qwen2Config
+
+from shardrl.models.config import ModelConfig
+from shardrl.parallel.layout import Layout
+from shardrl.rollout.engine import Engine, EngineConfig
+from shardrl.rollout.request import SamplingParams
+
+QWEN2_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
+                  intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
+                  max_position_embeddings=32768, rms_norm_eps=1e-6)
+TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
+            vocab_size=1000, tie_word_embeddings=True, max_position_embeddings=512)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny model, 8 prompts x 16 tokens, 16 new tokens")
+    parser.add_argument("--num-prompts", type=int, default=256)
+    parser.add_argument("--prompt-len", type=int, default=256)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
+    parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the decode")
+    parser.add_argument("--skip-hf", action="store_true", help="measure the engine only")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+    if args.quick:
+        args.num_prompts, args.prompt_len, args.new_tokens = 8, 16, 16
+    return args
+
+
+def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
+    """The HF model (random weights) and an engine holding the same weights."""
+    shape = TINY if args.quick else QWEN2_0_5B
+    hf_config = Qwen2Config(**shape, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(args.seed)
+    with device:
+        hf = AutoModelForCausalLM.from_config(hf_config, dtype=dtype).eval()
+    max_len = args.prompt_len + args.new_tokens
+    config = EngineConfig(max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens,
+                          max_model_len=max_len, cpu_kv_cache_tokens=args.num_prompts * max_len, dtype=dtype,
+                          enforce_eager=args.enforce_eager, seed=args.seed)
+    engine = Engine(ModelConfig.from_dict(hf_config.to_dict()), Layout.single(device), config)
+    # HF's state dict also lists the tied LM head under its own name; the engine's single tied tensor is the embedding.
+    engine.update_weights((n, t) for n, t in hf.state_dict().items() if n != "lm_head.weight")
+    return hf, engine
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, device: torch.device) -> float:
+    engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up: kernels, graph capture
+    engine.stats = type(engine.stats)()
+    sync(device)
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, params)
+    sync(device)
+    seconds = time.perf_counter() - start
+    generated = sum(len(o.token_ids) for o in outputs)
+    expected = len(prompts) * params.max_tokens
+    if generated != expected:
+        raise RuntimeError(f"the engine generated {generated} tokens, expected {expected}")
+    s = engine.stats
+    print(f"shardrl engine: {generated} tokens in {seconds:.2f} s = {generated / seconds:,.0f} tok/s "
+          f"(prefill {s.prefill_steps} steps {s.prefill_seconds:.2f} s; decode {s.decode_steps} steps "
+          f"{1e3 * s.decode_seconds / max(s.decode_steps, 1):.2f} ms/step)")
+    return generated / seconds
+
+
+@torch.inference_mode()
+def run_hf(hf, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> float:
+    input_ids = torch.tensor(prompts, device=device)  # all prompts have the same length: no padding
+    settings = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p,
+                    top_k=max(args.top_k, 0), pad_token_id=0)  # top_k=0: off (HF's default would be 50)
+    hf.generate(input_ids[:4], max_new_tokens=3, **settings)  # warm-up
+    sync(device)
+    start = time.perf_counter()
+    out = hf.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=args.new_tokens,
+                      min_new_tokens=args.new_tokens, **settings)
+    sync(device)
+    seconds = time.perf_counter() - start
+    generated = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+    print(f"HF generate:    {generated} tokens in {seconds:.2f} s = {generated / seconds:,.0f} tok/s")
+    return generated / seconds
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    hf, engine = build_models(args, device, dtype)
+    generator = torch.Generator().manual_seed(args.seed)
+    vocab = hf.config.vocab_size
+    prompts = torch.randint(0, vocab, (args.num_prompts, args.prompt_len), generator=generator).tolist()
+    params = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                            top_k=args.top_k, ignore_eos=True)
+    print(f"{'tiny' if args.quick else '494M Qwen2-shape'} model, {dtype}, {device}: {args.num_prompts} prompts x "
+          f"{args.prompt_len} tokens, {args.new_tokens} new tokens, temperature {args.temperature}, "
+          f"top_p {args.top_p}, top_k {args.top_k}")
+    ours = run_engine(engine, prompts, params, device)
+    if args.skip_hf:
+        return
+    theirs = run_hf(hf, prompts, args, device)
+    print(f"ratio: {ours / theirs:.1f}x HF generate (target >= 15x)")
+
+
+if __name__ == "__main__":
+    main()

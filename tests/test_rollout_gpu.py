@@ -1,0 +1,92 @@
+"""Rollout engine on CUDA: the CUDA-graph decode against the eager reference, bf16 logprobs against the trainer's
+forward, weight updates under captured graphs, sleep/wake with weight offload freeing the memory."""
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from shardrl.models.config import ModelConfig
+from shardrl.models.hf_bridge import load_hf_weights
+from shardrl.models.tiny import make_tiny_checkpoint
+from shardrl.models.transformer import Transformer
+from shardrl.parallel.layout import Layout
+from shardrl.rollout.engine import Engine, EngineConfig
+from shardrl.rollout.request import SamplingParams
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+# Mixed prompt lengths and max_tokens: the decode batch shrinks and leaves holes, crossing row and length buckets.
+PROMPTS = [[(5 * i + j) % 120 + 1 for j in range(n)] for i, n in enumerate([3, 40, 7, 70, 12, 25])]
+PARAMS = [SamplingParams(max_tokens=m, temperature=0.9, seed=i, raw_logprobs=True, ignore_eos=True)
+          for i, m in enumerate([30, 5, 60, 20, 45, 9])]
+
+
+def _config(dtype, eager=False):
+    return EngineConfig(max_model_len=160, max_num_seqs=8, max_num_batched_tokens=512, gpu_memory_utilization=0.9,
+                        dtype=dtype, enforce_eager=eager)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    return make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("tiny") / "qwen2")
+
+
+def _engine(path, dtype=torch.float32, eager=False):
+    return Engine.from_pretrained(path, Layout.single("cuda"), _config(dtype, eager))
+
+
+def test_graph_decode_equals_eager_decode(checkpoint):
+    graphed_engine = _engine(checkpoint)
+    graphed = graphed_engine.generate(PROMPTS, PARAMS)
+    assert graphed_engine.runner.graphs is not None and len(graphed_engine.runner.graphs.graphs) > 1
+    eager = _engine(checkpoint, eager=True).generate(PROMPTS, PARAMS)
+    for g, e in zip(graphed, eager):
+        assert g.token_ids == e.token_ids
+        assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+
+
+def _trainer_raw_logprobs(path, outputs, dtype):
+    model = Transformer(ModelConfig.from_pretrained(path), Layout.single("cuda"), dtype=dtype)
+    load_hf_weights(model, path)
+    result = []
+    with torch.no_grad():
+        for out in outputs:
+            ids = torch.tensor(out.prompt_ids + out.token_ids, device="cuda")
+            cu_seqlens = torch.tensor([0, ids.numel()], dtype=torch.int32, device="cuda")
+            logprobs, _ = model.compute_logprobs(model(ids, torch.arange(ids.numel(), device="cuda"), cu_seqlens),
+                                                 ids.roll(-1))
+            result.append(logprobs[len(out.prompt_ids) - 1: -1].cpu())
+    return result
+
+
+def test_bf16_logprobs_close_to_trainer_forward(checkpoint):
+    outputs = _engine(checkpoint, torch.bfloat16).generate(PROMPTS, PARAMS)
+    for out, expected in zip(outputs, _trainer_raw_logprobs(checkpoint, outputs, torch.bfloat16)):
+        diff = (torch.tensor(out.raw_logprobs) - expected).abs()
+        assert diff.max() < 0.1 and diff.mean() < 0.02, (diff.max(), diff.mean())
+
+
+def test_update_weights_under_captured_graphs(checkpoint, tmp_path):
+    other = make_tiny_checkpoint("qwen2", tmp_path / "other", seed=1)
+    engine = _engine(checkpoint)
+    engine.generate(PROMPTS, PARAMS)  # captures graphs over the old weights' storage
+    engine.update_weights((n, t.cuda()) for n, t in load_file(other / "model.safetensors").items())
+    after = engine.generate(PROMPTS, PARAMS)
+    fresh = _engine(other).generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in after] == [o.token_ids for o in fresh]
+
+
+def test_sleep_frees_memory_and_wake_restores_outputs(checkpoint):
+    engine = _engine(checkpoint, torch.bfloat16)
+    before = engine.generate(PROMPTS, PARAMS)
+    cache_bytes = engine.runner.cache.data.nbytes
+    allocated = torch.cuda.memory_allocated()
+    engine.sleep(offload_weights=True)
+    assert allocated - torch.cuda.memory_allocated() >= cache_bytes
+    assert all(not p.is_cuda for p in engine.model.parameters())
+    engine.wake_up(kv_cache=False)
+    assert all(p.is_cuda for p in engine.model.parameters()) and engine.runner.cache.data is None
+    engine.wake_up()
+    after = engine.generate(PROMPTS, PARAMS)
+    assert [o.token_ids for o in after] == [o.token_ids for o in before]
