@@ -40,12 +40,16 @@ def token_split_sizes(num_tokens: int, size: int) -> list[int]:
     return [base + (r < extra) for r in range(size)]
 
 
+def _pad_rows(x: Tensor, rows: int) -> Tensor:
+    return F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0])).contiguous()
+
+
 def _all_gather_tokens(x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
     """x [T_r, ...], this rank's chunk -> [T, ...], all chunks in rank order."""
     sizes = token_split_sizes(num_tokens, group_size(group))
     pad = sizes[0]
     out = x.new_empty(pad * len(sizes), *x.shape[1:])
-    dist.all_gather_single(out, F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad - x.shape[0])).contiguous(), group=group)
+    dist.all_gather_into_tensor(out, _pad_rows(x, pad), group=group)
     return torch.cat([chunk[:n] for chunk, n in zip(out.split(pad), sizes)])
 
 
@@ -53,9 +57,9 @@ def _reduce_scatter_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
     """x [T, ...] partial sums -> this rank's token chunk of the sum over the group."""
     sizes = token_split_sizes(x.shape[0], group_size(group))
     pad = sizes[0]
-    chunks = [F.pad(c, (0, 0) * (x.dim() - 1) + (0, pad - c.shape[0])) for c in x.split(sizes)]
+    chunks = [_pad_rows(c, pad) for c in x.split(sizes)]
     out = x.new_empty(pad, *x.shape[1:])
-    dist.reduce_scatter_single(out, torch.cat(chunks), group=group)
+    dist.reduce_scatter_tensor(out, torch.cat(chunks), group=group)
     return out[: sizes[group_rank(group)]]
 
 
@@ -192,12 +196,9 @@ class ColumnParallelLinear(nn.Module):
         num_shards = num_shards or layout.tp_size
         if out_size % num_shards:
             raise ValueError(f"{name}: output size {out_size} is not divisible by {num_shards} tensor-parallel shards")
-        index = shard_index(layout, num_shards)
-        self.weight = _sharded_param(ShardSpec(
-            f"{name}.weight", (out_size, in_size), dim=0, num_shards=num_shards, index=index, group="tp"), layout, dtype)
-        self.bias = _sharded_param(ShardSpec(
-            f"{name}.bias", (out_size,), dim=0, num_shards=num_shards, index=index, group="tp"),
-            layout, dtype) if bias else None
+        split = dict(dim=0, num_shards=num_shards, index=shard_index(layout, num_shards), group="tp")
+        self.weight = _sharded_param(ShardSpec(f"{name}.weight", (out_size, in_size), **split), layout, dtype)
+        self.bias = _sharded_param(ShardSpec(f"{name}.bias", (out_size,), **split), layout, dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
