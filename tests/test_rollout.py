@@ -77,11 +77,13 @@ def test_continuous_batching_equals_one_at_a_time(checkpoints):
     prompts = [[(7 * i + j) % 100 + 1 for j in range(n)] for i, n in enumerate([3, 12, 5, 20, 7])]
     params = [SamplingParams(max_tokens=m, temperature=0.9, top_p=0.9, seed=i, ignore_eos=True)
               for i, m in enumerate([9, 3, 14, 6, 11])]
-    # Two running at a time and 24-token prefill batches: requests finish, free slots and get refilled mid-run.
-    batched = _engine(path, EngineConfig(max_model_len=48, max_num_seqs=2, max_num_batched_tokens=24,
-                                         cpu_kv_cache_tokens=96)).generate(prompts, params)
+    # Two running at a time and 32-token prefill batches: requests finish, free slots and get refilled mid-run.
+    config = EngineConfig(max_model_len=32, max_num_seqs=2, max_num_batched_tokens=32, cpu_kv_cache_tokens=64)
+    engine = _engine(path, config)
+    batched = engine.generate(prompts, params)
+    assert engine.stats.prefill_steps == 4  # prompts 0+1 together, then each of the others as a slot frees
     for prompt, p, out in zip(prompts, params, batched):
-        alone = _engine(path).generate([prompt], p)[0]
+        alone = _engine(path, config).generate([prompt], p)[0]
         assert out.token_ids == alone.token_ids
         assert_close(torch.tensor(out.logprobs), torch.tensor(alone.logprobs), atol=1e-5, rtol=0)
 

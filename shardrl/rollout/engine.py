@@ -163,6 +163,8 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], params: SamplingParams | list[SamplingParams]) -> list[RequestOutput]:
         """Run prompts to completion; outputs in prompt order, the `n` samples of a prompt next to each other."""
+        if self.has_unfinished():
+            raise EngineError("generate: requests are already in flight; use submit() and stream() to mix them")
         per_prompt = params if isinstance(params, list) else [params] * len(prompts)
         order = [rid for prompt, p in zip(prompts, per_prompt) for rid in self.submit(prompt, p)]
         done = {out.request_id: out for out in self.stream()}

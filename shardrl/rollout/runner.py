@@ -40,6 +40,14 @@ class EngineConfig:
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
 
+    def __post_init__(self) -> None:
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError(f"gpu_memory_utilization={self.gpu_memory_utilization} must be in (0, 1]")
+        if self.max_num_batched_tokens < self.max_model_len:
+            # Sequences are prefilled whole (also when resumed after an abort), so one must fit in a prefill batch.
+            raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
+                             f"{self.max_model_len}: a whole sequence is prefilled in one step")
+
 
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig) -> None:
