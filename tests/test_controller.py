@@ -6,6 +6,7 @@ One Ray instance and one 4-rank group serve the whole module: starting Ray and t
 
 import os
 import sys
+import time
 
 import pytest
 import ray
@@ -92,6 +93,9 @@ class FailingWorker:
             raise ValueError(f"refusing input on purpose (rank {bad_rank})")
         return dist.get_rank()
 
+    def hang(self, seconds: float) -> None:
+        time.sleep(seconds)
+
 
 @pytest.fixture(scope="module")
 def ray_session():
@@ -137,17 +141,29 @@ def test_colocated_roles_share_process_and_group(world4):
     # Each role dispatches by its own layout: the ref role is DP4, so 5 rows pad to 8 and split 2 per rank.
     out = world4.role("ref").double(Batch({"x": torch.arange(5)}))
     assert out.tensors["y"].tolist() == [0, 2, 104, 106, 208]
+    with pytest.raises(AttributeError, match=r"ProbeWorker.plus_rank has no @dispatch_mode"):
+        world4.role("actor").plus_rank(1)
 
 
-def test_two_pools_coexist(world4):
+def test_two_pools_coexist_and_fail_alone(world4):
     pools = [ResourcePool("train2", 1, 2, "cpu"), ResourcePool("rollout1", 1, 1, "cpu")]
-    groups = [WorkerGroup(p, [Role("probe", ProbeWorker, {"layout": LayoutSpec(p.world_size)})]) for p in pools]
+    groups = [WorkerGroup(p, [Role("probe", ProbeWorker, {"layout": LayoutSpec(p.world_size)}),
+                              Role("critic", FailingWorker)]) for p in pools]
     try:
-        sums = [[o["sum"] for o in g.call("probe", "env_and_sum", Dispatch.ONE_TO_ALL)] for g in groups]
-        assert sums == [[3.0, 3.0], [1.0]]
+        pending = [g.submit("probe", "env_and_sum", Dispatch.ONE_TO_ALL) for g in groups]  # both pools at once
+        assert [[o["sum"] for o in p.get()] for p in pending] == [[3.0, 3.0], [1.0]]
         calls = [(world4, "actor"), (groups[0], "probe"), (groups[1], "probe")]
         pids = [o["pid"] for g, role in calls for o in g.call(role, "env_and_sum", Dispatch.ONE_TO_ALL)]
         assert len(set(pids)) == 7  # every rank of every group is its own process
+
+        # A worker's exception names role, method, rank and message, and stops only its own group.
+        with pytest.raises(WorkerError, match=r"worker group 'train2', role 'critic', 'refuse': rank 1 raised "
+                                              r"ValueError: refusing input on purpose \(rank 1\)") as info:
+            groups[0].call("critic", "refuse", Dispatch.ONE_TO_ALL, 1)
+        assert (info.value.role, info.value.rank, info.value.method) == ("critic", 1, "refuse")
+        with pytest.raises(WorkerError, match="'train2' is stopped"):
+            groups[0].call("probe", "env_and_sum", Dispatch.ONE_TO_ALL)
+        assert [o["sum"] for o in groups[1].call("probe", "env_and_sum", Dispatch.ONE_TO_ALL)] == [1.0]
     finally:
         for g, p in zip(groups, pools):
             g.shutdown()
@@ -171,14 +187,12 @@ def test_worker_death_names_role_and_rank(ray_session):
 
 
 @pytest.mark.timeout(60)
-def test_worker_exception_carries_message_and_rank(ray_session):
-    pool = ResourcePool("picky", 1, 2, "cpu")
-    group = WorkerGroup(pool, [Role("critic", FailingWorker)])
+def test_hung_call_hits_the_deadline(ray_session):
+    pool = ResourcePool("stuck", 1, 1, "cpu")
+    group = WorkerGroup(pool, [Role("rollout", FailingWorker)])
     try:
-        with pytest.raises(WorkerError, match=r"role 'critic', 'refuse': rank 1 raised ValueError: "
-                                              r"refusing input on purpose \(rank 1\)") as info:
-            group.call("critic", "refuse", Dispatch.ONE_TO_ALL, 1)
-        assert (info.value.role, info.value.rank, info.value.method) == ("critic", 1, "refuse")
+        with pytest.raises(WorkerError, match=r"role 'rollout', 'hang': ranks \[0\] did not finish 'hang' within 1 s"):
+            group.submit("rollout", "hang", Dispatch.ONE_TO_ALL, 600).get(timeout_s=1)
     finally:
         group.shutdown()
         pool.release()

@@ -128,6 +128,8 @@ class PendingCall:
         self._fail(text, order[0], failures[order[0]])
 
     def _fail(self, text: str, rank: int, cause: BaseException | None) -> None:
+        if self.group.failure is not None:  # this call's ranks were killed because another call failed first
+            text += f" (the group had been stopped: {self.group.failure})"
         error = WorkerError(
             f"worker group {self.group.name!r}, role {self.role!r}, {self.method!r}: {text}",
             self.role, rank, self.method,
@@ -158,6 +160,8 @@ class RoleHandle:
 
 @dataclass
 class RemoteMethod:
+    """One worker method of a role, bound to its dispatch mode: call it to wait, `submit` it to overlap."""
+
     group: WorkerGroup
     role: str
     method: str
@@ -247,13 +251,13 @@ class WorkerGroup:
         """`submit(...).get()`: run `role.method` on every rank and return the collected value."""
         return self.submit(role, method, mode, *args, **kwargs).get()
 
-    def kill(self, failure: WorkerError | None = None) -> None:
-        """Stop every rank's process now (also what a failure does); the group cannot be called afterwards."""
-        self.failure = failure or self.failure
+    def kill(self, failure: WorkerError) -> None:
+        """Stop every rank's process now and free the pool; later calls raise `failure`'s story."""
+        self.failure = self.failure or failure
         for host in self.hosts:
             ray.kill(host, no_restart=True)
+        self.pool.in_use = False
 
     def shutdown(self) -> None:
-        """Stop the ranks and free the pool for another group."""
-        self.kill(self.failure or WorkerError(f"worker group {self.name!r} was shut down", "", None, "shutdown"))
-        self.pool.in_use = False
+        """Stop the ranks and free the pool for another group (idempotent)."""
+        self.kill(WorkerError(f"worker group {self.name!r} was shut down", "", None, "shutdown"))

@@ -43,12 +43,16 @@ def rank_env(
     }
 
 
+def collective_timeout() -> datetime.timedelta:
+    """The group's collective timeout, for process groups a worker builds itself (`Layout.create(timeout=...)`)."""
+    return datetime.timedelta(seconds=float(os.environ[COLLECTIVE_TIMEOUT_ENV]))
+
+
 def init_distributed_from_env() -> None:
     """Join the default process group described by `rank_env` (gloo on CPU, NCCL on the one visible GPU)."""
     backend = "nccl" if os.environ[DEVICE_ENV] == "cuda" else "gloo"
-    timeout = datetime.timedelta(seconds=float(os.environ[COLLECTIVE_TIMEOUT_ENV]))
     join_default_group(
-        int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, timeout, cuda_index=0
+        int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, collective_timeout(), cuda_index=0
     )
 
 
