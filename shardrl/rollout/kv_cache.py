@@ -87,7 +87,9 @@ class DecodeAttention:
     def __init__(self, cache: KVCache, positions: Tensor, length: int) -> None:
         self.cache, self.positions, self.length = cache, positions, length  # positions [B]
         self.rows = torch.arange(positions.shape[0], device=positions.device)
-        self.valid = torch.arange(length, device=positions.device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
+        valid = torch.arange(length, device=positions.device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
+        # Additive mask built once per forward, in the cache dtype, so no layer converts a boolean one again.
+        self.mask = torch.zeros(valid.shape, dtype=cache.dtype, device=valid.device).masked_fill_(~valid, -torch.inf)
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
         keys, values = self.cache.layer(layer_id)
@@ -95,16 +97,17 @@ class DecodeAttention:
         values[self.rows, :, self.positions] = v
         num_rows = self.rows.shape[0]
         return decode_attention(q, keys[:num_rows, :, :self.length], values[:num_rows, :, :self.length],
-                                self.valid, scale)
+                                self.mask, scale)
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, valid: Tensor, scale: float) -> Tensor:
-    """One query token per row against its cached keys: q [B, nq, D], keys/values [B, nkv, L, D], valid [B, L].
+def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """One query token per row against its cached keys: q [B, nq, D], keys/values [B, nkv, L, D]; mask [B, L] is
+    True (or 0.0) where a key may be attended to, False (or -inf) elsewhere.
 
     The query heads sharing a KV head are stacked as that head's query rows ([B, nkv, nq/nkv, D]), so grouped-query
     attention needs no copies of the cache; SDPA keeps fp32 scores and picks a fused kernel on GPU.
     """
     num_rows, num_heads, head_dim = q.shape
     grouped = q.view(num_rows, keys.shape[1], -1, head_dim)  # [B, nkv, nq/nkv, D]
-    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=valid[:, None, None, :], scale=scale)
+    out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_rows, num_heads, head_dim)

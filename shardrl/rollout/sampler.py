@@ -31,6 +31,7 @@ class SamplingBatch:
     top_k: Tensor | None  # [B] int64, vocab size where off; None when no row filters
     top_p: Tensor | None  # [B] fp32, 1.0 where off
     generators: list[torch.Generator | None]  # a row's own generator, or None: the shared one
+    any_greedy: bool
     all_greedy: bool
     raw: bool  # some row asked for raw temperature-1 logprobs
 
@@ -44,7 +45,7 @@ class SamplingBatch:
             greedy=torch.tensor([p.greedy for p in params], device=device),
             top_k=torch.tensor(top_k, device=device) if filtered else None,
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device) if filtered else None,
-            generators=generators, all_greedy=all(p.greedy for p in params),
+            generators=generators, any_greedy=any(p.greedy for p in params), all_greedy=all(p.greedy for p in params),
             raw=any(p.raw_logprobs for p in params))
 
 
@@ -98,8 +99,9 @@ def sample(logits: Tensor, batch: SamplingBatch, shared: torch.Generator | None 
         token_ids = scaled.argmax(dim=-1)
     else:
         noise = exponential_noise(tuple(scaled.shape), batch.generators, shared, logits.device)
-        drawn = (scaled - noise.log_()).argmax(dim=-1)  # argmax log(p / E): the exponential race
-        token_ids = torch.where(batch.greedy, scaled.argmax(dim=-1), drawn)
+        token_ids = (scaled - noise.log_()).argmax(dim=-1)  # argmax log(p / E): the exponential race
+        if batch.any_greedy:
+            token_ids = torch.where(batch.greedy, scaled.argmax(dim=-1), token_ids)
     chosen = token_ids.unsqueeze(1)
     logprobs = scaled.gather(1, chosen).squeeze(1) - torch.logsumexp(scaled, dim=-1)
     raw = None
