@@ -76,7 +76,10 @@ class Engine:
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int | None = None) -> None:
         """Load full HF tensors (any subset, streamed one at a time) into this rank's shards, through the same shard
-        specs as checkpoint loading; then `policy_version` becomes `version` (default: one more)."""
+        specs as checkpoint loading; then `policy_version` becomes `version` (default: one more).
+
+        Requests still running keep the KV cache their earlier tokens computed under the old weights; `abort()`
+        before and `resume()` after re-prefill them under the new ones."""
         for name, full in weights:
             if name not in self._names:
                 raise EngineError(f"update_weights: {name!r} is not a tensor of this {self.model_config.architecture}")
