@@ -95,6 +95,6 @@ def test_cache_budget_and_buckets():
     assert num_slots_for_budget(10_000, 1_000, max_num_seqs=8, source="x") == 8
     with pytest.raises(KVCacheError, match="gpu_memory_utilization"):
         num_slots_for_budget(100, 3_000, max_num_seqs=8, source="gpu_memory_utilization")
-    assert row_buckets(40) == [1, 2, 4, 8, 16, 32, 40]
+    assert row_buckets(40) == [1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 40]
     assert row_buckets(3) == [1, 2, 3]
-    assert [length_bucket(n, 300) for n in (1, 64, 65, 200, 257)] == [64, 64, 128, 256, 300]
+    assert [length_bucket(n, 600) for n in (1, 256, 257, 513)] == [256, 256, 512, 600]

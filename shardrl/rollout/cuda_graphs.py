@@ -19,14 +19,18 @@ DecodeForward = Callable[[Tensor, Tensor, int], Tensor]  # (ids [B], positions [
 
 
 def row_buckets(max_rows: int) -> list[int]:
-    """Padded batch sizes with graphs: 1, 2, 4, 8, 16, then every multiple of 16 up to `max_rows` (and it)."""
-    buckets = [b for b in (1, 2, 4, 8) if b < max_rows] + list(range(16, max_rows, 16)) + [max_rows]
-    return sorted(set(buckets))
+    """Padded batch sizes with graphs: powers of two and 1.5x powers of two below `max_rows`, and `max_rows`.
+
+    Few buckets keep capture cheap: graphs are captured again after every sleep (the cache they point to is freed),
+    at most 1.5x the rows are computed.
+    """
+    candidates = {1 << i for i in range(max_rows.bit_length())} | {3 << i for i in range(max_rows.bit_length())}
+    return sorted(b for b in candidates if b < max_rows) + [max_rows]
 
 
 def length_bucket(length: int, max_len: int) -> int:
-    """Cache positions attended to: the next power of two (at least 64), capped at the cache length."""
-    return min(max_len, max(64, 1 << (length - 1).bit_length()))
+    """Cache positions attended to: the next power of two (at least 256), capped at the cache length."""
+    return min(max_len, max(256, 1 << (length - 1).bit_length()))
 
 
 class DecodeGraphs:
