@@ -51,9 +51,10 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: f
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         from torch.nn.attention.varlen import varlen_attn  # imported here: it loads torch._dynamo (seconds on CPU)
 
+        group = q.shape[1] // k.shape[1]  # KV heads are repeated: `enable_gqa` is missing before torch 2.13
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [T, nq, D]
         cu = seqs.cu_seqlens
-        return varlen_attn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, scale=scale, window_size=(-1, 0),
-                           enable_gqa=True)
+        return varlen_attn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, scale=scale, window_size=(-1, 0))
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
 
 
