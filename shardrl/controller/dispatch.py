@@ -24,6 +24,7 @@ from shardrl.data.batch import NUM_PAD_KEY, Batch
 from shardrl.parallel.layout import LayoutSpec
 
 DISPATCH_ATTR = "dispatch_mode"
+DISPATCH_LAYOUT_ATTR = "dispatch_layout"
 
 
 class Dispatch(enum.Enum):
@@ -36,14 +37,17 @@ class DispatchError(ValueError):
     """Arguments or results that do not fit the dispatch mode; the message names the mode and the values."""
 
 
-def dispatch_mode(mode: Dispatch) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+def dispatch_mode(mode: Dispatch, layout: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Declare how the controller calls a worker method (read by `WorkerGroup.role(...)` handles).
 
-    The method itself is unchanged, so it stays a plain method for tests without Ray.
+    `layout` names one of the role's extra layouts (`Role.extra_layouts`) to split DP_COMPUTE batches by, for a
+    worker that hosts parts laid out differently (the hybrid engine's rollout next to its actor). The method
+    itself is unchanged, so it stays a plain method for tests without Ray.
     """
 
     def mark(method: Callable[..., Any]) -> Callable[..., Any]:
         setattr(method, DISPATCH_ATTR, mode)
+        setattr(method, DISPATCH_LAYOUT_ATTR, layout)
         return method
 
     return mark

@@ -18,7 +18,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from shardrl.controller.dispatch import DISPATCH_ATTR, Dispatch, plan
+from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, Dispatch, plan
 from shardrl.controller.host import RankHost, rank_env
 from shardrl.controller.pool import ResourcePool
 from shardrl.parallel.layout import LayoutSpec
@@ -45,13 +45,15 @@ class Role:
     """A worker class to build on every rank of the group, under `name`.
 
     `layout` is the role's parallel layout over the group's ranks; DP_COMPUTE reads its DP coordinates from it.
-    None means every rank is its own DP replica.
+    None means every rank is its own DP replica. `extra_layouts` are other layouts over the same ranks that methods
+    declared with `dispatch_mode(..., layout=name)` are split by (the hybrid engine's rollout next to its actor).
     """
 
     name: str
     cls: type
     kwargs: dict[str, Any] = field(default_factory=dict)
     layout: LayoutSpec | None = None
+    extra_layouts: dict[str, LayoutSpec] = field(default_factory=dict)
 
 
 def _first_line(text: str) -> str:
@@ -238,7 +240,9 @@ class WorkerGroup:
         self._check_role(role)
         if not callable(getattr(self.roles[role].cls, method, None)):
             raise ValueError(f"role {role!r}: {self.roles[role].cls.__name__} has no method {method!r}")
-        routing = plan(mode, self.layouts[role], args, kwargs)
+        layout_name = getattr(getattr(self.roles[role].cls, method), DISPATCH_LAYOUT_ATTR, None)
+        spec = self.layouts[role] if layout_name is None else self.roles[role].extra_layouts[layout_name]
+        routing = plan(mode, spec, args, kwargs)
         payloads = [ray.put(p) for p in routing.payloads]
         reporting = set(routing.reporting_ranks)
         refs = {

@@ -35,9 +35,14 @@ def run(cfg: DictConfig) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    print("error: trainer.dry_run: false, but the PPO loop is not implemented yet; use trainer.dry_run=true to "
-          "validate the config and print the plan", file=sys.stderr)
-    return 1
+    if config.mode != "sync":
+        print(f"error: --config-name: the {config.mode} mode is not built yet; use ppo_trainer or "
+              "ppo_megatron_trainer", file=sys.stderr)
+        return 2
+    from shardrl.trainer.launch import train  # heavy imports (Ray, models) only when training starts
+
+    train(config, plan)
+    return 0
 
 
 def resolve_config_path(path: str, cwd: Path) -> str:

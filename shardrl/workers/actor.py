@@ -11,16 +11,16 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from shardrl.algos import ClipRange, LossScale, actor_loss, loss_counts
+from shardrl.algos import ClipRange, LossScale, actor_loss
 from shardrl.data.batch import Batch
 from shardrl.models.transformer import Transformer
 from shardrl.workers.engine import (
     MicroBatch,
     ModelEngine,
-    all_reduce_sum,
+    UpdateOptions,
     make_micro_batches,
-    metric_sums,
     stack_outputs,
+    train_epochs,
 )
 from shardrl.workers.packing import unpack_responses
 
@@ -34,16 +34,6 @@ class PolicyLossOptions:
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     max_response_length: int = 1
-
-
-@dataclass
-class UpdateOptions:
-    mini_batch_size: int  # samples per optimizer step on this rank (ppo_mini_batch_size * n / DP)
-    micro_batch_size: int | None = None  # samples per micro batch, or
-    max_token_len: int | None = None  # dynamic batch size: tokens per micro batch
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    seed: int = 0
 
 
 def _logprobs(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: float) -> tuple[Tensor, Tensor]:
@@ -81,33 +71,11 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
     return loss_fn
 
 
-def _mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batch]:
-    if size < 1 or len(batch) % size:
-        raise ValueError(f"per-rank mini batch {size} must be >= 1 and divide the rank's {len(batch)} samples")
-    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed)) if shuffle else None
-    rows = order.tolist() if order is not None else list(range(len(batch)))
-    return [batch.take(rows[i:i + size]) for i in range(0, len(batch), size)]
-
-
 def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, update: UpdateOptions,
                   temperature: float = 1.0) -> dict[str, list[float]]:
-    """PPO epochs over mini batches of `batch`; one optimizer step per mini batch. Metrics per step, each the exact
-    mini-batch value (micro-batch shares summed, then summed over DP — see algos.aggregate)."""
+    """PPO epochs over mini batches of `batch`; one optimizer step per mini batch; metrics per step."""
     keys = ["old_log_probs", "advantages", "response_mask"]
     keys += [k for k in ("is_weights",) if k in batch.tensors.keys()]
     keys += ["ref_log_prob"] if loss.use_kl_loss else []
-    metrics: dict[str, list[float]] = {}
-    for epoch in range(update.ppo_epochs):
-        for mini in _mini_batches(batch, update.mini_batch_size, update.shuffle, update.seed + epoch):
-            micro_batches, _ = make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size,
-                                                  update.max_token_len)
-            counts = all_reduce_sum(sum(loss_counts(mb.data["response_mask"]) for mb in micro_batches), engine.layout)
-            scale = LossScale(counts[0].item(), counts[1].item(), loss.max_response_length)
-            outputs = engine.run(micro_batches, policy_loss_fn(loss, scale, temperature), forward_only=False)
-            names = [k for k in outputs[0] if k not in ("log_probs",)]
-            step = all_reduce_sum(torch.tensor(list(metric_sums(outputs, names).values()), dtype=torch.float64,
-                                               device=engine.layout.device), engine.layout)
-            step_metrics = dict(zip(names, step.tolist())) | engine.step()
-            for k, v in step_metrics.items():
-                metrics.setdefault(k, []).append(v)
-    return metrics
+    return train_epochs(engine, batch, update, keys, lambda scale: policy_loss_fn(loss, scale, temperature),
+                        loss.max_response_length)

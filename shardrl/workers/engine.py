@@ -9,12 +9,12 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardrl.algos import LossScale, loss_counts
 from shardrl.data.balance import split_by_token_budget
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
@@ -140,6 +140,44 @@ def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, 
     return out, restore
 
 
+@dataclass
+class UpdateOptions:
+    mini_batch_size: int  # samples per optimizer step on this rank (ppo_mini_batch_size * n / DP)
+    micro_batch_size: int | None = None  # samples per micro batch, or
+    max_token_len: int | None = None  # dynamic batch size: tokens per micro batch
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    seed: int = 0
+
+
+def mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batch]:
+    if size < 1 or len(batch) % size:
+        raise ValueError(f"per-rank mini batch {size} must be >= 1 and divide the rank's {len(batch)} samples")
+    order = torch.randperm(len(batch), generator=torch.Generator().manual_seed(seed)) if shuffle else None
+    rows = order.tolist() if order is not None else list(range(len(batch)))
+    return [batch.take(rows[i:i + size]) for i in range(0, len(batch), size)]
+
+
+def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys: Sequence[str],
+                 make_loss_fn: Callable[[LossScale], LossFn], max_response_length: int) -> dict[str, list[float]]:
+    """PPO epochs over mini batches of `batch`, one optimizer step each. The loss of every micro batch is built
+    with the mini batch's global counts (`LossScale`, summed over micro batches and DP), so the gradient does not
+    depend on the cut. Metrics per step are exact mini-batch values (micro-batch shares summed, then over DP)."""
+    metrics: dict[str, list[float]] = {}
+    for epoch in range(update.ppo_epochs):
+        for mini in mini_batches(batch, update.mini_batch_size, update.shuffle, update.seed + epoch):
+            micro, _ = make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size,
+                                          update.max_token_len)
+            counts = all_reduce_sum(sum(loss_counts(mb.data["response_mask"]) for mb in micro), engine.layout)
+            scale = LossScale(counts[0].item(), counts[1].item(), max_response_length)
+            outputs = engine.run(micro, make_loss_fn(scale), forward_only=False)
+            names = [k for k, v in outputs[0].items() if v.dim() == 0]  # scalars are metrics, the rest outputs
+            sums = all_reduce_sum(torch.stack([sum(o[k] for o in outputs).double() for k in names]), engine.layout)
+            for k, v in (dict(zip(names, sums.tolist())) | engine.step()).items():
+                metrics.setdefault(k, []).append(v)
+    return metrics
+
+
 def all_reduce_sum(values: Tensor, layout: Layout) -> Tensor:
     """Sum over the data-parallel replicas (each replica's TP/PP ranks hold the same data)."""
     group = layout.dp_cp_group
@@ -153,5 +191,3 @@ def stack_outputs(outputs: list[dict[str, Tensor]], key: str, restore: list[int]
     return torch.cat([o[key] for o in outputs])[restore]
 
 
-def metric_sums(outputs: list[dict[str, Any]], keys: Sequence[str]) -> dict[str, float]:
-    return {k: float(sum(o[k] for o in outputs)) for k in keys}

@@ -1,0 +1,93 @@
+"""Whole-batch steps the controller runs between worker calls: scoring, KL in reward, off-policy correction,
+advantages, and the batch's data metrics (verl's metric names)."""
+
+from __future__ import annotations
+
+import uuid
+
+import numpy as np
+import torch
+
+from shardrl.algos import AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, rollout_correction
+from shardrl.data.batch import Batch, as_object_array
+from shardrl.rewards.manager import compute_token_level_scores
+from shardrl.trainer.config import PPOConfig
+
+
+def assign_uids(prompts: Batch) -> Batch:
+    """One uid per prompt: its samples share it, so group estimators (GRPO, RLOO) know the groups."""
+    prompts.non_tensors["uid"] = as_object_array([uuid.uuid4().hex for _ in range(len(prompts))])
+    return prompts
+
+
+def score(batch: Batch, tokenizer, score_fn) -> tuple[Batch, dict[str, float]]:
+    scores, extras = compute_token_level_scores(batch, tokenizer, score_fn)  # [B, R]
+    batch.tensors["token_level_scores"] = scores
+    metrics = {}
+    for key, values in extras.items():
+        numeric = [float(v) for v in values if isinstance(v, (int, float, bool))]
+        if numeric:
+            metrics[f"reward_extra/{key}/mean"] = float(np.mean(numeric))
+    return batch, metrics
+
+
+def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLController | None) -> dict[str, float]:
+    """token_level_rewards (scores, minus the KL penalty when it is in the reward) and the off-policy anchor and
+    importance weights (`old_log_probs`, `is_weights`) the actor loss reads."""
+    t, algo, metrics = batch.tensors, config.algorithm, {}
+    if algo.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(t["token_level_scores"], t["old_log_probs"], t["ref_log_prob"],
+                                               t["response_mask"], kl_ctrl.value, algo.kl_penalty)
+        kl_ctrl.update(float(kl_metrics["reward_kl_penalty"]), n_steps=len(batch))
+        metrics |= {f"actor/{k}": float(v) for k, v in kl_metrics.items()}
+    else:
+        rewards = t["token_level_scores"]
+    t["token_level_rewards"] = rewards
+    rc = algo.rollout_correction
+    correction = rollout_correction(t["old_log_probs"] if "old_log_probs" in t.keys() else None,
+                                    t["rollout_log_probs"], t["response_mask"], rc.rollout_is,
+                                    rc.rollout_is_threshold, rc.decoupled)
+    t["old_log_probs"] = correction.old_log_prob
+    if rc.rollout_is is not None:
+        t["is_weights"] = correction.is_weights
+    metrics |= {f"rollout_corr/{k}": float(v) for k, v in correction.metrics.items()}
+    return metrics
+
+
+def advantages(batch: Batch, config: PPOConfig) -> None:
+    t, algo = batch.tensors, config.algorithm
+    inputs = AdvantageInputs(
+        token_level_rewards=t["token_level_rewards"], response_mask=t["response_mask"],
+        values=t["values"] if "values" in t.keys() else None, index=batch.non_tensors["uid"],
+        gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+    t["advantages"], t["returns"] = compute_advantage(algo.adv_estimator, inputs)
+
+
+def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    valid = values[mask.bool()]
+    if valid.numel() == 0:
+        return {}
+    return {f"{name}/mean": float(valid.mean()), f"{name}/max": float(valid.max()), f"{name}/min": float(valid.min())}
+
+
+def data_metrics(batch: Batch) -> dict[str, float]:
+    t = batch.tensors
+    mask = t["response_mask"]
+    lengths = mask.sum(-1)
+    seq_mask = torch.ones(len(batch), dtype=torch.bool)
+    metrics = {
+        **_masked_stats("critic/score", t["token_level_scores"].sum(-1), seq_mask),
+        **_masked_stats("critic/rewards", t["token_level_rewards"].sum(-1), seq_mask),
+        **_masked_stats("critic/advantages", t["advantages"], mask),
+        **_masked_stats("critic/returns", t["returns"], mask),
+        "response_length/mean": float(lengths.float().mean()),
+        "response_length/max": float(lengths.max()),
+        "response_length/min": float(lengths.min()),
+        "response_length/clip_ratio": float((lengths == mask.shape[1]).float().mean()),
+        "prompt_length/mean": float(t["attention_mask"][:, :-mask.shape[1]].sum(-1).float().mean()),
+    }
+    if "values" in t.keys():
+        metrics |= _masked_stats("critic/values", t["values"], mask)
+    if "entropy" in t.keys():
+        metrics["actor/entropy"] = float((t["entropy"] * mask).sum() / mask.sum().clamp_min(1))
+    return metrics

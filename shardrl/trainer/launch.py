@@ -1,0 +1,92 @@
+"""From a validated config and plan to a running trainer: data, tokenizer, Ray pools, worker groups, the loop."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from transformers import AutoTokenizer
+
+from shardrl.algos import make_kl_controller
+from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
+from shardrl.data import builtin_task
+from shardrl.data.chat import pad_id
+from shardrl.data.rl_dataset import PromptLoader, RLDataset
+from shardrl.rewards.registry import default_compute_score, load_custom_reward
+from shardrl.trainer.config import PPOConfig
+from shardrl.trainer.plan import Plan
+from shardrl.trainer.plots import write_plots
+from shardrl.trainer.ppo import PPOTrainer, Workers
+from shardrl.trainer.tracking import Tracker
+from shardrl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
+
+
+@dataclasses.dataclass(frozen=True)
+class RunPaths:
+    run_dir: Path
+    model: str
+    tokenizer: str
+    train_files: list[str]
+    val_files: list[str] | None
+
+
+def resolve_paths(config: PPOConfig) -> RunPaths:
+    """The user's model and data, or (null paths) the built-in task made under the run directory."""
+    run_dir = Path(config.trainer.default_local_dir)
+    model, data = config.actor_rollout_ref.model, config.data
+    builtin = None
+    if model.path is None or data.train_files is None:
+        builtin = builtin_task.prepare(run_dir / "builtin_task", seed=config.trainer.seed)
+    model_path = model.path or builtin["model"]
+    tokenizer = model.tokenizer or (data.tokenizer if data.tokenizer else model_path)
+    train = _as_list(data.train_files) if data.train_files is not None else [builtin["train_files"]]
+    if data.val_files is not None:
+        val = _as_list(data.val_files)
+    else:
+        val = [builtin["val_files"]] if data.train_files is None else None
+    return RunPaths(run_dir, model_path, tokenizer, train, val)
+
+
+def _as_list(files: str | list[str]) -> list[str]:
+    return [files] if isinstance(files, str) else list(files)
+
+
+def train(config: PPOConfig, plan: Plan) -> None:
+    paths = resolve_paths(config)
+    data, trainer = config.data, config.trainer
+    tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer)
+
+    def dataset(files: list[str]) -> RLDataset:
+        return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
+                         data.prompt_key)
+
+    loader = PromptLoader(dataset(paths.train_files), data.train_batch_size, data.shuffle, data.seed)
+    total_steps = trainer.total_training_steps or len(loader) * trainer.total_epochs
+    val_prompts = None
+    if paths.val_files:
+        val = dataset(paths.val_files)
+        val_prompts = val.collate(list(range(min(len(val), data.val_batch_size or len(val)))))
+    custom = config.custom_reward_function
+    score_fn = load_custom_reward(custom.path, custom.name) if custom.path else default_compute_score
+    algo = config.algorithm
+    kl_ctrl = (make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
+                                  algo.kl_ctrl.horizon) if algo.use_kl_in_reward else None)
+
+    init_ray(**config.ray_kwargs.ray_init)
+    pool = ResourcePool("trainer", trainer.nnodes, trainer.n_gpus_per_node, plan.device)
+    worker_args = dict(config=config, plan=plan, model_path=paths.model, total_steps=total_steps)
+    roles = [Role("actor", ActorRolloutRefWorker, {**worker_args, "pad_token_id": pad_id(tokenizer)},
+                  layout=plan.roles["actor"].spec, extra_layouts={"rollout": plan.roles["rollout"].spec})]
+    if config.use_critic:
+        roles.append(Role("critic", CriticWorker, worker_args, layout=plan.roles["critic"].spec))
+    group = WorkerGroup(pool, roles)
+    workers = Workers(group.role("actor"), group.role("critic") if config.use_critic else None)
+    tracker = Tracker(list(trainer.logger), paths.run_dir, trainer.project_name, trainer.experiment_name,
+                      dataclasses.asdict(config))
+    ppo = PPOTrainer(config, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl, total_steps)
+    try:
+        ppo.fit()
+    finally:
+        tracker.close()
+        write_plots(paths.run_dir, ppo.timeline)
+        group.shutdown()

@@ -1,0 +1,91 @@
+"""Where metrics go: a jsonl file in the run directory (always), the console (a rich table per step), and
+wandb / tensorboard / mlflow when `trainer.logger` asks for them. Plus the phase timeline the plots are drawn from.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.table import Table
+
+
+@dataclass
+class Timeline:
+    """Start/end of every phase of every step (seconds since the run started): `timing_s/*` and the Gantt plot."""
+
+    origin: float = field(default_factory=time.perf_counter)
+    spans: list[dict[str, Any]] = field(default_factory=list)
+
+    @contextmanager
+    def phase(self, step: int, name: str, lane: str = "trainer") -> Iterator[None]:
+        start = time.perf_counter() - self.origin
+        try:
+            yield
+        finally:
+            self.spans.append({"step": step, "phase": name, "lane": lane, "start": start,
+                               "end": time.perf_counter() - self.origin})
+
+    def step_timing(self, step: int) -> dict[str, float]:
+        timing: dict[str, float] = {}
+        for span in self.spans:
+            if span["step"] == step:
+                key = f"timing_s/{span['phase']}"
+                timing[key] = timing.get(key, 0.0) + span["end"] - span["start"]
+        return timing
+
+
+class Tracker:
+    def __init__(self, loggers: list[str], run_dir: Path, project: str, experiment: str, config: dict) -> None:
+        self.run_dir = run_dir
+        run_dir.mkdir(parents=True, exist_ok=True)
+        self.file = open(run_dir / "metrics.jsonl", "a")
+        self.console = Console() if "console" in loggers else None
+        self.backends = []
+        if "wandb" in loggers:
+            import wandb
+
+            wandb.init(project=project, name=experiment, config=config, dir=str(run_dir))
+            self.backends.append(lambda step, m: wandb.log(m, step=step))
+        if "tensorboard" in loggers:
+            from torch.utils.tensorboard import SummaryWriter
+
+            writer = SummaryWriter(str(run_dir / "tensorboard"))
+            self.backends.append(lambda step, m: [writer.add_scalar(k, v, step) for k, v in m.items()])
+        if "mlflow" in loggers:
+            import mlflow
+
+            mlflow.set_experiment(project)
+            mlflow.start_run(run_name=experiment)
+            self.backends.append(lambda step, m: mlflow.log_metrics(
+                {k.replace("@", "_at_"): v for k, v in m.items()}, step=step))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.flush()
+        for backend in self.backends:
+            backend(step, metrics)
+        if self.console is not None:
+            self.console.print(_table(step, metrics))
+
+    def close(self) -> None:
+        self.file.close()
+
+
+SUMMARY_KEYS = ("critic/score/mean", "val-core/reward/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
+                "actor/grad_norm", "critic/vf_loss", "response_length/mean", "rollout_corr/mismatch_kl",
+                "perf/throughput", "timing_s/step", "timing_s/gen", "timing_s/update_actor")
+
+
+def _table(step: int, metrics: dict[str, float]) -> Table:
+    table = Table(title=f"step {step}", show_header=False, box=None, padding=(0, 2))
+    for key in SUMMARY_KEYS:
+        if key in metrics:
+            table.add_row(key, f"{metrics[key]:.4g}")
+    return table

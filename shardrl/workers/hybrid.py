@@ -1,0 +1,119 @@
+"""Ray-hosted worker classes. Each holds engines and calls the plain functions of actor.py / critic.py /
+rollout.py; the `@dispatch_mode` marks tell the controller how to split and collect (see controller/dispatch.py).
+
+`ActorRolloutRefWorker` is verl's hybrid engine: actor, optional reference policy and the rollout engine live in one
+process per rank, each with its own Layout over the same ranks, and weights move from actor to rollout in-process.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardrl.controller.dispatch import Dispatch, dispatch_mode
+from shardrl.controller.host import collective_timeout
+from shardrl.data.batch import Batch
+from shardrl.models.config import ModelConfig
+from shardrl.parallel.layout import Layout
+from shardrl.rollout.engine import Engine
+from shardrl.rollout.request import SamplingParams
+from shardrl.rollout.runner import EngineConfig
+from shardrl.sync.colocated import sync_colocated
+from shardrl.trainer.config import PPOConfig
+from shardrl.trainer.plan import Plan
+from shardrl.workers import actor, critic, roles
+from shardrl.workers.engine import ModelEngine
+from shardrl.workers.rollout import generate
+
+
+def _layout(plan: Plan, role: str) -> Layout:
+    role_plan = plan.roles[role]
+    return Layout.create(role_plan.spec, role_plan.ranks, timeout=collective_timeout())
+
+
+def _unpadded_rows(batch: Batch) -> Batch:
+    """Drop the controller's DP padding rows (copies of real samples) before anything that counts samples."""
+    return batch.unpad() if batch.meta.get("num_pad") else batch
+
+
+class ActorRolloutRefWorker:
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int) -> None:
+        torch.manual_seed(config.trainer.seed)
+        self.config, self.plan, self.pad_token_id = config, plan, pad_token_id
+        arr = config.actor_rollout_ref
+        model_config = ModelConfig.from_pretrained(model_path)
+        self.actor = ModelEngine(model_config, _layout(plan, "actor"), roles.actor_engine_options(config, total_steps),
+                                 hf_path=model_path)
+        self.ref = None
+        if "ref" in plan.roles:
+            ref_options = roles.engine_options(arr.ref.megatron, False, None)
+            self.ref = ModelEngine(model_config, _layout(plan, "ref"), ref_options, hf_path=model_path)
+        rollout = arr.rollout
+        engine_config = EngineConfig(
+            max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
+            max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+            gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=roles.DTYPES[rollout.dtype],
+            enforce_eager=rollout.enforce_eager, seed=rollout.seed)
+        self.rollout = Engine(model_config, _layout(plan, "rollout"), engine_config)
+        self.sync_weights()
+
+    @dispatch_mode(Dispatch.DP_COMPUTE, layout="rollout")
+    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
+        """One response per row: the controller repeats each prompt `n` times (rows stay 1:1 for dispatch)."""
+        rollout = self.config.actor_rollout_ref.rollout
+        sampling = rollout.val_kwargs if validate else rollout
+        temperature = sampling.temperature if sampling.do_sample else 0.0
+        params = SamplingParams(max_tokens=rollout.response_length, temperature=temperature, top_k=sampling.top_k,
+                                top_p=sampling.top_p, ignore_eos=rollout.ignore_eos)
+        return generate(self.rollout, prompts, params, rollout.response_length, self.pad_token_id)
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        b = self.plan.roles["actor"].batches["log_prob"]
+        temperature = self.config.actor_rollout_ref.rollout.temperature or 1.0
+        log_probs, entropy = actor.compute_log_prob(self.actor, batch, b.micro_batch_size, b.max_token_len,
+                                                    temperature)
+        return Batch({"old_log_probs": log_probs, "entropy": entropy})
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        b = self.plan.roles["ref"].batches["log_prob"]
+        temperature = self.config.actor_rollout_ref.rollout.temperature or 1.0
+        log_probs, _ = actor.compute_log_prob(self.ref, batch, b.micro_batch_size, b.max_token_len, temperature)
+        return Batch({"ref_log_prob": log_probs})
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def update_actor(self, batch: Batch, step: int) -> dict[str, list[float]]:
+        arr = self.config.actor_rollout_ref
+        update = roles.update_options(self.plan.roles["actor"].batches["update"], arr.actor.ppo_epochs,
+                                      arr.actor.shuffle, self.config.trainer.seed + step)
+        temperature = arr.rollout.temperature or 1.0
+        return actor.update_policy(self.actor, _unpadded_rows(batch), roles.policy_loss_options(self.config),
+                                   update, temperature)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def sync_weights(self, version: int | None = None) -> dict[str, float]:
+        """Actor -> rollout, in-process (colocated): the rollout's weights come back first, its KV cache after."""
+        return sync_colocated(self.actor, self.rollout, version,
+                              self.config.actor_rollout_ref.rollout.weight_sync)
+
+
+class CriticWorker:
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int) -> None:
+        torch.manual_seed(config.trainer.seed)
+        self.config, self.plan = config, plan
+        self.critic = ModelEngine(ModelConfig.from_pretrained(model_path), _layout(plan, "critic"),
+                                  roles.critic_engine_options(config, total_steps), hf_path=model_path,
+                                  optional_weights=("score.weight",))
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        b = self.plan.roles["critic"].batches["values"]
+        return Batch({"values": critic.compute_values(self.critic, batch, b.micro_batch_size, b.max_token_len)})
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def update_critic(self, batch: Batch, step: int) -> dict[str, list[float]]:
+        c = self.config.critic
+        update = roles.update_options(self.plan.roles["critic"].batches["update"], c.ppo_epochs, c.shuffle,
+                                      self.config.trainer.seed + step)
+        return critic.update_critic(self.critic, _unpadded_rows(batch), update, c.loss_agg_mode, c.cliprange_value,
+                                    self.config.actor_rollout_ref.rollout.response_length)

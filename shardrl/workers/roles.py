@@ -1,0 +1,66 @@
+"""Engine options for each role, read from the config in one place (actor, ref and critic share the code)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardrl.algos import ClipRange
+from shardrl.trainer.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, PPOConfig
+from shardrl.trainer.plan import MicroBatching
+from shardrl.workers.actor import PolicyLossOptions
+from shardrl.workers.engine import EngineOptions, OptimOptions, UpdateOptions
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def recompute_enabled(megatron: MegatronConfig, gradient_checkpointing: bool) -> bool:
+    """Full per-layer recompute: `model.enable_gradient_checkpointing`, or Megatron's `recompute_granularity`
+    given through `override_transformer_config` (the key verl users set)."""
+    override = megatron.override_transformer_config
+    return gradient_checkpointing or override.get("recompute_granularity") in ("full", "selective")
+
+
+def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool, total_steps: int) -> OptimOptions:
+    steps = optim.total_training_steps if optim.total_training_steps > 0 else total_steps
+    return OptimOptions(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=clip_grad,
+                        distributed=distributed, total_steps=max(steps, 1), warmup_steps=optim.lr_warmup_steps,
+                        warmup_ratio=optim.lr_warmup_steps_ratio, decay_style=optim.lr_decay_style,
+                        min_lr_ratio=optim.min_lr_ratio)
+
+
+def engine_options(megatron: MegatronConfig, gradient_checkpointing: bool, optim: OptimOptions | None,
+                   value_head: bool = False) -> EngineOptions:
+    override = megatron.override_transformer_config
+    return EngineOptions(
+        sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(megatron, gradient_checkpointing),
+        dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
+        moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
+        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
+
+
+def actor_engine_options(config: PPOConfig, total_steps: int) -> EngineOptions:
+    actor: ActorConfig = config.actor_rollout_ref.actor
+    optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer, total_steps)
+    return engine_options(actor.megatron, config.actor_rollout_ref.model.enable_gradient_checkpointing, optim)
+
+
+def critic_engine_options(config: PPOConfig, total_steps: int) -> EngineOptions:
+    critic: CriticConfig = config.critic
+    optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer,
+                          total_steps)
+    return engine_options(critic.megatron, critic.model.enable_gradient_checkpointing, optim, value_head=True)
+
+
+def policy_loss_options(config: PPOConfig) -> PolicyLossOptions:
+    actor = config.actor_rollout_ref.actor
+    return PolicyLossOptions(
+        loss_agg_mode=actor.loss_agg_mode,
+        clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
+        entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type, max_response_length=config.actor_rollout_ref.rollout.response_length)
+
+
+def update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: int) -> UpdateOptions:
+    """`batching`: the plan's "update" normalisation (per-rank mini batch = ppo_mini_batch_size * n / DP)."""
+    return UpdateOptions(mini_batch_size=batching.samples_per_rank, micro_batch_size=batching.micro_batch_size,
+                         max_token_len=batching.max_token_len, ppo_epochs=epochs, shuffle=shuffle, seed=seed)
