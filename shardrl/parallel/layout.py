@@ -123,6 +123,21 @@ def rank_tables(spec: LayoutSpec, ranks: list[int] | None = None) -> dict[str, l
     return tables
 
 
+# torch names a group made with use_local_synchronization by a hash of its ranks alone, so a second group over the
+# same ranks (pp and mp at TP=1, or a ref layout beside the actor's) would reuse the first one's rendezvous keys and
+# can hang. Every layout in the process therefore shares one group per rank set (which also saves NCCL
+# communicators); the first creator's timeout applies. Keyed by the default group: a re-initialised world starts afresh.
+_SHARED_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+
+
+def _shared_group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
+    key = (id(dist.group.WORLD), tuple(ranks))
+    if key not in _SHARED_GROUPS:
+        # Only members take part (use_local_synchronization), so other roles' ranks never block on us.
+        _SHARED_GROUPS[key] = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
+    return _SHARED_GROUPS[key]
+
+
 @dataclass
 class Layout:
     """Process groups and coordinates of this process for one role.
@@ -174,10 +189,7 @@ class Layout:
             # Middle pipeline stages are in no "embedding" group (they hold no tied embedding): a group of one.
             mine = next((g for g in table if me in g), [me])
             group_ranks[name] = mine
-            # Only members take part (use_local_synchronization), so other roles' ranks never block on us.
-            groups[name] = (
-                dist.new_group(mine, timeout=timeout, use_local_synchronization=True) if len(mine) > 1 else None
-            )
+            groups[name] = _shared_group(mine, timeout) if len(mine) > 1 else None
         local = ranks.index(me)
         return cls(spec, ranks, local, torch.device(device), spec.coords(local), groups, group_ranks)
 
