@@ -99,13 +99,19 @@ def load_hf_weights(model: Model, source: str | Path | HFCheckpointReader, optio
         spec = get_spec(param)
         start, stop = spec.slice_range() or (0, 0)
         for i, name in enumerate(spec.hf_names()):
-            dest = param[i] if spec.expert else param
             if name in optional and name not in reader:
-                full = _random_init(name, spec.full_shape, init_std)
-                piece = full if spec.dim is None else full.narrow(spec.dim, start, stop - start)
+                piece = _local_slice(_random_init(name, spec.full_shape, init_std), spec)
             else:
                 piece = reader.read(name, spec.full_shape, spec.dim, start, stop)
-            _copy_piece(dest, spec, piece)
+            _copy_piece(param[i] if spec.expert else param, spec, piece)
+
+
+def _local_slice(full: Tensor, spec: ShardSpec) -> Tensor:
+    """This rank's rows of one whole HF tensor (without the vocab padding)."""
+    if spec.dim is None:
+        return full
+    start, stop = spec.slice_range()
+    return full.narrow(spec.dim, start, stop - start)
 
 
 def _copy_piece(dest: Tensor, spec: ShardSpec, piece: Tensor) -> None:
@@ -128,9 +134,7 @@ def load_hf_tensor(param: nn.Parameter, expert_index: int, full: Tensor) -> None
     if tuple(full.shape) != spec.full_shape:
         raise CheckpointError(f"tensor {spec.hf_names()[expert_index]!r} has shape {tuple(full.shape)} but the model "
                               f"expects {spec.full_shape}")
-    start, stop = spec.slice_range() or (0, 0)
-    piece = full if spec.dim is None else full.narrow(spec.dim, start, stop - start)
-    _copy_piece(param[expert_index] if spec.expert else param, spec, piece)
+    _copy_piece(param[expert_index] if spec.expert else param, spec, _local_slice(full, spec))
 
 
 def _exported(spec: ShardSpec, layout: Layout) -> bool:
