@@ -27,7 +27,7 @@ OPTIM = dict(lr=1e-2, eps=1e-3, weight_decay=0.1, clip_grad=0.5, total_steps=4, 
              decay_style="cosine", min_lr_ratio=0.1)
 
 
-def _update(engine: ModelEngine, step: int) -> float:
+def ppo_step(engine: ModelEngine, step: int) -> float:
     """One PPO optimizer step on batch `step` (this rank's data-parallel share); the mini-batch loss."""
     layout = engine.layout
     dp, rank = layout.dp_size, layout.dp_rank
@@ -54,14 +54,14 @@ def session(hf: str, sizes: dict, distributed_optimizer: bool, load: str | None,
         step = result["trainer"]["step"]
         result["draw"] = torch.rand(4)
     for _ in range(first_steps):
-        result["losses"].append(_update(engine, step))
+        result["losses"].append(ppo_step(engine, step))
         step += 1
     if save:
         save_checkpoint(save, engine.chunks, layout, optimizer=engine.optimizer, scheduler=engine.scheduler,
                         trainer_state={"step": step, "data_position": 3 * step}, hf_dir=hf)
         result["draw"] = torch.rand(4)
     for _ in range(more_steps):
-        result["losses"].append(_update(engine, step))
+        result["losses"].append(ppo_step(engine, step))
         step += 1
     result["params"] = {name: t.cpu().clone() for name, t in export_hf_weights(engine.chunks, layout)}
     return result if layout.local_rank == 0 else None

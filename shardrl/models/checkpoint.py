@@ -22,14 +22,13 @@ Collective functions are called on every rank of the layout, whose ranks must be
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 import re
 import shutil
 import warnings
-from collections.abc import Iterator, Sequence
-from dataclasses import asdict, dataclass, field
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
@@ -37,35 +36,24 @@ import numpy as np
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import Tensor, nn
-from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    Metadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadItemType,
-    LoadPlan,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch import nn
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
+from shardrl.models.checkpoint_shards import (
+    MODEL_PREFIX,
+    Entry,
+    ShardLoadPlanner,
+    ShardSavePlanner,
+    model_entries,
+    optimizer_entries,
+    unique_params,
+    zero_padding,
+)
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import CheckpointError
-from shardrl.parallel.data import counts_in_norm
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.optimizer import AdamW, LRScheduler
-from shardrl.parallel.spec import ShardSpec, get_spec
 
-MODEL_PREFIX = "model/"
-OPTIM_STATES = ("master", "exp_avg", "exp_avg_sq")
 META_FILE = "shardrl_checkpoint.json"
 LATEST_FILE = "latest"
 FORMAT_VERSION = 1
@@ -76,185 +64,6 @@ HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tok
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
-@dataclass
-class _Piece:
-    offsets: tuple[int, ...]  # of this box in the full HF tensor
-    tensor: Tensor  # the box's values: a view of live model or optimizer state
-
-
-@dataclass
-class _Entry:
-    """One full HF tensor and the boxes of it this rank writes or reads."""
-
-    full_shape: tuple[int, ...]
-    pieces: list[_Piece] = field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------------------------- boxes from specs
-def _flat_boxes(lo: int, hi: int, shape: Sequence[int]) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-    """Elements [lo, hi) of a row-major tensor of `shape` as boxes (offsets, sizes), in memory order: a partial
-    first row, a block of whole rows, a partial last row (the partial rows cut recursively)."""
-    if lo >= hi:
-        return []
-    if len(shape) == 1:
-        return [((lo,), (hi - lo,))]
-    inner = math.prod(shape[1:])
-    first, last = -(-lo // inner), hi // inner  # whole rows [first, last)
-
-    def row_part(row: int, a: int, b: int) -> list[tuple[tuple[int, ...], tuple[int, ...]]]:
-        return [((row, *o), (1, *s)) for o, s in _flat_boxes(a, b, shape[1:])]
-
-    if first > last:  # inside one row
-        return row_part(last, lo - last * inner, hi - last * inner)
-    boxes = row_part(first - 1, lo - (first - 1) * inner, inner) if lo < first * inner else []
-    if first < last:
-        boxes.append(((first,) + (0,) * (len(shape) - 1), (last - first, *shape[1:])))
-    if hi > last * inner:
-        boxes += row_part(last, 0, hi - last * inner)
-    return boxes
-
-
-def _pieces(spec: ShardSpec, flat: Tensor, lo: int, hi: int) -> Iterator[tuple[str, _Piece]]:
-    """(HF name, box) for elements [lo, hi) of the flattened local tensor of `spec`, whose values are `flat`
-    [hi - lo]: split per expert, shifted to the shard's place in the full tensor, vocab padding dropped."""
-    local = spec.local_shape()
-    shard = local[1:] if spec.expert else local  # one expert's (or the only) shard
-    per_expert = math.prod(shard)
-    start, stop = spec.slice_range() or (0, 0)
-    for i, name in enumerate(spec.hf_names()):
-        a, b = max(lo, i * per_expert), min(hi, (i + 1) * per_expert)
-        pos = a - lo
-        for offsets, sizes in _flat_boxes(a - i * per_expert, b - i * per_expert, shard):
-            view = flat[pos:pos + math.prod(sizes)].view(sizes)
-            pos += math.prod(sizes)
-            if spec.dim is None:
-                yield name, _Piece(offsets, view)
-                continue
-            d = spec.dim
-            rows = min(offsets[d] + sizes[d], stop - start) - offsets[d]  # rows of the box before the padding
-            if rows > 0:
-                yield name, _Piece((*offsets[:d], offsets[d] + start, *offsets[d + 1:]), view.narrow(d, 0, rows))
-
-
-def _writes(spec: ShardSpec, layout: Layout, dp_replicated: bool) -> bool:
-    """Whether this rank writes its values of `spec`: the primary copy over TP replicas and tied stages (the copy
-    the grad norm counts) and, when data-parallel replicas hold the same values, the first replica."""
-    dp_group = "edp" if spec.expert else "dp_cp"
-    return counts_in_norm(spec, layout) and (not dp_replicated or layout.rank(dp_group) == 0)
-
-
-def _unique_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
-    return list({id(p): p for chunk in chunks for p in chunk.parameters()}.values())
-
-
-def _add(entries: dict[str, _Entry], key: str, spec: ShardSpec, piece: _Piece) -> None:
-    entries.setdefault(key, _Entry(spec.full_shape)).pieces.append(piece)
-
-
-def _model_entries(params: list[nn.Parameter], layout: Layout, writing: bool) -> dict[str, _Entry]:
-    entries: dict[str, _Entry] = {}
-    for param in params:
-        spec = get_spec(param)
-        if writing and not _writes(spec, layout, dp_replicated=True):
-            continue
-        for name, piece in _pieces(spec, param.detach().view(-1), 0, param.numel()):
-            _add(entries, MODEL_PREFIX + name, spec, piece)
-    return entries
-
-
-def _optimizer_entries(optimizer: AdamW, params: list[nn.Parameter], layout: Layout, writing: bool
-                       ) -> tuple[dict[str, _Entry], dict[str, Any]]:
-    """Entries of the optimizer's master weights and moments, and its `state_dict()` (whose tensors they view)."""
-    by_name = {get_spec(p).hf_name: p for p in params}
-    state = optimizer.state_dict()
-    entries: dict[str, _Entry] = {}
-    for name, owned in state["params"].items():
-        spec = get_spec(by_name[name])
-        if writing and not _writes(spec, layout, dp_replicated=not optimizer.grads.shard):
-            continue
-        lo, hi = owned["range"]
-        for kind in OPTIM_STATES:
-            for hf_name, piece in _pieces(spec, owned[kind], lo, hi):
-                _add(entries, f"optim/{kind}/{hf_name}", spec, piece)
-    return entries, state
-
-
-@torch.no_grad()
-def _zero_padding(params: list[nn.Parameter]) -> None:
-    """Vocab rows past the real vocabulary hold zeros (no checkpoint stores them)."""
-    for param in params:
-        spec = get_spec(param)
-        if spec.padded_dim_size is None:
-            continue
-        start, stop = spec.slice_range()
-        dim = spec.dim + 1 if spec.expert else spec.dim
-        real = stop - start
-        param.narrow(dim, real, param.shape[dim] - real).zero_()
-
-
-# ---------------------------------------------------------------------------------------------- DCP planners
-class _SavePlanner(DefaultSavePlanner):
-    """Writes each `_Entry` piece as a shard at its global offsets and every other value as pickled bytes."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict: dict[str, Any], storage_meta: Any = None,
-                       is_coordinator: bool = False) -> None:
-        self.state_dict, self.is_coordinator = state_dict, is_coordinator
-
-    def create_local_plan(self) -> SavePlan:
-        items = []
-        for key, value in self.state_dict.items():
-            if not isinstance(value, _Entry):
-                items.append(WriteItem(index=MetadataIndex(key), type=WriteItemType.BYTE_IO))
-                continue
-            for piece in value.pieces:
-                offsets = torch.Size(piece.offsets)
-                items.append(WriteItem(
-                    index=MetadataIndex(key, offsets), type=WriteItemType.SHARD,
-                    tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets, piece.tensor.shape),
-                                                properties=TensorProperties.create_from_tensor(piece.tensor),
-                                                size=torch.Size(value.full_shape))))
-        self.plan = SavePlan(items)
-        return self.plan
-
-    def lookup_object(self, index: MetadataIndex) -> Any:
-        value = self.state_dict[index.fqn]
-        if not isinstance(value, _Entry):
-            return value
-        return next(p.tensor for p in value.pieces if p.offsets == tuple(index.offset)).contiguous()
-
-
-class _LoadPlanner(DefaultLoadPlanner):
-    """Reads into the pieces of each `_Entry` (views of live state) and replaces other values by the saved ones."""
-
-    def __init__(self) -> None:
-        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
-
-    def set_up_planner(self, state_dict: dict[str, Any], metadata: Metadata | None = None,
-                       is_coordinator: bool = False) -> None:
-        self.state_dict, self.metadata, self.is_coordinator = state_dict, metadata, is_coordinator
-
-    def create_local_plan(self) -> LoadPlan:
-        items: list[ReadItem] = []
-        for key, value in self.state_dict.items():
-            if isinstance(value, _Entry):
-                chunks = [ChunkStorageMetadata(torch.Size(p.offsets), p.tensor.shape) for p in value.pieces]
-                items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], chunks)
-            else:
-                index, zero = MetadataIndex(key), torch.Size((0,))
-                items.append(ReadItem(type=LoadItemType.BYTE_IO, dest_index=index, dest_offsets=zero,
-                                      storage_index=index, storage_offsets=zero, lengths=zero))
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> Tensor:
-        return self.state_dict[index.fqn].pieces[index.index].tensor  # `index.index`: the piece's position
-
-    def load_bytes(self, read_item: ReadItem, value: Any) -> None:
-        self.state_dict[read_item.dest_index.fqn] = torch.load(value, weights_only=False)
-
-
 # ---------------------------------------------------------------------------------------------- save
 def checkpoint_dir(root: str | Path, step: int) -> Path:
     """Where the trainer keeps the checkpoint of `step` (roles may save into sub-directories of it)."""
@@ -263,13 +72,13 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
 
 def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layout, *, optimizer: AdamW | None = None,
                     scheduler: LRScheduler | None = None, trainer_state: dict[str, Any] | None = None,
-                    hf_dir: str | Path | None = None) -> Path:
+                    hf_dir: str | Path | None = None, rng: bool = True) -> Path:
     """Atomically write this role's checkpoint directory `path`; collective over the layout.
 
     `chunks`: this rank's model chunks (one per virtual pipeline stage). The optimizer's master weights and moments,
-    the scheduler's position, `trainer_state` (small picklable values: step, data-loader position, ...) and every
-    rank's RNG states are included when given. The HF config.json and, from `hf_dir`, the tokenizer files are stored
-    alongside so `dist-to-hf` needs nothing else. An existing checkpoint at `path` is replaced.
+    the scheduler's position and `trainer_state` (small picklable values: step, data-loader position, ...) are
+    included when given, every rank's RNG states when `rng`. The HF config.json and, from `hf_dir`, the tokenizer
+    files are stored alongside so `dist-to-hf` needs nothing else. An existing checkpoint at `path` is replaced.
     """
     path, coordinator = Path(path), _rank() == 0
     _check_world(layout)
@@ -279,11 +88,13 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier()
-    params = _unique_params(chunks)
-    state: dict[str, Any] = {**_model_entries(params, layout, writing=True), f"rng/{_rank()}": _rng_state()}
+    params = unique_params(chunks)
+    state: dict[str, Any] = model_entries(params, layout, writing=True)
+    if rng:
+        state[f"rng/{_rank()}"] = _rng_state()
     objects: dict[str, Any] = {}
     if optimizer is not None:
-        state |= _optimizer_entries(optimizer, params, layout, writing=True)[0]
+        state |= optimizer_entries(optimizer, params, layout, writing=True)[0]
         objects["optimizer"] = {"num_steps": optimizer.num_steps}
     if scheduler is not None:
         objects["scheduler"] = scheduler.state_dict()
@@ -293,37 +104,42 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
         state |= objects
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: supported
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=_SavePlanner())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ShardSavePlanner())
     if coordinator:
         meta = dict(format_version=FORMAT_VERSION, world_size=_world(), layout=asdict(layout.spec),
                     distributed_optimizer=optimizer.grads.shard if optimizer is not None else None,
-                    contents=["model", "rng", *objects])
-        (tmp / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
-        (tmp / "config.json").write_text(json.dumps(chunks[0].config.hf_config, indent=2, sort_keys=True) + "\n")
-        for name in HF_SIDE_FILES[1:]:
-            if hf_dir is not None and (Path(hf_dir) / name).is_file():
-                shutil.copyfile(Path(hf_dir) / name, tmp / name)
+                    contents=["model", *(["rng"] if rng else []), *objects])
+        _write_side_files(tmp, meta, chunks[0].config.hf_config, hf_dir)
         _commit(tmp, path)
     _barrier()
     return path
 
 
+def _write_side_files(directory: Path, meta: dict[str, Any], hf_config: dict[str, Any],
+                      hf_dir: str | Path | None) -> None:
+    (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+    (directory / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
+    for name in HF_SIDE_FILES[1:]:
+        if hf_dir is not None and (Path(hf_dir) / name).is_file():
+            shutil.copyfile(Path(hf_dir) / name, directory / name)
+
+
 def _commit(tmp: Path, path: Path) -> None:
-    """Make `tmp` durable, then rename it to `path` (an older checkpoint there is moved aside first)."""
+    """Make `tmp` durable, then rename it to `path`. An older checkpoint at `path` (a step saved again, e.g. after
+    resuming from an earlier one) is moved aside first and deleted after."""
     for file in tmp.rglob("*"):
         if file.is_file():
             _fsync(file)
     _fsync(tmp)
-    if path.exists():  # re-saving a step, e.g. after resuming from an earlier one
-        old = path.parent / f".{path.name}.old"
-        if old.exists():
-            shutil.rmtree(old)
-        path.rename(old)
-        tmp.rename(path)
+    old = path.parent / f".{path.name}.old"
+    if old.exists():  # left by a crash inside an earlier commit
         shutil.rmtree(old)
-    else:
-        tmp.rename(path)
+    if path.exists():
+        path.rename(old)
+    tmp.rename(path)
     _fsync(path.parent)
+    if old.exists():
+        shutil.rmtree(old)
 
 
 def _fsync(path: Path) -> None:
@@ -353,7 +169,7 @@ def mark_latest(root: str | Path, step: int, max_to_keep: int | None = None) -> 
     if max_to_keep < 1:
         raise ValueError(f"max_ckpt_to_keep={max_to_keep}: keep at least 1 checkpoint, or None for all")
     steps = sorted(int(m[1]) for d in root.iterdir() if (m := _STEP_DIR.fullmatch(d.name)) and d.is_dir())
-    keep = set([s for s in steps if s <= step][-max_to_keep:])
+    keep = [s for s in steps if s <= step][-max_to_keep:]  # `steps` is sorted
     for s in steps:
         if s not in keep:
             shutil.rmtree(checkpoint_dir(root, s))
@@ -382,12 +198,12 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     """
     path = Path(path)
     _check_world(layout)
-    params = _unique_params(chunks)
+    params = unique_params(chunks)
     meta = _read_meta(path, chunks[0].config, optimizer is not None)
-    state: dict[str, Any] = _model_entries(params, layout, writing=False)
+    state: dict[str, Any] = model_entries(params, layout, writing=False)
     optim_state: dict[str, Any] = {}
     if optimizer is not None:
-        entries, optim_state = _optimizer_entries(optimizer, params, layout, writing=False)
+        entries, optim_state = optimizer_entries(optimizer, params, layout, writing=False)
         state |= entries | {"optimizer": None}
     if scheduler is not None:
         state["scheduler"] = None
@@ -397,10 +213,10 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     if restore_rng:
         state[rng_key] = None
     _agree(_check_keys(path, state))
-    _zero_padding(params)
+    zero_padding(params)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: supported
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=_LoadPlanner())
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner())
     if optimizer is not None:
         # The state was read into the optimizer's own tensors; this sets the step count and publishes the master
         # weights into the model (over DP with the distributed optimizer).
@@ -455,7 +271,7 @@ def _check_keys(path: Path, state: dict[str, Any]) -> str | None:
     for key, value in state.items():
         if key not in saved:
             return f"{path}: {key!r} is missing from the checkpoint"
-        if isinstance(value, _Entry) and tuple(getattr(saved[key], "size", ())) != value.full_shape:
+        if isinstance(value, Entry) and tuple(getattr(saved[key], "size", ())) != value.full_shape:
             return (f"{path}: tensor {key!r} has shape {tuple(getattr(saved[key], 'size', ()))} in the checkpoint "
                     f"but the model expects {value.full_shape}")
     return None
