@@ -25,9 +25,13 @@ every rank of the PP group (so any rank, e.g. TP rank 0 of stage 0, can collect)
 chunks' ``.grad`` (call ``zero_grad`` yourself). With ``forward_only=True`` everything runs under
 ``torch.no_grad()`` and no activations are kept.
 
+Every rank of a PP group must call it with the same number of micro batches; activations sent between stages
+must be floating point when training (the receiver asks for their gradient). Reducing gradients (DP, TP, the tied
+embedding across first and last stage) is left to the caller, after the call.
+
 Schedules: 1F1B for VPP=1 (warm-up of ``PP - rank - 1`` forwards; at most ``PP - rank`` micro batches' activations
-alive), interleaved 1F1B for VPP>1 (the micro-batch count must be a multiple of PP), and a plain loop with gradient
-accumulation for PP=1. The plans live in `schedules.py`, the messages in `p2p.py`.
+alive), interleaved 1F1B for VPP>1 (the micro-batch count must be a multiple of PP; forward-only takes any count),
+and a plain loop with gradient accumulation for PP=1. The plans live in `schedules.py`, the messages in `p2p.py`.
 """
 
 from __future__ import annotations
