@@ -2,6 +2,7 @@
 loads and runs to the same logits as shardrl; it also loads for inference at PP2 (tied LM-head copy on the last
 stage, here at PP2xDP2) and in one process (`load_model_from_dist`).
 
+A second step resumed from the checkpoint at TP2xDP2 with the distributed optimizer equals the continued run's.
 The model covers the awkward cases: a vocabulary of 131 rows (padded to 132 at TP2: only real rows are saved), one
 KV head (replicated over TP2: written once), tied embeddings (a copy on the last pipeline stage)."""
 
@@ -12,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardrl.models.checkpoint import load_model_from_dist, save_checkpoint
+from shardrl.models.checkpoint import load_checkpoint, load_model_from_dist, save_checkpoint
 from shardrl.models.config import ModelConfig
 from shardrl.models.convert import dist_to_hf
 from shardrl.models.hf_bridge import export_hf_weights
@@ -39,18 +40,30 @@ def inference_log_probs(hf: str, ckpt: str, pp: int) -> torch.Tensor:
     return compute_log_prob(engine, make_batch(), micro_batch_size=2, max_token_len=None)[0]
 
 
+def _engine(hf: str, layout: Layout, distributed_optimizer: bool, load: bool) -> ModelEngine:
+    optim = OptimOptions(lr=1e-2, eps=1e-3, total_steps=3, decay_style="linear", distributed=distributed_optimizer)
+    return ModelEngine(ModelConfig.from_pretrained(hf), layout, EngineOptions(optim=optim),
+                       hf_path=None if load else hf)
+
+
+def _weights(engine: ModelEngine) -> dict[str, torch.Tensor]:
+    return {name: t.cpu().clone() for name, t in export_hf_weights(engine.chunks, engine.layout)}
+
+
 def train_save_and_reload(hf: str, out: str) -> dict | None:
-    """One PPO step at TP2xPP2, then a full training checkpoint; returns (first rank) the trained HF weights and the
-    log-probs of an inference engine loaded from the checkpoint at PP2xDP2."""
+    """One PPO step at TP2xPP2, a full training checkpoint, then a second step three ways: continuing, resumed at
+    TP2xDP2 with the distributed optimizer, and (log-probs only) an inference engine loaded at PP2xDP2."""
     layout = Layout.create(LayoutSpec(world_size=4, tp=2, pp=2))
-    options = EngineOptions(optim=OptimOptions(lr=1e-2, eps=1e-3))
-    engine = ModelEngine(ModelConfig.from_pretrained(hf), layout, options, hf_path=hf)
+    engine = _engine(hf, layout, distributed_optimizer=False, load=False)
     ppo_step(engine, step=0)
     save_checkpoint(out, engine.chunks, layout, optimizer=engine.optimizer, scheduler=engine.scheduler,
                     trainer_state={"step": 1}, hf_dir=hf)
-    weights = {name: t.cpu().clone() for name, t in export_hf_weights(engine.chunks, layout)}
-    log_probs = inference_log_probs(hf, out, pp=2)
-    return dict(weights=weights, pp2_log_probs=log_probs) if layout.local_rank == 0 else None
+    result = dict(weights=_weights(engine), pp2_log_probs=inference_log_probs(hf, out, pp=2))
+    result.update(continued_loss=ppo_step(engine, step=1), continued=_weights(engine))
+    resumed = _engine(hf, Layout.create(LayoutSpec(world_size=4, tp=2)), distributed_optimizer=True, load=True)
+    load_checkpoint(out, resumed.chunks, resumed.layout, optimizer=resumed.optimizer, scheduler=resumed.scheduler)
+    result.update(resumed_loss=ppo_step(resumed, step=1), resumed=_weights(resumed))
+    return result if layout.local_rank == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -81,3 +94,10 @@ def test_dist_to_hf_gives_the_trained_weights_and_transformers_logits(trained):
 def test_pp2_inference_matches_one_process(trained):
     single = inference_log_probs(trained["hf"], trained["ckpt"], pp=1)
     torch.testing.assert_close(trained["pp2_log_probs"], single, rtol=1e-5, atol=1e-5)
+
+
+def test_resume_at_tp2_with_the_distributed_optimizer_continues_the_run(trained):
+    # Padded vocab rows, the replicated KV head and the tied copy all carry optimizer state across the move.
+    assert abs(trained["resumed_loss"] - trained["continued_loss"]) <= 1e-5 * abs(trained["continued_loss"])
+    for name, expected in trained["continued"].items():
+        torch.testing.assert_close(trained["resumed"][name], expected, rtol=1e-5, atol=1e-6, msg=name)

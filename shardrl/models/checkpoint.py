@@ -11,7 +11,7 @@ written with torch.distributed.checkpoint (DCP) and keyed by HF tensor names.
 * Optimizer state: `AdamW.state_dict()` gives per HF name the range [lo, hi) of the flattened local tensor this rank
   owns (all of it, or its data-parallel chunk with the distributed optimizer). The range is cut into boxes of the
   local tensor, each a contiguous run of elements and so a view of the flat state, and shifted like the params.
-* Vocab padding rows are neither saved nor read (loading zeroes them).
+* Vocab padding rows are neither saved nor read (loading zeroes them and their optimizer state).
 * Small objects (optimizer step count, scheduler, trainer state, each rank's RNG states) are pickled by DCP.
 * Atomic: all ranks write into ``.<name>.tmp`` next to the target; the first rank adds the side files (HF config,
   tokenizer, `META_FILE`), fsyncs and renames it into place. `mark_latest` then points ``<root>/latest`` at a step.
@@ -47,7 +47,6 @@ from shardrl.models.checkpoint_shards import (
     model_entries,
     optimizer_entries,
     unique_params,
-    zero_padding,
 )
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import CheckpointError
@@ -213,7 +212,9 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     if restore_rng:
         state[rng_key] = None
     _agree(_check_keys(path, state))
-    zero_padding(params)
+    with torch.no_grad():  # what no checkpoint stores (vocab padding rows and their state) is zero
+        for tensor in [*params, *(optimizer.state_tensors() if optimizer is not None else [])]:
+            tensor.zero_()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: supported
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner())

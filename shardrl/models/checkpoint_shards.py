@@ -74,7 +74,7 @@ def flat_boxes(lo: int, hi: int, shape: Sequence[int]) -> list[tuple[tuple[int, 
     return boxes
 
 
-def _pieces(spec: ShardSpec, flat: Tensor, lo: int, hi: int) -> Iterator[tuple[str, Piece]]:
+def spec_pieces(spec: ShardSpec, flat: Tensor, lo: int, hi: int) -> Iterator[tuple[str, Piece]]:
     """(HF name, box) for elements [lo, hi) of the flattened local tensor of `spec`, whose values are `flat`
     [hi - lo]: split per expert, shifted to the shard's place in the full tensor, vocab padding dropped."""
     local = spec.local_shape()
@@ -117,7 +117,7 @@ def model_entries(params: list[nn.Parameter], layout: Layout, writing: bool) -> 
         spec = get_spec(param)
         if writing and not _writes(spec, layout, dp_replicated=True):
             continue
-        for name, piece in _pieces(spec, param.detach().view(-1), 0, param.numel()):
+        for name, piece in spec_pieces(spec, param.detach().view(-1), 0, param.numel()):
             _add(entries, MODEL_PREFIX + name, spec, piece)
     return entries
 
@@ -134,22 +134,9 @@ def optimizer_entries(optimizer: AdamW, params: list[nn.Parameter], layout: Layo
             continue
         lo, hi = owned["range"]
         for kind in OPTIM_STATES:
-            for hf_name, piece in _pieces(spec, owned[kind], lo, hi):
+            for hf_name, piece in spec_pieces(spec, owned[kind], lo, hi):
                 _add(entries, f"optim/{kind}/{hf_name}", spec, piece)
     return entries, state
-
-
-@torch.no_grad()
-def zero_padding(params: list[nn.Parameter]) -> None:
-    """Vocab rows past the real vocabulary hold zeros (no checkpoint stores them)."""
-    for param in params:
-        spec = get_spec(param)
-        if spec.padded_dim_size is None:
-            continue
-        start, stop = spec.slice_range()
-        dim = spec.dim + 1 if spec.expert else spec.dim
-        real = stop - start
-        param.narrow(dim, real, param.shape[dim] - real).zero_()
 
 
 class ShardSavePlanner(DefaultSavePlanner):
