@@ -56,10 +56,10 @@ from shardrl.parallel.optimizer import AdamW, LRScheduler
 META_FILE = "shardrl_checkpoint.json"
 LATEST_FILE = "latest"
 FORMAT_VERSION = 1
-# Files next to config.json that make a checkpoint directory a usable HF model directory once weights are exported.
-HF_SIDE_FILES = ("config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json",
-                 "special_tokens_map.json", "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model",
-                 "chat_template.jinja")
+# Files an HF model directory keeps next to config.json (tokenizer, generation defaults), carried along so an
+# exported checkpoint is a complete model directory.
+HF_EXTRA_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 _STEP_DIR = re.compile(r"global_step_(\d+)")
 
 
@@ -118,9 +118,15 @@ def _write_side_files(directory: Path, meta: dict[str, Any], hf_config: dict[str
                       hf_dir: str | Path | None) -> None:
     (directory / META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
     (directory / "config.json").write_text(json.dumps(hf_config, indent=2, sort_keys=True) + "\n")
-    for name in HF_SIDE_FILES[1:]:
-        if hf_dir is not None and (Path(hf_dir) / name).is_file():
-            shutil.copyfile(Path(hf_dir) / name, directory / name)
+    if hf_dir is not None:
+        copy_hf_extra_files(Path(hf_dir), directory)
+
+
+def copy_hf_extra_files(source: Path, dest: Path) -> None:
+    """Copy the `HF_EXTRA_FILES` that `source` has into `dest`."""
+    for name in HF_EXTRA_FILES:
+        if (source / name).is_file():
+            shutil.copyfile(source / name, dest / name)
 
 
 def _commit(tmp: Path, path: Path) -> None:
@@ -200,7 +206,6 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     params = unique_params(chunks)
     meta = _read_meta(path, chunks[0].config, optimizer is not None)
     state: dict[str, Any] = model_entries(params, layout, writing=False)
-    optim_state: dict[str, Any] = {}
     if optimizer is not None:
         entries, optim_state = optimizer_entries(optimizer, params, layout, writing=False)
         state |= entries | {"optimizer": None}
@@ -268,13 +273,15 @@ def _read_meta(path: Path, config: ModelConfig, need_optimizer: bool) -> dict[st
 
 def _check_keys(path: Path, state: dict[str, Any]) -> str | None:
     """An error line for the first key this rank needs that the checkpoint lacks or stores with another shape."""
-    saved = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved = _read_dcp_metadata(path).state_dict_metadata
     for key, value in state.items():
         if key not in saved:
             return f"{path}: {key!r} is missing from the checkpoint"
-        if isinstance(value, Entry) and tuple(getattr(saved[key], "size", ())) != value.full_shape:
-            return (f"{path}: tensor {key!r} has shape {tuple(getattr(saved[key], 'size', ()))} in the checkpoint "
-                    f"but the model expects {value.full_shape}")
+        if isinstance(value, Entry):
+            shape = tuple(saved[key].size) if isinstance(saved[key], TensorStorageMetadata) else "not a tensor"
+            if shape != value.full_shape:
+                return (f"{path}: tensor {key!r} has shape {shape} in the checkpoint but the model expects "
+                        f"{value.full_shape}")
     return None
 
 

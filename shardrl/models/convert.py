@@ -12,14 +12,18 @@ directory or a training checkpoint and writes safetensors + config.json (+ token
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
 
-from shardrl.models.checkpoint import HF_SIDE_FILES, load_model_from_dist, save_checkpoint, saved_model_tensors
+from shardrl.models.checkpoint import (
+    copy_hf_extra_files,
+    load_model_from_dist,
+    save_checkpoint,
+    saved_model_tensors,
+)
 from shardrl.models.config import ModelConfig, ModelConfigError
 from shardrl.models.hf_bridge import CheckpointError, HFCheckpointReader, load_hf_weights, save_hf_checkpoint
 from shardrl.models.transformer import VALUE_HEAD_NAME, Transformer
@@ -62,9 +66,7 @@ def dist_to_hf(dist_dir: str | Path, out: str | Path, config_path: str | Path | 
     model = _model(config, VALUE_HEAD_NAME in tensors, saved_dtypes.pop())
     load_model_from_dist([model], Layout.single(), dist_dir)
     save_hf_checkpoint(model, Layout.single(), out, dtype=dtype)
-    for name in HF_SIDE_FILES:
-        if name != "config.json" and (dist_dir / name).is_file():
-            shutil.copyfile(dist_dir / name, Path(out) / name)
+    copy_hf_extra_files(dist_dir, Path(out))
 
 
 def main(argv: Sequence[str] | None = None) -> None:
