@@ -28,7 +28,8 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import CheckpointError, load_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.models.transformer import Transformer
-from shardrl.parallel.layout import Layout
+from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import Layout, LayoutSpec
 from shardrl.parallel.optimizer import AdamW
 from shardrl.parallel.spec import ShardSpec
 
@@ -184,3 +185,21 @@ def test_errors_name_the_path_and_key(hf, tmp_path):
         with pytest.raises(CheckpointError) as error:
             call()
         assert str(error.value) == message
+
+
+def load_untied_at_pp2(hf: Path, saved: Path) -> str:
+    """Only the last stage holds `lm_head.weight`, which the (tied) checkpoint lacks: both ranks must raise."""
+    layout = Layout.create(LayoutSpec(world_size=2, pp=2))
+    raw = json.loads((hf / "config.json").read_text())
+    config = ModelConfig.from_dict({**raw, "tie_word_embeddings": False})
+    stage = Transformer(config, layout, range(layout.pp_rank, layout.pp_rank + 1), layout.is_first_stage,
+                        layout.is_last_stage)
+    with pytest.raises(CheckpointError) as error:
+        load_model_from_dist([stage], layout, saved)
+    return str(error.value)
+
+
+def test_an_error_found_on_one_rank_is_raised_on_all(hf, tmp_path):
+    saved = save_checkpoint(tmp_path / "tied", [build(hf)], SINGLE)
+    assert run_distributed(2, load_untied_at_pp2, hf, saved) == [
+        f"{saved}: 'model/lm_head.weight' is missing from the checkpoint"] * 2
