@@ -138,6 +138,20 @@ def _shared_group(ranks: list[int], timeout: datetime.timedelta) -> dist.Process
     return _SHARED_GROUPS[key]
 
 
+def sync_group(ranks: list[int], timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+               ) -> dist.ProcessGroup | None:
+    """The weight-sync group over explicit global `ranks`, which may span several roles' layouts (a trainer pool's
+    senders and a rollout pool's receivers, or the colocated ranks). Collective over `ranks` only, so a rollout-only
+    worker joins this group and its own layout's, never the trainer's. None for a single rank."""
+    ranks = sorted(set(ranks))
+    if len(ranks) == 1:
+        return None
+    if not dist.is_initialized() or dist.get_rank() not in ranks:
+        raise LayoutError(f"sync group over ranks {ranks}: this process is not one of them (or torch.distributed "
+                          f"is not initialised)")
+    return _shared_group(ranks, timeout)
+
+
 @dataclass
 class Layout:
     """Process groups and coordinates of this process for one role.

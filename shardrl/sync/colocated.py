@@ -1,27 +1,35 @@
-"""Colocated weight sync: the actor's full HF tensors streamed into the rollout engine of the same process.
+"""Colocated weight sync (the hybrid engine): actor and rollout engine in the same process on every rank.
 
-Each tensor is gathered from the actor's shards (TP/ETP/EP/PP, collective over the actor layout), handed to the
-engine, which keeps only its own rollout-TP slice, and dropped: peak extra memory is one full tensor.
+The plan maps the actor's layout onto the rollout's over the ranks both use: a piece this rank's actor shard holds
+is copied straight into its rollout shard (no bucket), the rest arrives from the other ranks in buckets. The rollout
+wakes its weights first and its KV cache only after the sync, so the cache and the sync buffers never peak
+together; offloaded actor params are read from pinned host memory and stay offloaded.
 """
 
 from __future__ import annotations
 
-import time
+import datetime
 
-from shardrl.models.hf_bridge import export_hf_weights
+from shardrl.parallel.layout import sync_group
 from shardrl.rollout.engine import Engine
+from shardrl.sync.shards import Shards
+from shardrl.sync.weight_sync import Verify, WeightSync
 from shardrl.workers.engine import ModelEngine
 
 
-def sync_colocated(actor: ModelEngine, rollout: Engine, version: int | None, weight_sync) -> dict[str, float]:
-    start, num_bytes = time.perf_counter(), 0
+class ColocatedSync:
+    def __init__(self, actor: ModelEngine, rollout: Engine, bucket_bytes: int, verify: Verify = "checksum",
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
+        """Collective over the actor's and rollout's ranks (builds the plan)."""
+        self.rollout = rollout
+        group = sync_group(actor.layout.ranks + rollout.layout.ranks, timeout)
+        source = Shards(actor.chunks, sending=True, first_stage=actor.layout.is_first_stage)
+        self.weights = WeightSync(group, rollout.device, bucket_bytes, verify, source, Shards(rollout.model))
 
-    def stream():
-        nonlocal num_bytes
-        for name, tensor in export_hf_weights(actor.chunks, actor.layout):
-            num_bytes += tensor.numel() * tensor.element_size()
-            yield name, tensor
-
-    rollout.update_weights(stream(), version)
-    seconds = time.perf_counter() - start
-    return {"sync/bytes": float(num_bytes), "sync/seconds": seconds, "sync/gbps": num_bytes / max(seconds, 1e-9) / 1e9}
+    def sync(self, version: int | None = None) -> dict[str, float]:
+        """Actor -> rollout; the rollout's `policy_version` becomes `version` (default: one more)."""
+        self.rollout.wake_up(kv_cache=False)
+        metrics = self.weights.sync()
+        self.rollout.update_weights((), version)  # nothing left to load: this only sets the policy version
+        self.rollout.wake_up()
+        return metrics

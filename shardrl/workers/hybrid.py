@@ -17,7 +17,7 @@ from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import SamplingParams
 from shardrl.rollout.runner import EngineConfig
-from shardrl.sync.colocated import sync_colocated
+from shardrl.sync.colocated import ColocatedSync
 from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.plan import Plan
 from shardrl.workers import actor, critic, roles
@@ -54,6 +54,8 @@ class ActorRolloutRefWorker:
             gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=roles.DTYPES[rollout.dtype],
             enforce_eager=rollout.enforce_eager, seed=rollout.seed)
         self.rollout = Engine(model_config, _layout(plan, "rollout"), engine_config)
+        self.weight_sync = ColocatedSync(self.actor, self.rollout, rollout.weight_sync.bucket_size_mb << 20,
+                                         rollout.weight_sync.verify, collective_timeout())
         self.sync_weights()
 
     @dispatch_mode(Dispatch.DP_COMPUTE, layout="rollout")
@@ -93,8 +95,7 @@ class ActorRolloutRefWorker:
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Actor -> rollout, in-process (colocated): the rollout's weights come back first, its KV cache after."""
-        return sync_colocated(self.actor, self.rollout, version,
-                              self.config.actor_rollout_ref.rollout.weight_sync)
+        return self.weight_sync.sync(version)
 
 
 class CriticWorker:

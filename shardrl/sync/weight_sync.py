@@ -1,0 +1,70 @@
+"""One rank's end of the trainer -> rollout weight transfer: the plan, built once, and `sync()` that executes it.
+
+A rank may be a sender (it holds trainer shards), a receiver (rollout shards) or both (colocated). Construction is
+collective over the sync group: every rank contributes the `Slice`s it holds or needs, and every rank computes the
+same plan from them, so the rollout side learns what it will receive without building the trainer's layout.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+from shardrl.sync.plan import Slice, SyncPlan, build_plan
+from shardrl.sync.shards import Shards
+from shardrl.sync.transport import Transport
+
+Verify = Literal["checksum", "full"]
+
+
+def _gather(group: dist.ProcessGroup | None, item: object) -> tuple[list[int], list]:
+    """(global ranks, each rank's item) over `group`; just this process without one."""
+    if group is None:
+        return [dist.get_rank() if dist.is_initialized() else 0], [item]
+    items: list = [None] * dist.get_world_size(group)
+    dist.all_gather_object(items, item, group=group)
+    return dist.get_process_group_ranks(group), items
+
+
+class WeightSync:
+    def __init__(self, group: dist.ProcessGroup | None, device: torch.device, bucket_bytes: int,
+                 verify: Verify = "checksum", source: Shards | None = None, target: Shards | None = None) -> None:
+        """`source`: this rank's trainer shards (None on rollout-only ranks); `target`: its rollout shards (None on
+        trainer-only ranks). `bucket_bytes`: the most buffer memory a transfer direction uses, double-buffered."""
+        self.device, self.verify, self.source, self.target = torch.device(device), verify, source, target
+        mine: tuple[list[Slice] | None, list[Slice] | None] = (source.slices() if source else None,
+                                                                target.slices() if target else None)
+        ranks, every = _gather(group, mine)
+        self.rank = ranks[0] if group is None else dist.get_rank()
+        holdings = {r: held for r, (held, _) in zip(ranks, every) if held is not None}
+        needs = {r: needed for r, (_, needed) in zip(ranks, every) if needed is not None}
+        self.plan: SyncPlan = build_plan(holdings, needs, bucket_bytes)
+        self.transport = Transport(self.plan.for_rank(self.rank), group, self.device, source, target)
+
+    def sync(self) -> dict[str, float]:
+        """Move the current trainer weights into the rollout shards and verify them; returns this rank's metrics
+        (`sync/bytes`: bytes loaded into its rollout shards, or sent by a trainer-only rank)."""
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+            base = torch.cuda.memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        start = time.perf_counter()
+        for padding in self.target.padding() if self.target else ():
+            padding.zero_()
+        stats = self.transport.run()
+        if self.verify == "full":
+            self.transport.run(compare=True)
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        seconds = time.perf_counter() - start
+        # On CPU the buffers are the measurable part; on GPU the allocator's peak is (buffers, scratch, staging).
+        peak = torch.cuda.max_memory_allocated(self.device) - base if cuda else stats.buffer_bytes
+        moved = stats.bytes_received + stats.bytes_local if self.target else stats.bytes_sent
+        return {"sync/bytes": float(moved), "sync/seconds": seconds, "sync/gbps": moved / max(seconds, 1e-9) / 1e9,
+                "sync/buckets": float(stats.buckets), "sync/peak_extra_bytes": float(peak),
+                "sync/bytes_sent": float(stats.bytes_sent), "sync/bytes_received": float(stats.bytes_received),
+                "sync/bytes_local": float(stats.bytes_local)}
