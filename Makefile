@@ -18,7 +18,7 @@ venv: $(STAMP)
 
 # Until the PPO loop lands, the main job is the dry-run planner on the default config (ARGS may add overrides).
 run: $(STAMP)
-	$(VPY) -m shardrl.trainer.main_ppo trainer.dry_run=true $(ARGS)
+	$(VPY) -m shardrl.trainer.main_ppo $(ARGS)
 
 test: $(STAMP)
 	$(VPY) -m pytest -q -x --durations=15 $(ARGS)

@@ -32,7 +32,7 @@ def test_all_six_configs_are_packaged_and_load():
 
 def test_megatron_config_keeps_the_base_keys_and_changes_defaults():
     base, mega = compose("ppo_trainer"), compose("ppo_megatron_trainer")
-    assert (base.data.train_batch_size, mega.data.train_batch_size) == (16, 1024)
+    assert (base.data.train_batch_size, mega.data.train_batch_size) == (32, 1024)
     assert mega.algorithm.adv_estimator == "gae" and mega.use_critic and not base.use_critic
     # interpolations follow the overridden values
     assert mega.critic.ppo_mini_batch_size == 256 and mega.actor_rollout_ref.rollout.response_length == 512

@@ -41,12 +41,6 @@ def raw(overrides):
         return compose(config_name="ppo_trainer", overrides=overrides)
 
 
-def test_run_without_dry_run_stops_before_training(capsys):
-    assert main_ppo.run(raw([])) == 1
-    assert capsys.readouterr().err == ("error: trainer.dry_run: false, but the PPO loop is not implemented yet; use "
-                                       "trainer.dry_run=true to validate the config and print the plan\n")
-
-
 def test_missing_data_file_fails_at_start_but_not_in_dry_run(tmp_path, capsys):
     missing = tmp_path / "train.parquet"
     assert main_ppo.run(raw([f"data.train_files={missing}", "trainer.dry_run=true"])) == 0

@@ -86,6 +86,7 @@ def train(config: PPOConfig, plan: Plan) -> None:
     ppo = PPOTrainer(config, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl, total_steps)
     try:
         ppo.fit()
+        workers.actor.save_hf(str(paths.run_dir / "hf_export"))
     finally:
         tracker.close()
         write_plots(paths.run_dir, ppo.timeline)

@@ -13,6 +13,7 @@ from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
+from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import SamplingParams
@@ -96,6 +97,12 @@ class ActorRolloutRefWorker:
     def sync_weights(self, version: int | None = None) -> dict[str, float]:
         """Actor -> rollout, in-process (colocated): the rollout's weights come back first, its KV cache after."""
         return self.weight_sync.sync(version)
+
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def save_hf(self, out_dir: str) -> None:
+        """The actor as an HF checkpoint transformers loads (collective; the layout's first rank writes)."""
+        save_hf_checkpoint(self.actor.chunks, self.actor.layout, out_dir)
 
 
 class CriticWorker:
