@@ -223,23 +223,29 @@ def pack_buckets(transfers: Sequence[Transfer], buffer_bytes) -> list[Bucket]:
 
 def schedule(buckets: Sequence[Bucket]) -> list[Bucket]:
     """Give every bucket a step: each rank sends <= 1 and receives <= 1 bucket per step, a pair's buckets in order.
-    Pairs are visited round-robin so every pair's traffic spreads over the steps."""
+
+    Each sender cycles through its receivers starting at a shift given by its position (sender i begins with its
+    i-th receiver), so uniform all-to-all traffic lands in a conflict-free rotation; a greedy earliest-free-step
+    assignment handles the rest."""
     by_pair: dict[tuple[int, int], list[Bucket]] = defaultdict(list)
     for b in buckets:
         by_pair[b.src, b.dst].append(b)
+    queues = []
+    for i, src in enumerate(sorted({src for src, _ in by_pair})):
+        dsts = sorted(dst for s, dst in by_pair if s == src)
+        dsts = dsts[i % len(dsts):] + dsts[:i % len(dsts)]
+        queues.append([b for round_ in itertools.zip_longest(*(by_pair[src, d] for d in dsts)) for b in round_
+                       if b is not None])
     sending: dict[int, set[int]] = defaultdict(set)
     receiving: dict[int, set[int]] = defaultdict(set)
     next_step: Counter[tuple[int, int]] = Counter()
     out = []
-    for round_ in itertools.zip_longest(*by_pair.values()):
-        for b in round_:
-            if b is None:
-                continue
-            step = next_step[b.src, b.dst]
-            while step in sending[b.src] or step in receiving[b.dst]:
-                step += 1
-            sending[b.src].add(step)
-            receiving[b.dst].add(step)
-            next_step[b.src, b.dst] = step + 1
-            out.append(replace(b, step=step))
+    for b in (b for round_ in itertools.zip_longest(*queues) for b in round_ if b is not None):
+        step = next_step[b.src, b.dst]
+        while step in sending[b.src] or step in receiving[b.dst]:
+            step += 1
+        sending[b.src].add(step)
+        receiving[b.dst].add(step)
+        next_step[b.src, b.dst] = step + 1
+        out.append(replace(b, step=step))
     return sorted(out, key=lambda b: (b.step, b.src, b.dst))

@@ -1,0 +1,118 @@
+"""Resharding plan (pure, no processes): hand-worked sources, bucket packing, step schedule and plan errors."""
+
+import pytest
+import torch
+
+from shardrl.parallel.spec import ShardSpec
+from shardrl.sync.plan import (
+    ALIGN,
+    CHECKSUM_RESERVE,
+    TRAILER_BYTES,
+    Piece,
+    PlanError,
+    Slice,
+    Transfer,
+    assign_sources,
+    build_plan,
+    pack_buckets,
+    schedule,
+    split_piece,
+)
+from shardrl.sync.shards import shard_box
+
+F32 = torch.float32
+
+
+def rows(start, stop, cols=6):
+    return ((start, stop), (0, cols))
+
+
+def test_tp2_dp2_trainer_to_two_rollout_replicas_split_by_columns():
+    # w [4, 6]: trainer TP2 splits rows (ranks 0,1; DP replicas 2,3); rollout TP2 splits columns, two replicas
+    # (ranks 4,5 and 6,7). Each rollout rank needs both trainer row blocks of its columns.
+    holdings = {0: [Slice("w", (4, 6), rows(0, 2), F32)], 1: [Slice("w", (4, 6), rows(2, 4), F32)],
+                2: [Slice("w", (4, 6), rows(0, 2), F32)], 3: [Slice("w", (4, 6), rows(2, 4), F32)]}
+    cols = {4: (0, 3), 5: (3, 6), 6: (0, 3), 7: (3, 6)}
+    needs = {r: [Slice("w", (4, 6), ((0, 4), c), F32)] for r, c in cols.items()}
+    got = [(t.src, t.dst, t.piece.box) for t in assign_sources(holdings, needs)]
+    # Fewest bytes sent so far, ties to the lower rank: the DP replicas alternate.
+    assert got == [
+        (0, 4, ((0, 2), (0, 3))), (1, 4, ((2, 4), (0, 3))),
+        (2, 5, ((0, 2), (3, 6))), (3, 5, ((2, 4), (3, 6))),
+        (0, 6, ((0, 2), (0, 3))), (1, 6, ((2, 4), (0, 3))),
+        (2, 7, ((0, 2), (3, 6))), (3, 7, ((2, 4), (3, 6))),
+    ]
+
+
+def test_colocated_rank_copies_what_it_holds():
+    holdings = {0: [Slice("w", (4, 6), rows(0, 2), F32)], 1: [Slice("w", (4, 6), rows(2, 4), F32)]}
+    needs = {0: [Slice("w", (4, 6), rows(0, 4), torch.bfloat16)], 1: [Slice("w", (4, 6), rows(0, 4), torch.bfloat16)]}
+    plan = build_plan(holdings, needs, bucket_bytes=1024)
+    assert [(t.src, t.dst, t.piece.box) for t in plan.local] == [(0, 0, rows(0, 2)), (1, 1, rows(2, 4))]
+    assert [(b.src, b.dst, b.step, [p.box for p in b.pieces]) for b in plan.buckets] == [
+        (0, 1, 0, [rows(0, 2)]), (1, 0, 0, [rows(2, 4)])]
+    assert plan.buckets[0].pieces[0].dtype == torch.bfloat16  # the wire carries the receiver's dtype
+
+
+def test_shard_boxes_follow_the_spec_padding_and_experts():
+    vocab = ShardSpec("embed", (10, 4), dim=0, num_shards=4, index=3, padded_dim_size=12)
+    assert shard_box(vocab) == ((9, 10), (0, 4))  # last shard: 1 real row, 2 padding rows
+    assert shard_box(ShardSpec("embed", (9, 4), dim=0, num_shards=4, index=3, padded_dim_size=12)) is None
+    down = ShardSpec("e.{expert}.down", (4, 8), dim=1, num_shards=2, index=1, group="etp", expert_ids=(2, 3))
+    assert shard_box(down) == ((0, 4), (4, 8))
+
+
+def test_split_piece_cuts_outer_dims_first():
+    piece = Piece("w", ((0, 4), (0, 6)), F32)  # 96 bytes, rows of 24
+    assert [p.box for p in split_piece(piece, 50)] == [((0, 2), (0, 6)), ((2, 4), (0, 6))]
+    assert [p.box for p in split_piece(piece, 20)] == [((r, r + 1), (c, min(c + 5, 6))) for r in range(4)
+                                                       for c in (0, 5)]
+    assert split_piece(piece, 96) == [piece]
+
+
+def test_buckets_respect_capacity_alignment_and_order():
+    pieces = [Piece(f"t{i}", ((0, n),), F32) for i, n in enumerate([3, 10, 40, 5])]  # 12, 40, 160, 20 bytes
+    buckets = pack_buckets([Transfer(0, 1, p) for p in pieces], lambda src, dst: 128)
+    capacity = (128 - 128 // CHECKSUM_RESERVE - TRAILER_BYTES) // ALIGN * ALIGN  # 96
+    assert all(b.nbytes <= capacity and all(p.offset % ALIGN == 0 for p in b.pieces) for b in buckets)
+    layout = [[(p.hf_name, p.box, p.offset) for p in b.pieces] for b in buckets]
+    assert layout == [[("t0", ((0, 3),), 0), ("t1", ((0, 10),), 16)],
+                      [("t2", ((0, 24),), 0)], [("t2", ((24, 40),), 0), ("t3", ((0, 5),), 64)]]
+
+
+def test_schedule_each_rank_sends_and_receives_one_bucket_per_step():
+    pieces = [Piece("w", ((i, i + 1),), F32) for i in range(3)]
+    buckets = pack_buckets([Transfer(s, d, p) for s in range(3) for d in range(3, 6)
+                            for p in pieces], lambda src, dst: 48)  # each piece its own bucket
+    steps = schedule(buckets)
+    assert len(steps) == len(buckets) == 27
+    for step in {b.step for b in steps}:
+        at = [b for b in steps if b.step == step]
+        assert len({b.src for b in at}) == len(at) and len({b.dst for b in at}) == len(at)
+    for src, dst in {(b.src, b.dst) for b in steps}:
+        pair = [b for b in steps if (b.src, b.dst) == (src, dst)]
+        assert [b.pieces[0].box for b in pair] == [p.box for p in pieces]  # a pair's buckets keep their order
+    assert max(b.step for b in steps) + 1 == 9  # 9 buckets per sender: the greedy colouring is optimal here
+
+
+def test_colocated_ranks_halve_their_buckets():
+    # Both ranks send and receive: two send plus two receive buffers of half a bucket each.
+    holdings = {0: [Slice("w", (64, 16), ((0, 32), (0, 16)), F32)], 1: [Slice("w", (64, 16), ((32, 64), (0, 16)), F32)]}
+    needs = {r: [Slice("w", (64, 16), ((0, 64), (0, 16)), F32)] for r in (0, 1)}
+    plan = build_plan(holdings, needs, bucket_bytes=1024)
+    assert max(b.nbytes for b in plan.buckets) + TRAILER_BYTES <= 512
+    assert sum(b.nbytes for b in plan.buckets if b.src == 0) == 32 * 16 * 4
+
+
+@pytest.mark.parametrize("holdings, needs, message", [
+    ({0: [Slice("w", (4,), ((0, 2),), F32)]}, {1: [Slice("w", (4,), ((0, 4),), F32)]}, "hold only"),
+    ({0: [Slice("w", (4,), ((0, 4),), F32)]}, {1: [Slice("w", (5,), ((0, 5),), F32)]}, "shape"),
+    ({0: [Slice("w", (4,), ((0, 4),), F32)]}, {1: [Slice("v", (4,), ((0, 4),), F32)]}, "no trainer rank"),
+    ({0: [Slice("w", (4,), ((0, 4),), F32), Slice("b", (4,), ((0, 4),), F32)]},
+     {1: [Slice("w", (4,), ((0, 4),), F32)]}, "rollout model lacks"),
+    ({0: [Slice("w", (4,), ((0, 3),), F32)], 1: [Slice("w", (4,), ((2, 4),), F32)]},
+     {2: [Slice("w", (4,), ((0, 4),), F32)]}, "overlapping"),
+])
+def test_plan_errors_name_the_tensor(holdings, needs, message):
+    with pytest.raises(PlanError, match=message):
+        build_plan(holdings, needs, bucket_bytes=1024)
