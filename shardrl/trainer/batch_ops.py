@@ -20,6 +20,14 @@ def assign_uids(prompts: Batch) -> Batch:
     return prompts
 
 
+def with_sample_seeds(samples: Batch, config: PPOConfig, step: int) -> Batch:
+    """A sampling seed per row from (trainer.seed, step, row): generation then depends on nothing but the weights
+    and the data, so a resumed run samples exactly what the uninterrupted one did. Validation uses step -1."""
+    base = (config.trainer.seed * 1_000_003 + (step + 1) * 65_537) % 2**31
+    samples.tensors["sample_seed"] = base + torch.arange(len(samples), dtype=torch.long)
+    return samples
+
+
 def score(batch: Batch, tokenizer, score_fn) -> tuple[Batch, dict[str, float]]:
     scores, extras = compute_token_level_scores(batch, tokenizer, score_fn)  # [B, R]
     batch.tensors["token_level_scores"] = scores

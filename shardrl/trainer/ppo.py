@@ -12,6 +12,7 @@ from shardrl.algos import KLController
 from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
 from shardrl.data.rl_dataset import PromptLoader
+from shardrl.models.checkpoint import find_latest, mark_latest
 from shardrl.trainer import batch_ops
 from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.tracking import Timeline, Tracker
@@ -39,7 +40,7 @@ class PPOTrainer:
         with t.phase(step, "step"):
             with t.phase(step, "gen"):
                 samples = batch_ops.assign_uids(prompts).repeat(self.config.actor_rollout_ref.rollout.n)
-                batch = w.actor.generate_sequences(samples)
+                batch = w.actor.generate_sequences(batch_ops.with_sample_seeds(samples, self.config, step))
             with t.phase(step, "reward"):
                 batch, reward_metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
             if self.config.recompute_old_log_probs:
@@ -70,7 +71,7 @@ class PPOTrainer:
 
     def validate(self) -> dict[str, float]:
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
-        samples = batch_ops.assign_uids(self.val_prompts).repeat(n)
+        samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.config, -1)
         batch = self.workers.actor.generate_sequences(samples, validate=True)
         batch, _ = batch_ops.score(batch, self.tokenizer, self.score_fn)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
@@ -79,8 +80,35 @@ class PPOTrainer:
         metrics["val-core/reward/mean"] = float(np.mean(scores))
         return metrics
 
+    def save(self) -> None:
+        """Every role's checkpoint of this step, then (all written) the `latest` pointer: atomic as a whole."""
+        state = {"step": self.global_step, "dataloader": self.loader.state_dict(), "policy_version": self.global_step,
+                 "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
+        root = self.tracker.run_dir
+        self.workers.actor.save_checkpoint(str(root), self.global_step, state)
+        if self.workers.critic is not None:
+            self.workers.critic.save_checkpoint(str(root), self.global_step, state)
+        mark_latest(root, self.global_step, self.config.trainer.max_actor_ckpt_to_keep)
+
+    def resume(self) -> None:
+        trainer = self.config.trainer
+        if trainer.resume_mode == "disable":
+            return
+        step_dir = find_latest(self.tracker.run_dir) if trainer.resume_mode == "auto" else trainer.resume_from_path
+        if step_dir is None:
+            return
+        state = self.workers.actor.load_checkpoint(str(step_dir))[0]
+        if self.workers.critic is not None:
+            self.workers.critic.load_checkpoint(str(step_dir))
+        self.loader.load_state_dict(state["dataloader"])
+        self.global_step = state["step"]
+        if self.kl_ctrl is not None:
+            self.kl_ctrl.value = state["kl_coef"]
+        print(f"resumed from {step_dir} at step {self.global_step}")
+
     def fit(self) -> None:
         trainer = self.config.trainer
+        self.resume()
         if self.val_prompts is not None and trainer.val_before_train:
             self.tracker.log(self.global_step, self.validate())
         while self.global_step < self.total_steps:
@@ -96,6 +124,8 @@ class PPOTrainer:
                 metrics["training/global_step"] = self.global_step
                 metrics["training/epoch"] = self.loader.state_dict()["epoch"]
                 self.tracker.log(self.global_step, metrics)
+                if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
+                    self.save()
                 if last:
                     return
 

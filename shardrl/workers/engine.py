@@ -66,9 +66,11 @@ class MicroBatch:
 
 class ModelEngine:
     def __init__(self, config: ModelConfig, layout: Layout, options: EngineOptions, hf_path: str | None = None,
-                 optional_weights: Sequence[str] = ()) -> None:
-        """Build this rank's chunks and load `hf_path` (before the optimizer copies the weights into its fp32
-        master copy). `optional_weights`: HF names that may be missing (a critic's value head)."""
+                 optional_weights: Sequence[str] = (),
+                 weights_loader: Callable[[list[Transformer]], None] | None = None) -> None:
+        """Build this rank's chunks and load `hf_path` (or call `weights_loader` on the chunks) before the optimizer
+        copies the weights into its fp32 master copy. `optional_weights`: HF names that may be missing (a critic's
+        value head)."""
         self.config, self.layout, self.options = config, layout, options
         pp, vpp = layout.pp_size, layout.spec.vpp
         self.chunks = []
@@ -81,6 +83,8 @@ class ModelEngine:
                 moe_z_loss_coef=options.moe_z_loss_coef))
         if hf_path is not None:
             load_hf_weights(self.chunks, hf_path, optional=optional_weights)
+        if weights_loader is not None:
+            weights_loader(self.chunks)
         self.optimizer: AdamW | None = None
         self.scheduler: LRScheduler | None = None
         if options.optim is not None:

@@ -7,12 +7,15 @@ process per rank, each with its own Layout over the same ranks, and weights move
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
+from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine
@@ -22,7 +25,6 @@ from shardrl.sync.colocated import ColocatedSync
 from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.plan import Plan
 from shardrl.workers import actor, critic, roles
-from shardrl.workers.engine import ModelEngine
 from shardrl.workers.rollout import generate
 
 
@@ -42,12 +44,14 @@ class ActorRolloutRefWorker:
         self.config, self.plan, self.pad_token_id = config, plan, pad_token_id
         arr = config.actor_rollout_ref
         model_config = ModelConfig.from_pretrained(model_path)
-        self.actor = ModelEngine(model_config, _layout(plan, "actor"), roles.actor_engine_options(config, total_steps),
-                                 hf_path=model_path)
+        self.model_path = model_path
+        self.actor = roles.build_engine(model_config, _layout(plan, "actor"), roles.actor_engine_options(
+            config, total_steps), arr.actor.megatron, model_path)
         self.ref = None
         if "ref" in plan.roles:
             ref_options = roles.engine_options(arr.ref.megatron, False, None)
-            self.ref = ModelEngine(model_config, _layout(plan, "ref"), ref_options, hf_path=model_path)
+            self.ref = roles.build_engine(model_config, _layout(plan, "ref"), ref_options, arr.ref.megatron,
+                                          model_path)
         rollout = arr.rollout
         engine_config = EngineConfig(
             max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
@@ -65,8 +69,9 @@ class ActorRolloutRefWorker:
         rollout = self.config.actor_rollout_ref.rollout
         sampling = rollout.val_kwargs if validate else rollout
         temperature = sampling.temperature if sampling.do_sample else 0.0
-        params = SamplingParams(max_tokens=rollout.response_length, temperature=temperature, top_k=sampling.top_k,
-                                top_p=sampling.top_p, ignore_eos=rollout.ignore_eos)
+        params = [SamplingParams(max_tokens=rollout.response_length, temperature=temperature, top_k=sampling.top_k,
+                                 top_p=sampling.top_p, ignore_eos=rollout.ignore_eos, seed=int(seed))
+                  for seed in prompts.tensors["sample_seed"]]
         return generate(self.rollout, prompts, params, rollout.response_length, self.pad_token_id)
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
@@ -100,6 +105,20 @@ class ActorRolloutRefWorker:
 
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:
+        save_checkpoint(checkpoint_dir(root, step) / "actor", self.actor.chunks, self.actor.layout,
+                        optimizer=self.actor.optimizer, scheduler=self.actor.scheduler, trainer_state=trainer_state,
+                        hf_dir=self.model_path)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, step_dir: str) -> dict:
+        """Restore the actor (weights, optimizer, schedule, RNG) and push its weights to the rollout engine."""
+        state = load_checkpoint(Path(step_dir) / "actor", self.actor.chunks, self.actor.layout,
+                                optimizer=self.actor.optimizer, scheduler=self.actor.scheduler)
+        self.sync_weights(state["policy_version"])
+        return state
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
     def save_hf(self, out_dir: str) -> None:
         """The actor as an HF checkpoint transformers loads (collective; the layout's first rank writes)."""
         save_hf_checkpoint(self.actor.chunks, self.actor.layout, out_dir)
@@ -108,10 +127,20 @@ class ActorRolloutRefWorker:
 class CriticWorker:
     def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int) -> None:
         torch.manual_seed(config.trainer.seed)
-        self.config, self.plan = config, plan
-        self.critic = ModelEngine(ModelConfig.from_pretrained(model_path), _layout(plan, "critic"),
-                                  roles.critic_engine_options(config, total_steps), hf_path=model_path,
-                                  optional_weights=("score.weight",))
+        self.config, self.plan, self.model_path = config, plan, model_path
+        self.critic = roles.build_engine(ModelConfig.from_pretrained(model_path), _layout(plan, "critic"),
+                                         roles.critic_engine_options(config, total_steps), config.critic.megatron,
+                                         model_path, optional_weights=("score.weight",))
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:
+        save_checkpoint(checkpoint_dir(root, step) / "critic", self.critic.chunks, self.critic.layout,
+                        optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, rng=False)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, step_dir: str) -> None:
+        load_checkpoint(Path(step_dir) / "critic", self.critic.chunks, self.critic.layout,
+                        optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, restore_rng=False)
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:

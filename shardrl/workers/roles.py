@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from shardrl.algos import ClipRange
 from shardrl.trainer.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, PPOConfig
 from shardrl.trainer.plan import MicroBatching
 from shardrl.workers.actor import PolicyLossOptions
-from shardrl.workers.engine import EngineOptions, OptimOptions, UpdateOptions
+from shardrl.models.checkpoint import load_model_from_dist
+from shardrl.models.config import ModelConfig
+from shardrl.parallel.layout import Layout
+from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, UpdateOptions
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -64,3 +69,13 @@ def update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: in
     """`batching`: the plan's "update" normalisation (per-rank mini batch = ppo_mini_batch_size * n / DP)."""
     return UpdateOptions(mini_batch_size=batching.samples_per_rank, micro_batch_size=batching.micro_batch_size,
                          max_token_len=batching.max_token_len, ppo_epochs=epochs, shuffle=shuffle, seed=seed)
+
+
+def build_engine(model_config: ModelConfig, layout: Layout, options: EngineOptions, megatron: MegatronConfig,
+                 hf_path: str, optional_weights: Sequence[str] = ()) -> ModelEngine:
+    """A role's engine with its initial weights: from `megatron.dist_checkpointing_path` when
+    `use_dist_checkpointing` (converted with `python -m shardrl.models.convert hf-to-dist`), else from HF."""
+    if not megatron.use_dist_checkpointing:
+        return ModelEngine(model_config, layout, options, hf_path=hf_path, optional_weights=optional_weights)
+    return ModelEngine(model_config, layout, options, weights_loader=lambda chunks: load_model_from_dist(
+        chunks, layout, megatron.dist_checkpointing_path))

@@ -55,8 +55,8 @@ def samples_batch(prompts: Batch, outputs: list[RequestOutput], n: int, response
     return Batch(tensors, non_tensors, dict(prompts.meta))
 
 
-def generate(engine: Engine, prompts: Batch, params: SamplingParams, response_length: int,
+def generate(engine: Engine, prompts: Batch, params: list[SamplingParams], response_length: int,
              pad_token_id: int) -> Batch:
-    """Sample `params.n` responses per prompt row of `prompts` (this replica's share)."""
+    """Sample one response per prompt row of `prompts` (this replica's share) with that row's `params`."""
     outputs = engine.generate(prompt_ids_of(prompts), params)
-    return samples_batch(prompts, outputs, params.n, response_length, pad_token_id)
+    return samples_batch(prompts, outputs, 1, response_length, pad_token_id)
