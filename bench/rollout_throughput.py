@@ -41,6 +41,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the decode")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--profile", action="store_true", help="print the top CPU and CUDA ops of 20 decode steps")
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.prompt_len, args.new_tokens = 8, 16, 16
@@ -89,6 +90,25 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
 
 
 @torch.inference_mode()
+def profile_decode(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+    """Where a decode step's time goes: profile 20 steps in the middle of a full batch."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for prompt in prompts:
+        engine.submit(prompt, params)
+    for _ in range(10):  # prefill and first decode steps
+        engine.step()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        for _ in range(20):
+            engine.step()
+    engine.abort(keep=False)
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=15))
+    if torch.cuda.is_available():
+        print(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=15))
+
+
+@torch.inference_mode()
 def run_hf(hf, prompts: list[list[int]], args: argparse.Namespace, device: torch.device) -> float:
     input_ids = torch.tensor(prompts, device=device)  # all prompts have the same length: no padding
     settings = dict(do_sample=True, temperature=args.temperature, top_p=args.top_p,
@@ -119,6 +139,8 @@ def main() -> None:
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens, temperature {args.temperature}, "
           f"top_p {args.top_p}, top_k {args.top_k}")
     ours = run_engine(engine, prompts, params, device)
+    if args.profile:
+        profile_decode(engine, prompts, params)
     if args.skip_hf:
         return
     theirs = run_hf(hf, prompts, args, device)
