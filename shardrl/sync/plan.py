@@ -33,12 +33,17 @@ class PlanError(ValueError):
 
 @dataclass(frozen=True)
 class Slice:
-    """A box of one HF tensor that a rank holds (trainer) or needs (rollout), in that rank's parameter dtype."""
+    """A box of one HF tensor that a rank holds (trainer) or needs (rollout), in that rank's parameter dtype.
+
+    Expert params are one slice per parameter, not per expert: `hf_name` is the spec's template (with `{expert}`),
+    `full_shape` one expert's shape, and the box has a leading dim of global expert ids. Runs of experts then move
+    as single pieces (one copy each way), whatever the number of experts."""
 
     hf_name: str
     full_shape: tuple[int, ...]
     box: Box
     dtype: torch.dtype
+    expert: bool = False
 
 
 @dataclass(frozen=True)
@@ -48,7 +53,16 @@ class Piece:
     hf_name: str
     box: Box
     dtype: torch.dtype
+    expert: bool = False
     offset: int = 0
+
+    @property
+    def name(self) -> str:
+        """For messages: the HF name, experts written as their id range (`...experts.4-7.down_proj.weight`)."""
+        if not self.expert:
+            return self.hf_name
+        first, stop = self.box[0]
+        return self.hf_name.format(expert=first if stop == first + 1 else f"{first}-{stop - 1}")
 
     @property
     def shape(self) -> tuple[int, ...]:
@@ -75,7 +89,7 @@ class Bucket:
     nbytes: int  # data bytes (a multiple of ALIGN); the checksum trailer follows
 
     def names(self) -> list[str]:
-        return list(dict.fromkeys(p.hf_name for p in self.pieces))
+        return list(dict.fromkeys(p.name for p in self.pieces))
 
 
 @dataclass
@@ -158,7 +172,7 @@ def assign_sources(holdings: Mapping[int, Sequence[Slice]], needs: Mapping[int, 
                 if part is None:
                     continue
                 src = dst if dst in ranks else min(ranks, key=lambda r: (sent[r], r))
-                piece = Piece(need.hf_name, part, need.dtype)
+                piece = Piece(need.hf_name, part, need.dtype, need.expert)
                 sent[src] += piece.nbytes if src != dst else 0
                 transfers.append(Transfer(src, dst, piece))
                 covered += volume(part)
@@ -186,7 +200,7 @@ def split_piece(piece: Piece, max_bytes: int) -> list[Piece]:
         inner *= size
     dim = next((d for d, b in enumerate(inner_bytes) if b <= max_bytes), None)
     if dim is None:
-        raise PlanError(f"{piece.hf_name}: bucket of {max_bytes} bytes cannot hold one element")
+        raise PlanError(f"{piece.name}: bucket of {max_bytes} bytes cannot hold one element")
     step = max_bytes // inner_bytes[dim]
     outer = [range(start, stop) for start, stop in piece.box[:dim]]
     start, stop = piece.box[dim]

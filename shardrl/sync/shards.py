@@ -12,7 +12,6 @@ from collections.abc import Iterator, Sequence
 import torch
 from torch import Tensor, nn
 
-from shardrl.models.hf_bridge import hf_name_index
 from shardrl.parallel.spec import ShardSpec, get_spec
 from shardrl.sync.plan import Box, Slice
 
@@ -20,22 +19,31 @@ Model = nn.Module | Sequence[nn.Module]
 
 
 def shard_box(spec: ShardSpec) -> Box | None:
-    """The box of the full (unpadded) HF tensor a shard covers; None when the shard is all padding."""
+    """The box of the full (unpadded) HF tensor a shard covers, with a leading dim of global expert ids for expert
+    params; None when the shard is all padding."""
     box = [(0, size) for size in spec.full_shape]
     if spec.dim is not None:
         start, stop = spec.slice_range()
         if start == stop:
             return None
         box[spec.dim] = (start, stop)
+    if spec.expert:
+        first, count = spec.expert_ids[0], len(spec.expert_ids)
+        if spec.expert_ids != tuple(range(first, first + count)):
+            raise ValueError(f"{spec.hf_name}: local experts {spec.expert_ids} are not a contiguous run of ids")
+        box.insert(0, (first, first + count))
     return tuple(box)
 
 
-def box_view(local: Tensor, spec: ShardSpec, expert_index: int, box: Box) -> Tensor:
-    """The view of `box` (in full-tensor coordinates) inside `local`, a tensor laid out like the parameter."""
-    view = local[expert_index] if spec.expert else local
+def box_view(local: Tensor, spec: ShardSpec, box: Box) -> Tensor:
+    """The view of `box` (full-tensor coordinates, see `shard_box`) inside `local`, laid out like the parameter."""
+    view, lead = local, 0
+    if spec.expert:
+        start, stop = box[0]
+        view, lead, box = view.narrow(0, start - spec.expert_ids[0], stop - start), 1, box[1:]
     shard_start = spec.slice_range()[0] if spec.dim is not None else 0
     for dim, (start, stop) in enumerate(box):
-        view = view.narrow(dim, start - (shard_start if dim == spec.dim else 0), stop - start)
+        view = view.narrow(lead + dim, start - (shard_start if dim == spec.dim else 0), stop - start)
     return view
 
 
@@ -49,41 +57,47 @@ def _host_view(param: Tensor) -> Tensor | None:
 
 
 class Shards:
-    """The HF tensors a model's local shards cover, by name. `sending`: the trainer side, which skips the tied
-    LM-head copies of later pipeline stages (the first stage's embedding is the one exported, see spec.py)."""
+    """A model's local shards by HF name (expert params by their name template). `sending`: the trainer side, which
+    skips the tied LM-head copies of later pipeline stages (the first stage's embedding is the one exported,
+    see spec.py)."""
 
     def __init__(self, model: Model, sending: bool = False, first_stage: bool = True) -> None:
-        index = hf_name_index(model)
-        self.params = {name: (param, i) for name, (param, i) in index.items()
-                       if not (sending and get_spec(param).tied_group and not first_stage)}
+        chunks = model if isinstance(model, Sequence) else [model]
+        unique = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
+        self.params: dict[str, nn.Parameter] = {}
+        for param in unique:
+            spec = get_spec(param)
+            if sending and spec.tied_group and not first_stage:
+                continue
+            if spec.hf_name in self.params:
+                raise ValueError(f"{spec.hf_name}: two parameters of this rank claim the same HF tensor")
+            self.params[spec.hf_name] = param
 
     def slices(self) -> list[Slice]:
         out = []
-        for name, (param, _) in self.params.items():
+        for name, param in self.params.items():
             spec = get_spec(param)
             box = shard_box(spec)
             if box is not None:
-                out.append(Slice(name, spec.full_shape, box, param.dtype))
+                out.append(Slice(name, spec.full_shape, box, param.dtype, spec.expert))
         return out
 
     def view(self, hf_name: str, box: Box) -> Tensor:
         """`box` of `hf_name` in this rank's shard: a device view, or a host view when the param is offloaded."""
-        param, expert_index = self.params[hf_name]
+        param = self.params[hf_name]
         host = _host_view(param)
-        return box_view(param.detach() if host is None else host, get_spec(param), expert_index, box)
+        return box_view(param.detach() if host is None else host, get_spec(param), box)
 
     def padding(self) -> Iterator[Tensor]:
         """Views of the padded rows past the real vocabulary (kept zero, as the checkpoint loader leaves them)."""
-        seen = set()
-        for param, _ in self.params.values():
+        for param in self.params.values():
             spec = get_spec(param)
-            if id(param) in seen or spec.dim is None or spec.padded_dim_size is None:
+            if spec.dim is None or spec.padded_dim_size is None:
                 continue
-            seen.add(id(param))
             start, stop = spec.slice_range()
             dim = spec.dim + (1 if spec.expert else 0)
             if stop - start < param.shape[dim]:
                 yield param.detach().narrow(dim, stop - start, param.shape[dim] - (stop - start))
 
-    def offloaded(self) -> bool:
-        return any(_host_view(param) is not None for param, _ in self.params.values())
+    def largest_bytes(self) -> int:
+        return max((param.numel() * param.element_size() for param in self.params.values()), default=0)

@@ -8,12 +8,13 @@ Double-buffered pipeline, one iteration per step this rank takes part in:
 so packing, the transfer in flight and unpacking overlap (on GPU: the NCCL stream against the compute stream; with
 gloo: the background transport against this thread). A buffer is reused only after the step that used it two
 iterations earlier finished. Peak extra memory: the two buffers per direction (a bucket each, half a bucket each
-for a rank that both sends and receives), checksum scratch, and for offloaded sources that must be strided or
-converted on the device one staged tensor.
+for a rank that both sends and receives; checksum scratch included) and, for offloaded params read in strided
+or converted pieces, staged params up to the size of the largest one (`HostStaging`).
 """
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -35,16 +36,37 @@ class TransferStats:
     buffer_bytes: int = 0
 
 
-def copy_into(dst: Tensor, src: Tensor) -> None:
-    """`dst.copy_(src)`. A host source that is strided or of another dtype than a device `dst` is first staged on
-    the device whole (one DMA of the span it covers, asynchronous from pinned memory), then strided or converted
-    there."""
-    if src.device == dst.device or (src.is_contiguous() and src.dtype == dst.dtype):
+class HostStaging:
+    """Device copies of offloaded params, least recently used first out within `budget` bytes.
+
+    A piece that is contiguous in pinned host memory and already of the wire dtype is copied straight into its
+    bucket (one asynchronous DMA). Any other read of an offloaded param (a column block, a dtype change) stages the
+    whole param on the device once, and every piece cut from it while it stays staged is a device copy: an expert
+    matrix split by columns for two rollout ranks crosses PCIe once, not twice.
+    """
+
+    def __init__(self, device: torch.device, budget: int) -> None:
+        self.device, self.budget = device, budget
+        self.staged: OrderedDict[int, Tensor] = OrderedDict()  # host storage address -> its bytes on the device
+
+    def view(self, src: Tensor) -> Tensor:
+        """`src` (a view of an offloaded param's host copy) as the same view of its device copy."""
+        storage = src.untyped_storage()
+        staged = self.staged.pop(storage.data_ptr(), None)
+        if staged is None:
+            while self.staged and sum(t.numel() for t in self.staged.values()) + storage.nbytes() > self.budget:
+                # Freed on the current stream: the copies already queued from it run first.
+                self.staged.popitem(last=False)
+            host = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes] the whole pinned storage
+            staged = torch.empty_like(host, device=self.device).copy_(host, non_blocking=True)
+        self.staged[storage.data_ptr()] = staged
+        return staged.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+
+    def copy(self, dst: Tensor, src: Tensor) -> None:
+        """`dst.copy_(src)`, staging a host `src` that cannot be DMA'd straight into `dst`."""
+        if src.device != dst.device and not (src.is_contiguous() and src.dtype == dst.dtype):
+            src = self.view(src)
         dst.copy_(src, non_blocking=True)
-        return
-    span = 1 + sum((size - 1) * stride for size, stride in zip(src.shape, src.stride()))
-    staged = src.as_strided((span,), (1,)).to(dst.device, non_blocking=True)  # [span] of src's dtype
-    dst.copy_(staged.as_strided(src.shape, src.stride()))
 
 
 def piece_view(buf: Tensor, piece: Piece) -> Tensor:
@@ -56,6 +78,8 @@ class Transport:
                  source: Shards | None, target: Shards | None) -> None:
         self.plan, self.group, self.device = plan, group, device
         self.source, self.target = source, target
+        # Staging for offloaded params: at most the largest one (the "+ largest tensor" of the memory bound).
+        self.staging = HostStaging(device, source.largest_bytes() if source else 0)
 
     def _buffers(self, buckets: Sequence[Bucket]) -> list[Tensor]:
         if not buckets:
@@ -66,7 +90,7 @@ class Transport:
     def pack(self, bucket: Bucket, buf: Tensor) -> Tensor:
         """Fill `buf` with the bucket's pieces and their checksum; returns the bytes to send."""
         for piece in bucket.pieces:
-            copy_into(piece_view(buf, piece), self.source.view(piece.hf_name, piece.box))
+            self.staging.copy(piece_view(buf, piece), self.source.view(piece.hf_name, piece.box))
         n = bucket.nbytes
         buf[n:n + TRAILER_BYTES].view(torch.int64).copy_(checksum(buf[:n]))
         return buf[:n + TRAILER_BYTES]
@@ -81,15 +105,15 @@ class Transport:
             if compare is None:
                 dst.copy_(piece_view(buf, piece), non_blocking=True)
             else:
-                compare.append((piece.hf_name, (dst != piece_view(buf, piece)).any()))
+                compare.append((piece.name, (dst != piece_view(buf, piece)).any()))
 
     def _copy_local(self, pieces: Sequence[Piece], compare: list | None) -> None:
         for piece in pieces:
             dst, src = self.target.view(piece.hf_name, piece.box), self.source.view(piece.hf_name, piece.box)
             if compare is None:
-                copy_into(dst, src)
+                self.staging.copy(dst, src)
             else:
-                compare.append((piece.hf_name, (dst != src.to(dst.device, dst.dtype)).any()))
+                compare.append((piece.name, (dst != src.to(dst.device, dst.dtype)).any()))
 
     def run(self, compare: bool = False) -> TransferStats:
         """One pass over the plan (see the module docstring). `compare`: verify=full, nothing is written."""
@@ -122,6 +146,7 @@ class Transport:
         if in_flight is not None:
             self._finish(*in_flight, recv_bufs, sums, compared)
         self._copy_local(next(local), compared)
+        self.staging.staged.clear()
         check_checksums(plan.recvs, sums)
         if compared is not None:
             check_full([name for name, _ in compared], [flag for _, flag in compared], plan.rank)

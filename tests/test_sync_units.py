@@ -1,4 +1,7 @@
-"""Resharding plan (pure, no processes): hand-worked sources, bucket packing, step schedule and plan errors."""
+"""Weight-sync units without processes: the resharding plan by hand (sources, buckets, steps, errors), the
+bucket checksum against a pure-Python reference, and host staging."""
+
+import struct
 
 import pytest
 import torch
@@ -19,6 +22,8 @@ from shardrl.sync.plan import (
     split_piece,
 )
 from shardrl.sync.shards import shard_box
+from shardrl.sync.transport import HostStaging
+from shardrl.sync.verify import checksum
 
 F32 = torch.float32
 
@@ -59,7 +64,7 @@ def test_shard_boxes_follow_the_spec_padding_and_experts():
     assert shard_box(vocab) == ((9, 10), (0, 4))  # last shard: 1 real row, 2 padding rows
     assert shard_box(ShardSpec("embed", (9, 4), dim=0, num_shards=4, index=3, padded_dim_size=12)) is None
     down = ShardSpec("e.{expert}.down", (4, 8), dim=1, num_shards=2, index=1, group="etp", expert_ids=(2, 3))
-    assert shard_box(down) == ((0, 4), (4, 8))
+    assert shard_box(down) == ((2, 4), (0, 4), (4, 8))  # experts 2-3, then the tensor's own dims
 
 
 def test_split_piece_cuts_outer_dims_first():
@@ -116,3 +121,32 @@ def test_colocated_ranks_halve_their_buckets():
 def test_plan_errors_name_the_tensor(holdings, needs, message):
     with pytest.raises(PlanError, match=message):
         build_plan(holdings, needs, bucket_bytes=1024)
+
+
+def _reference_checksum(data: bytes) -> tuple[int, int]:
+    """Sum (wrapped to a signed int64) and xor of the little-endian int64 words, in plain Python."""
+    words = struct.unpack(f"<{len(data) // 8}q", data)
+    xor = 0
+    for w in words:
+        xor ^= w
+    total = sum(words) % 2**64
+    return total - 2**64 if total >= 2**63 else total, xor
+
+
+@pytest.mark.parametrize("num_bytes", [8, 24, 1000 * 8, 4099 * 8])
+def test_checksum_matches_python_and_catches_one_bit(num_bytes):
+    data = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    assert tuple(checksum(data).tolist()) == _reference_checksum(bytes(data.tolist()))
+    flipped = data.clone()
+    flipped[num_bytes // 2] ^= 0x04
+    assert not torch.equal(checksum(flipped), checksum(data))
+
+
+def test_host_staging_stages_a_param_once_within_its_budget():
+    a, b = torch.arange(24.0).view(4, 6), torch.arange(12.0).view(3, 4)
+    staging = HostStaging(torch.device("cpu"), budget=a.numel() * 4)
+    left, right = staging.view(a[:, :3]), staging.view(a[:, 3:])  # two column blocks of one param
+    assert torch.equal(left, a[:, :3]) and torch.equal(right, a[:, 3:])
+    assert left.untyped_storage().data_ptr() == right.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
+    assert torch.equal(staging.view(b[1:]), b[1:])
+    assert list(staging.staged) == [b.untyped_storage().data_ptr()]  # `a` was evicted to stay within the budget
