@@ -47,6 +47,7 @@ class Case:
     rollout_dtype: torch.dtype = torch.float32
     verify: str = "checksum"
     fault: str | None = field(default=None, compare=False)  # "corrupt_bucket" | "skip_load"
+    bucket: int = BUCKET
 
     def ranks(self) -> tuple[list[int], list[int]]:
         trainer = list(range(self.trainer_world))
@@ -86,10 +87,10 @@ def _peak_bytes(prof) -> int:
 
 def _build_sync(case: Case, actor, engine, trainer_ranks, rollout_ranks):
     if case.placement == "colocated":
-        return ColocatedSync(actor, engine, BUCKET, case.verify)
+        return ColocatedSync(actor, engine, case.bucket, case.verify)
     if actor is not None:
-        return DetachedSync.sender(actor, rollout_ranks, BUCKET, case.verify)
-    return DetachedSync.receiver(engine, trainer_ranks, BUCKET, case.verify)
+        return DetachedSync.sender(actor, rollout_ranks, case.bucket, case.verify)
+    return DetachedSync.receiver(engine, trainer_ranks, case.bucket, case.verify)
 
 
 def _inject_fault(case: Case, sync) -> None:
@@ -132,6 +133,7 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str) -> dict |
         result["new_groups"] = sorted(k[1] for k in set(layout_module._SHARED_GROUPS) - known_groups)
         result["all_groups"] = sorted(k[1] for k in layout_module._SHARED_GROUPS)
     if actor is not None:
+        result["largest"] = max(p.numel() * p.element_size() for c in actor.chunks for p in c.parameters())
         result["still_offloaded"] = all(p.untyped_storage().nbytes() == 0
                                         for chunk in actor.chunks for p in chunk.parameters())
     dist.barrier()  # the export is written
@@ -139,7 +141,8 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str) -> dict |
         reference = Engine.from_pretrained(export_dir, engine.layout, config)
         expected = dict(reference.model.named_parameters())
         result["differs"] = [n for n, p in engine.model.named_parameters() if not torch.equal(p, expected[n])]
-        result["largest"] = max(p.numel() * p.element_size() * engine.layout.tp_size for p in expected.values())
+        result["largest"] = max(result.get("largest", 0), max(p.numel() * p.element_size() * engine.layout.tp_size
+                                                              for p in expected.values()))
         result["version"] = engine.policy_version
         result["same_generation"] = all(
             [(o.token_ids, o.logprobs) for o in engine.generate(PROMPTS, params)]
@@ -160,7 +163,11 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
                                        ("moe", "qwen3_moe", 0), ("moe_other", "qwen3_moe", 1)]}
 
 
-def check_synced(case: Case, results: list[dict]) -> None:
+def check_synced(case: Case, results: list[dict], allocator_slack: int = 0) -> None:
+    """Rollout shards and generation equal the export's; memory within 2 buckets + the largest tensor (a rollout
+    tensor, or a trainer param the offloaded path stages), measured by the CPU profiler or, on GPU, the allocator
+    (`allocator_slack`: its rounding of every block); offloaded params stay offloaded; detached rollout ranks
+    built no trainer groups."""
     trainer_ranks, rollout_ranks = case.ranks()
     by_rank = {r["rank"]: r for r in results}
     for rank in rollout_ranks:
@@ -168,11 +175,12 @@ def check_synced(case: Case, results: list[dict]) -> None:
         assert "error" not in r, (case, r["error"])
         assert r["differs"] == [], (case, rank, r["differs"])
         assert r["same_generation"] and r["version"] == 5, case
-        assert r["peak"] <= 2 * BUCKET + r["largest"], (case, rank, r["peak"])
-    for rank in trainer_ranks:
+    largest = max(by_rank[r]["largest"] for r in set(trainer_ranks) | set(rollout_ranks))
+    for rank in set(trainer_ranks) | set(rollout_ranks):
         r = by_rank[rank]
-        assert r["peak"] <= 2 * BUCKET + by_rank[rollout_ranks[0]]["largest"], (case, rank, r["peak"])
-        if case.offload:
+        peak = r["metrics"]["sync/peak_extra_bytes"] if allocator_slack else r["peak"]
+        assert peak <= 2 * case.bucket + largest + allocator_slack, (case, rank, peak)
+        if case.offload and rank in trainer_ranks:
             assert r["still_offloaded"], case
     if case.placement == "detached":  # rollout ranks joined their own layout's groups and the sync group only
         for rank in rollout_ranks:
