@@ -193,22 +193,26 @@ def rank_main(args: argparse.Namespace) -> list[dict]:
     return [measure(kind, args, device) for kind in args.models]
 
 
+def _size(n: float, unit: str = "B") -> str:
+    return f"{n / 1e9:.2f} G{unit}" if n >= 1e8 else f"{n / 1e6:.3f} M{unit}"
+
+
 def report(kind: str, results: list[dict], args: argparse.Namespace) -> None:
     boxes = set().union(*(r["boxes"] for r in results))  # every rollout shard's box, replicas counted once
     params = sum(torch.Size([b - a for a, b in box]).numel() for _, box in boxes)
     r = results[0]
-    print(f"\n{kind}: {params / 1e9:.2f}B parameters ({'tiny --quick shape' if args.quick else 'random bf16'}), "
+    print(f"\n{kind}: {_size(params, '')} parameters ({'tiny --quick shape, fp32' if args.quick else 'random bf16'}), "
           f"{r['setup']}, {args.placement}, bucket {'16 KB' if args.quick else f'{args.bucket_mb} MB'}")
-    for mode, reference, target in (("resident", "NCCL broadcast of the bytes one rollout rank receives", 0.70),
+    backend = "gloo" if args.quick else "NCCL"
+    for mode, reference, target in (("resident", f"{backend} broadcast of the bytes one rollout rank receives", 0.70),
                                     ("offloaded", "pinned H2D of the bytes each trainer rank reads", 0.70)):
         m = r[mode]
-        line = (f"  {mode:9s}: {m['total'] / 1e9:.2f} GB into rollout shards in {m['seconds'] * 1e3:.1f} ms = "
-                f"{m['total'] / m['seconds'] / 1e9:.1f} GB/s total, {m['per_rank'] / m['seconds'] / 1e9:.1f} GB/s "
-                f"per rollout rank; peak extra {m['peak'] / 2**20:.0f} MiB; {m['buckets']:.0f} buckets/rank")
-        print(line)
+        print(f"  {mode:9s}: {_size(m['total'])} into rollout shards in {m['seconds'] * 1e3:.1f} ms = "
+              f"{m['total'] / m['seconds'] / 1e9:.2f} GB/s total, {m['per_rank'] / m['seconds'] / 1e9:.2f} GB/s per "
+              f"rollout rank; peak extra {_size(m['peak'])} (max over ranks); {m['buckets']:.0f} buckets/rank")
         if m.get("reference"):
-            print(f"             {reference}: {m['reference'] * 1e3:.1f} ms -> ratio {m['reference'] / m['seconds']:.2f}"
-                  f" (target >= {target:.2f})")
+            print(f"             {reference}: {m['reference'] * 1e3:.2f} ms -> ratio "
+                  f"{m['reference'] / m['seconds']:.2f} (target >= {target:.2f})")
         if mode == "offloaded":
             print(f"             params still offloaded after the sync: {'yes' if m['still_offloaded'] else 'NO'}")
 
