@@ -98,6 +98,15 @@ def test_filter_overlong_counts_and_logs(tokenizer, gsm8k_parquet, reference_ids
     assert dataset.prompt_ids == [r for r in reference_ids if len(r) <= limit]
 
 
+
+def test_max_samples_keeps_the_first_rows_that_fit(tokenizer, gsm8k_parquet, reference_ids):
+    limit = sorted(map(len, reference_ids))[NUM_ROWS // 2]
+    fitting = [r for r in reference_ids if len(r) <= limit]
+    dataset = RLDataset(gsm8k_parquet, tokenizer, max_prompt_length=limit, filter_overlong_prompts=True,
+                        max_samples=3)
+    assert dataset.prompt_ids == fitting[:3] and len(dataset.rows) == 3
+    assert len(RLDataset(gsm8k_parquet, tokenizer, max_prompt_length=256, max_samples=-1)) == NUM_ROWS
+
 def test_truncation_left_and_right(tokenizer, gsm8k_parquet, reference_ids):
     limit = min(map(len, reference_ids)) - 3  # every row is too long
     left = RLDataset(gsm8k_parquet, tokenizer, max_prompt_length=limit, truncation="left")

@@ -66,6 +66,7 @@ class RLDataset:
         truncation: Truncation = "error",
         filter_overlong_prompts: bool = False,
         prompt_key: str = "prompt",
+        max_samples: int = -1,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -84,6 +85,8 @@ class RLDataset:
         if self.num_filtered:
             logger.info("filtered %d prompts longer than data.max_prompt_length=%d; %d remain",
                         self.num_filtered, max_prompt_length, len(self.rows))
+        if max_samples >= 0:  # data.train/val_max_samples: the first rows that passed the length filter
+            del self.rows[max_samples:], self.prompt_ids[max_samples:]
         if not self.rows:
             raise ValueError(
                 f"no prompts left after filtering prompts longer than data.max_prompt_length={max_prompt_length}"

@@ -56,15 +56,16 @@ def train(config: PPOConfig, plan: Plan) -> None:
     data, trainer = config.data, config.trainer
     tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer)
 
-    def dataset(files: list[str]) -> RLDataset:
+    def dataset(files: list[str], max_samples: int) -> RLDataset:
         return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
-                         data.prompt_key)
+                         data.prompt_key, max_samples)
 
-    loader = PromptLoader(dataset(paths.train_files), data.train_batch_size, data.shuffle, data.seed)
+    loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.train_batch_size, data.shuffle,
+                          data.seed)
     total_steps = trainer.total_training_steps or len(loader) * trainer.total_epochs
     val_prompts = None
     if paths.val_files:
-        val = dataset(paths.val_files)
+        val = dataset(paths.val_files, data.val_max_samples)
         val_prompts = val.collate(list(range(min(len(val), data.val_batch_size or len(val)))))
     custom = config.custom_reward_function
     score_fn = load_custom_reward(custom.path, custom.name) if custom.path else default_compute_score
