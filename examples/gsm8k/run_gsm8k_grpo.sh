@@ -21,7 +21,7 @@ ACTOR_PP=${ACTOR_PP:-1}
 ROLLOUT_TP=${ROLLOUT_TP:-1}
 DTYPE=${DTYPE:-bfloat16}                # actor/ref and rollout weights and compute
 
-# Data: GSM8K prompts are < 300 tokens with the chat template; worked answers fit in a few hundred.
+# Data: with a chat template GSM8K prompts are < 300 tokens and the reference solutions < 460.
 MAX_PROMPT_LENGTH=${MAX_PROMPT_LENGTH:-512}
 MAX_RESPONSE_LENGTH=${MAX_RESPONSE_LENGTH:-512}
 TRAIN_BATCH_SIZE=${TRAIN_BATCH_SIZE:-128}     # prompts per step
@@ -45,7 +45,8 @@ LOG_PROB_MICRO_BATCH_SIZE_PER_GPU=${LOG_PROB_MICRO_BATCH_SIZE_PER_GPU:-32}
 TOTAL_EPOCHS=${TOTAL_EPOCHS:-15}
 TOTAL_TRAINING_STEPS=${TOTAL_TRAINING_STEPS:-null}  # null: epochs x steps per epoch
 TEST_FREQ=${TEST_FREQ:-10}
-SAVE_FREQ=${SAVE_FREQ:--1}                          # <= 0: one checkpoint at the end
+SAVE_FREQ=${SAVE_FREQ:--1}                          # checkpoint every N steps; -1: none (hf_export is
+                                                    # written at the end either way)
 LOGGER=${LOGGER:-[console,file]}
 SEED=${SEED:-1}
 
