@@ -59,14 +59,18 @@ def _exported(engine: ModelEngine) -> dict[str, torch.Tensor]:
     return {name: t.cpu().clone() for name, t in export_hf_weights(engine.chunks, engine.layout)}
 
 
-def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_batch_size: int) -> dict | None:
+def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_batch_size: int,
+                    dtype: torch.dtype = torch.float32, device: str | None = None) -> dict | None:
+    """Logprobs, 3 losses, step-0 gradients and final parameters on `sizes`' layout (HF names, full tensors).
+    `dtype`/`device` serve the GPU matrix (tests/test_parity_matrix_gpu.py): bf16 models, a single-GPU reference."""
     spec = LayoutSpec(world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
                       **sizes)
-    layout = Layout.create(spec)
+    layout = Layout.create(spec, device=device)
     # eps=1e-3: some gradients are exactly zero in exact arithmetic (k_proj.bias: softmax ignores a per-query
     # constant) and only reduction-order noise in practice; Adam with a tiny eps would blow that noise up to +-lr.
     optim = OptimOptions(lr=1e-2, eps=1e-3, weight_decay=0.1, clip_grad=0.5, distributed=distributed_optimizer)
-    engine = ModelEngine(ModelConfig.from_pretrained(ckpt), layout, EngineOptions(optim=optim), hf_path=ckpt)
+    engine = ModelEngine(ModelConfig.from_pretrained(ckpt), layout, EngineOptions(dtype=dtype, optim=optim),
+                         hf_path=ckpt)
     dp, dp_rank = layout.dp_size, layout.dp_rank
     batch = make_batch()
     share = batch.take(list(range(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)))
@@ -111,20 +115,27 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str, rtol:
     assert err <= rtol, f"{what}: max error {err:.2e} relative to max |ref| {scale:.2e}"
 
 
-def check_against_reference(results: list[dict | None], ref: dict, distributed_optimizer: bool) -> None:
+def gathered_log_probs(results: list[dict | None]) -> tuple[list[dict], torch.Tensor]:
+    """The reporting ranks' results and the whole batch's log_probs, DP shares in order."""
     results = [r for r in results if r is not None]
     by_dp = sorted({r["dp_rank"]: r for r in results}.values(), key=lambda r: r["dp_rank"])
+    return results, torch.cat([r["log_probs"] for r in by_dp])
+
+
+def check_against_reference(results: list[dict | None], ref: dict, distributed_optimizer: bool,
+                            rtol: float = 1e-5) -> None:
+    results, log_probs = gathered_log_probs(results)
     mask = make_batch().tensors["response_mask"]  # padded positions hold arbitrary values
-    _assert_close(torch.cat([r["log_probs"] for r in by_dp]) * mask, ref["log_probs"] * mask, "log_probs")
+    _assert_close(log_probs * mask, ref["log_probs"] * mask, "log_probs", rtol)
     for r in results:
         for step, (a, b) in enumerate(zip(r["losses"], ref["losses"])):
-            assert abs(a - b) <= 1e-5 * max(abs(b), 1e-3), f"loss at step {step}: {a} vs {b}"
+            assert abs(a - b) <= rtol * max(abs(b), 1e-3), f"loss at step {step}: {a} vs {b}"
         if not distributed_optimizer:
             assert r["grads"].keys() == ref["grads"].keys()
             for name, g in ref["grads"].items():
-                _assert_close(r["grads"][name], g, f"grad {name}")
+                _assert_close(r["grads"][name], g, f"grad {name}", rtol)
         for name, p in ref["params"].items():
-            _assert_close(r["params"][name], p, f"param {name} after 3 steps")
+            _assert_close(r["params"][name], p, f"param {name} after 3 steps", rtol)
 
 
 LAYOUTS = [  # (model kinds, world, sizes, distributed optimizer, micro batch size)

@@ -1,0 +1,276 @@
+"""Training throughput and MFU of one PPO actor step (forward + backward + AdamW) through the real trainer path.
+
+Shapes (random weights, bf16, no checkpoint files): a ~1.24B dense model (Llama-3.2-1B's sizes) and a MoE of 2.5B
+total / 0.8B active parameters (Mixtral-style, 16 experts, top-4). Synthetic batches of full-length sequences
+(default 4096 tokens: 1024 prompt + 3072 response) go through `update_policy` -> `train_epochs` -> `ModelEngine`
+(packing, vocab-parallel logprobs, PPO loss, gradient finalisation, clipping, AdamW), one optimizer step per call.
+Each configuration runs without and with activation recompute.
+
+Layouts (issue 10): dense TP2 x DP2 and MoE EP4 on 4 GPUs. `--world 2` runs them at half scale (dense TP2, MoE
+EP2; the same per-GPU work, no DP replica) and says so. `--quick` is a smoke test: tiny shapes on 2 CPU ranks (gloo).
+
+    PYTHONPATH=. python bench/train_mfu.py                   # 4 GPUs
+    PYTHONPATH=. python bench/train_mfu.py --world 2 --profile
+    python bench/train_mfu.py --quick --profile               # CPU
+
+FLOPs per step (the model's, not the hardware's: recomputed forwards are not counted, so this is MFU, not HFU):
+    6 * N_active * tokens  +  6 * L * n_heads * head_dim * sum over sequences of s^2
+N_active counts every weight matrix a token multiplies: q/k/v/o, the dense MLP or (MoE) the router, the top-k routed
+experts' gate/up/down and a shared expert, and the LM head (V x H); not the embedding lookup or norms. The second
+term is causal attention (QK^T and AV, forward 2 * s^2 * n_heads * head_dim per layer, backward twice that), half
+of PaLM's 12 * L * H * s per token, which counts the masked half; the PaLM-convention MFU is printed next to it.
+MFU = FLOPs / (step seconds * GPUs * peak); peak defaults to the H200's dense bf16 datasheet number, 989 TFLOP/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from shardrl.algos import ClipRange
+from shardrl.data.batch import Batch
+from shardrl.models.config import ModelConfig
+from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.workers.actor import PolicyLossOptions, update_policy
+from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, UpdateOptions
+
+H200_BF16_DENSE_TFLOPS = 989.0
+SHAPES = {  # HF config.json dicts
+    "dense": dict(architectures=["LlamaForCausalLM"], hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                  num_key_value_heads=8, intermediate_size=8192, vocab_size=128256, tie_word_embeddings=True,
+                  rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=131072),
+    "moe": dict(architectures=["MixtralForCausalLM"], hidden_size=2048, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, intermediate_size=1408, num_local_experts=16, num_experts_per_tok=4,
+                vocab_size=32000, rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=32768),
+}
+QUICK_SHAPES = {
+    "dense": dict(SHAPES["dense"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                  intermediate_size=128, vocab_size=256),
+    "moe": dict(SHAPES["moe"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, vocab_size=256),
+}
+
+
+@dataclass(frozen=True)
+class Setup:
+    """What one spawned run measures (picklable: sent to every rank)."""
+
+    shape: dict
+    sizes: dict  # LayoutSpec sizes besides world_size
+    seq_len: int
+    seqs_per_micro: int
+    micro_batches: int
+    warmup: int
+    steps: int
+    recompute: tuple[bool, ...]
+    sequence_parallel: bool
+    distributed_optimizer: bool
+    profile: bool
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--quick", action="store_true", help="tiny shapes, 2 gloo ranks on CPU, 64-token sequences")
+    p.add_argument("--world", type=int, default=None, help="GPUs (default: min(4, visible GPUs)); 2 = half scale")
+    p.add_argument("--model", choices=["dense", "moe", "both"], default="both")
+    p.add_argument("--recompute", choices=["off", "on", "both"], default="both")
+    p.add_argument("--dense-tp", type=int, default=2, help="TP of the dense model (the rest of --world is DP)")
+    p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (a quarter of them prompt)")
+    p.add_argument("--seqs-per-micro", type=int, default=2, help="sequences packed into one micro batch")
+    p.add_argument("--micro-batches", type=int, default=4, help="micro batches per optimizer step per DP replica")
+    p.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    p.add_argument("--steps", type=int, default=5, help="timed steps")
+    p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with TP")
+    p.add_argument("--distributed-optimizer", action="store_true")
+    p.add_argument("--profile", action="store_true", help="profile one more step; print the top-10 kernels")
+    p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="per-GPU peak for MFU")
+    args = p.parse_args()
+    if args.quick:
+        args.world, args.seq_len, args.seqs_per_micro, args.micro_batches = 2, 64, 2, 2
+        args.warmup, args.steps = 1, 2
+    elif not torch.cuda.is_available():
+        p.error("no CUDA device: run on the GPU machine, or pass --quick for the CPU smoke test")
+    elif args.world is None:
+        args.world = min(4, torch.cuda.device_count())
+    return args
+
+
+def active_params(cfg: ModelConfig) -> int:
+    """Weights one token multiplies (see the module docstring)."""
+    h, d = cfg.hidden_size, cfg.head_dim
+    attention = h * d * (2 * cfg.num_heads + 2 * cfg.num_kv_heads)  # q, o; k, v
+    dense_mlp = 3 * h * cfg.intermediate_size
+    total = cfg.vocab_size * h  # LM head
+    for layer in range(cfg.num_layers):
+        moe = cfg.moe
+        if moe is not None and layer in moe.layers:
+            shared = 3 * h * moe.shared_expert_size + (h if moe.shared_expert_size else 0)  # + its sigmoid gate
+            total += attention + h * moe.num_experts + moe.top_k * 3 * h * moe.ffn_size + shared
+        else:
+            total += attention + dense_mlp
+    return total
+
+
+def step_flops(cfg: ModelConfig, num_seqs: int, seq_len: int) -> tuple[float, float]:
+    """(causal-attention FLOPs, PaLM-convention FLOPs) of one training step over `num_seqs` sequences."""
+    matmuls = 6.0 * active_params(cfg) * num_seqs * seq_len
+    attention = 6.0 * cfg.num_layers * cfg.num_heads * cfg.head_dim * num_seqs * seq_len ** 2
+    return matmuls + attention, matmuls + 2 * attention
+
+
+def synthetic_batch(num_seqs: int, seq_len: int, vocab: int, seed: int) -> Batch:
+    """Full-length sequences (no padding): prompt seq_len/4, response the rest; random advantages/old logprobs."""
+    g = torch.Generator().manual_seed(seed)
+    prompt = seq_len // 4
+    ids = torch.randint(0, vocab, (num_seqs, seq_len), generator=g)
+    response = seq_len - prompt
+    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                  "position_ids": torch.arange(seq_len).expand(num_seqs, -1).clone(), "responses": ids[:, prompt:],
+                  "response_mask": torch.ones(num_seqs, response), "advantages": torch.randn(num_seqs, response,
+                                                                                           generator=g),
+                  "old_log_probs": -torch.rand(num_seqs, response, generator=g) * 10})
+
+
+@torch.no_grad()
+def random_init(chunks: list[torch.nn.Module], std: float) -> None:
+    """Matrices N(0, std), vectors (the RMSNorm weights; these shapes have no biases) 1. Same seed on every rank, so
+    data-parallel replicas start equal."""
+    torch.manual_seed(0)
+    for chunk in chunks:
+        for param in chunk.parameters():
+            if param.dim() > 1:
+                param.normal_(0.0, std)
+            else:
+                param.fill_(1.0)
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def top_ops_table(prof: profile, cuda: bool, rows: int = 10) -> str:
+    """The `rows` CUDA kernels with the most total GPU time (CPU: the ops with the most self CPU time)."""
+    if cuda:
+        events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
+                  if e.device_type == DeviceType.CUDA]
+    else:
+        events = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    total = sum(t for _, t, _ in events)
+    if not events or total == 0:
+        return "profile: no kernel events recorded"
+    lines = [f"{'GPU kernel' if cuda else 'CPU op':<90} {'ms':>9} {'%':>6} {'calls':>6}"]
+    for name, t, count in sorted(events, key=lambda e: -e[1])[:rows]:
+        lines.append(f"{name[:90]:<90} {t / 1e3:9.2f} {100 * t / total:6.1f} {count:6d}")
+    return "\n".join(lines)
+
+
+def measure(setup: Setup) -> list[dict] | None:
+    """On every rank: build the engine for each recompute setting and time its steps; rank 0 returns the results."""
+    layout = Layout.create(LayoutSpec(world_size=dist.get_world_size(), **setup.sizes))  # NCCL: this rank's GPU
+    cfg = ModelConfig.from_dict(setup.shape)
+    dtype = torch.bfloat16 if layout.device.type == "cuda" else torch.float32
+    num_seqs = setup.seqs_per_micro * setup.micro_batches  # per DP replica
+    batch = synthetic_batch(num_seqs, setup.seq_len, cfg.vocab_size, seed=layout.dp_rank)
+    loss = PolicyLossOptions(loss_agg_mode="token-mean", clip=ClipRange(0.2),
+                             max_response_length=setup.seq_len - setup.seq_len // 4)
+    update = UpdateOptions(mini_batch_size=num_seqs, micro_batch_size=setup.seqs_per_micro)
+    results = []
+    for recompute in setup.recompute:
+        options = EngineOptions(sequence_parallel=setup.sequence_parallel, recompute=recompute, dtype=dtype,
+                                optim=OptimOptions(lr=1e-6, distributed=setup.distributed_optimizer))
+        engine = ModelEngine(cfg, layout, options,
+                             weights_loader=lambda chunks: random_init(chunks, cfg.initializer_range))
+        result = time_steps(engine, lambda: update_policy(engine, batch, loss, update), setup)
+        results.append(dict(result, recompute=recompute, num_seqs=num_seqs * layout.dp_size))
+        del engine  # free it before the next setting's engine is built
+        gc.collect()
+        if layout.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return results if dist.get_rank() == 0 else None
+
+
+def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Setup) -> dict:
+    """Seconds of each timed step (after the warm-up steps), peak memory, and the profile of one more step."""
+    device = engine.layout.device
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for step in range(setup.warmup + setup.steps):
+        sync(device)
+        start = time.perf_counter()
+        train_step()
+        sync(device)
+        if step >= setup.warmup:
+            times.append(time.perf_counter() - start)
+    peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
+    table = None
+    if setup.profile:
+        with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            train_step()
+            sync(device)
+        table = top_ops_table(prof, cuda)
+    return dict(times=times, peak_gib=peak_gib, profile=table)
+
+
+def layouts(args: argparse.Namespace) -> dict[str, dict]:
+    """LayoutSpec sizes of each model at `args.world` (dense: TP `--dense-tp`, the rest DP; MoE: EP = world)."""
+    tp = min(args.dense_tp, args.world)
+    return {"dense": dict(tp=tp), "moe": dict(ep=args.world)}
+
+
+def report(name: str, cfg: ModelConfig, setup: Setup, world: int, result: dict, peak: float) -> None:
+    seconds = sum(result["times"]) / len(result["times"])
+    tokens = result["num_seqs"] * setup.seq_len
+    flops, flops_palm = step_flops(cfg, result["num_seqs"], setup.seq_len)
+    mfu, mfu_palm = (f / (seconds * world * peak * 1e12) for f in (flops, flops_palm))
+    print(f"{name:5s} recompute {'on ' if result['recompute'] else 'off'}: step {seconds:.3f} s "
+          f"(min {min(result['times']):.3f}), {tokens / seconds:,.0f} tok/s ({tokens / seconds / world:,.0f} per "
+          f"rank), {flops / seconds / world / 1e12:.1f} model TFLOP/s per rank, MFU {100 * mfu:.1f}% "
+          f"(PaLM convention {100 * mfu_palm:.1f}%), peak memory {result['peak_gib']:.1f} GiB")
+    if result["profile"] is not None:
+        print(f"top kernels of one {name} step (recompute {'on' if result['recompute'] else 'off'}), rank 0:\n"
+              f"{result['profile']}")
+
+
+def main() -> None:
+    args = parse_args()
+    shapes = QUICK_SHAPES if args.quick else SHAPES
+    backend = "gloo" if args.quick else "nccl"
+    recompute = {"off": (False,), "on": (True,), "both": (False, True)}[args.recompute]
+    names = ["dense", "moe"] if args.model == "both" else [args.model]
+    sizes = layouts(args)
+    print(f"train_mfu: {'QUICK smoke test on CPU (tiny shapes; MFU meaningless)' if args.quick else 'bf16 on GPU'}, "
+          f"world {args.world}, {args.seq_len}-token sequences, {args.seqs_per_micro} per micro batch, "
+          f"{args.micro_batches} micro batches per step per DP replica, {args.warmup} warm-up + {args.steps} timed "
+          f"steps; MFU against {args.peak_tflops:g} TFLOP/s per rank"
+          f"{' (H200 dense bf16 datasheet peak)' if args.peak_tflops == H200_BF16_DENSE_TFLOPS else ''}")
+    if not args.quick and args.world < 4:
+        tp = sizes["dense"]["tp"]
+        print(f"HALF SCALE: world {args.world} < 4, so dense runs TP{tp} x DP{args.world // tp} and MoE EP{args.world} instead of "
+              f"issue 10's TP2 x DP2 and EP4 on 4 GPUs (same per-GPU work, fewer replicas)")
+    for name in names:
+        cfg = ModelConfig.from_dict(shapes[name])
+        spec = LayoutSpec(world_size=args.world, **sizes[name])
+        setup = Setup(shapes[name], sizes[name], args.seq_len, args.seqs_per_micro, args.micro_batches, args.warmup,
+                      args.steps, recompute, args.sequence_parallel, args.distributed_optimizer, args.profile)
+        print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, layout TP{spec.tp} DP{spec.dp} EP{spec.ep}")
+        results = run_distributed(args.world, measure, setup, backend=backend,
+                                  timeout=datetime.timedelta(minutes=4))[0]
+        for result in results:
+            report(name, cfg, setup, args.world, result, args.peak_tflops)
+
+
+if __name__ == "__main__":
+    main()
