@@ -28,7 +28,8 @@ test-slow: $(STAMP)
 
 # On the GPU machine (offline; system python3 with CUDA torch, no venv): the wheels that ../shared/tools/gpu-wheels
 # built into .whl/ go to /tmp/site, then the GPU-marked tests run (-rP prints the measured mismatches and errors).
-GPU_ENV := PYTHONPATH=/tmp/site:$(CURDIR) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 RAY_AUTH_MODE=disabled
+GPU_ENV := PYTHONPATH=/tmp/site:$(CURDIR) NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 \
+	NVSHMEM_DISABLE_NVLS=1 RAY_AUTH_MODE=disabled
 gpu-test:
 	python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 	$(GPU_ENV) python3 -m pytest -q -rP -m gpu $(ARGS)

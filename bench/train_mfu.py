@@ -132,13 +132,15 @@ def synthetic_batch(num_seqs: int, seq_len: int, vocab: int, seed: int) -> Batch
     """Full-length sequences (no padding): prompt seq_len/4, response the rest; random advantages/old logprobs."""
     g = torch.Generator().manual_seed(seed)
     prompt = seq_len // 4
-    ids = torch.randint(0, vocab, (num_seqs, seq_len), generator=g)
     response = seq_len - prompt
-    return Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                  "position_ids": torch.arange(seq_len).expand(num_seqs, -1).clone(), "responses": ids[:, prompt:],
-                  "response_mask": torch.ones(num_seqs, response), "advantages": torch.randn(num_seqs, response,
-                                                                                           generator=g),
-                  "old_log_probs": -torch.rand(num_seqs, response, generator=g) * 10})
+    ids = torch.randint(0, vocab, (num_seqs, seq_len), generator=g)  # [B, S]
+    return Batch({
+        "input_ids": ids, "attention_mask": torch.ones_like(ids),
+        "position_ids": torch.arange(seq_len).expand(num_seqs, -1).clone(), "responses": ids[:, prompt:],
+        "response_mask": torch.ones(num_seqs, response),
+        "advantages": torch.randn(num_seqs, response, generator=g),
+        "old_log_probs": -torch.rand(num_seqs, response, generator=g) * 10,
+    })
 
 
 @torch.no_grad()
@@ -258,8 +260,8 @@ def main() -> None:
           f"{' (H200 dense bf16 datasheet peak)' if args.peak_tflops == H200_BF16_DENSE_TFLOPS else ''}")
     if not args.quick and args.world < 4:
         tp = sizes["dense"]["tp"]
-        print(f"HALF SCALE: world {args.world} < 4, so dense runs TP{tp} x DP{args.world // tp} and MoE EP{args.world} instead of "
-              f"issue 10's TP2 x DP2 and EP4 on 4 GPUs (same per-GPU work, fewer replicas)")
+        print(f"HALF SCALE: world {args.world} < 4, so dense runs TP{tp} x DP{args.world // tp} and MoE "
+              f"EP{args.world} instead of issue 10's TP2 x DP2 and EP4 on 4 GPUs (same per-GPU work, fewer replicas)")
     for name in names:
         cfg = ModelConfig.from_dict(shapes[name])
         spec = LayoutSpec(world_size=args.world, **sizes[name])

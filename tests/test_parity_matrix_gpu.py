@@ -11,15 +11,15 @@ fp32 tolerance: 1e-4 (max error relative to max |reference| for logprobs, step-0
 noise (fp32 eps 1.2e-7 per op) differs from the CPU's, and three Adam steps amplify it; a layout bug (a missed
 reduction, a wrong shard) shows up at 1e-2 or more.
 
-bf16 tolerances (a bf16 layout against the fp32 reference; bf16 keeps 8 significand bits, 2^-9 relative rounding
-per op; gradients accumulate and AdamW updates fp32 master weights). Measured with the same cases in bf16 on CPU
-gloo (2-rank layouts), the errors were: logprobs mean |d| <= 0.0095 and max |d| <= 0.09 nats (the max is an MoE
-token whose top-k choice sits near a tie and flips), loss <= 0.3% relative, gradients <= 2.4% relative L2 over the
-whole model and <= 14% for the worst tensor (of those with >= 1% of the largest tensor norm), and the 3-step update
-(params - initial params) <= 8.2% relative L2. The bounds below leave ~3x headroom for the GPU's different kernels
-(flash attention, cuBLAS bf16 GEMMs): logprobs mean 0.03 / max 0.3, loss 2% relative, gradients 6% overall / 30%
-worst tensor, update 25%. A layout bug moves these to O(1) (a missing DP reduction halves the gradient data and
-turns the update direction).
+bf16 tolerances (a bf16 layout against the fp32 reference; bf16 keeps 8 significand bits, 2^-9 relative rounding per
+op; gradients accumulate and AdamW updates fp32 master weights). Measured with the same cases in bf16 on CPU gloo
+(2-rank layouts), the errors were: logprobs mean |d| <= 0.0095 and max |d| <= 0.09 nats (the MoE maximum, 8x the
+dense one's, fits a token whose top-k routing is near a tie), loss <= 0.3% relative, gradients <= 2.4% relative L2
+over the whole model and <= 14% for the worst tensor (of those with >= 1% of the largest tensor norm), and the
+3-step update (params - initial params) <= 8.2% relative L2. The bounds below leave ~3x headroom for the GPU's
+different kernels (flash attention, cuBLAS bf16 GEMMs): logprobs mean 0.03 / max 0.3, loss 2% relative, gradients 6%
+overall / 30% worst tensor, update 25%. A layout bug moves these to O(1) (a missing DP reduction, for one, leaves
+each replica with the gradient of half the batch: another direction, not a rounding error).
 """
 
 from __future__ import annotations
