@@ -8,6 +8,9 @@ Pure functions over a role's `LayoutSpec` (no Ray), so the routing is tested on 
   replica (its TP/CP/PP ranks) get that replica's chunk, other arguments go to everyone. Only the rank that owns the
   replica's output (last PP stage, TP rank 0, CP rank 0) sends a result back; `Batch` results are concatenated in DP
   order with the padding rows dropped, anything else comes back as a list with one entry per DP replica.
+* `PER_REPLICA`: every positional and keyword argument is a list with one value per DP replica; all ranks of
+  replica d get value d (a streaming rollout gives each engine replica its own new requests); the result is the
+  list of each replica's output-owner result, in DP order.
 
 A chunk that ends with padding rows says how many in `meta["num_pad"]`, so a worker that must not count them (a
 loss normalised by sample count) can `unpad()`; a worker must return one output row per input row.
@@ -31,6 +34,7 @@ class Dispatch(enum.Enum):
     ONE_TO_ALL = "one_to_all"
     ALL_TO_ALL = "all_to_all"
     DP_COMPUTE = "dp_compute"
+    PER_REPLICA = "per_replica"
 
 
 class DispatchError(ValueError):
@@ -78,6 +82,8 @@ def plan(mode: Dispatch, spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) 
         return _plan_all_to_all(world, args, kwargs)
     if mode is Dispatch.DP_COMPUTE:
         return _plan_dp_compute(spec, args, kwargs)
+    if mode is Dispatch.PER_REPLICA:
+        return _plan_per_replica(spec, args, kwargs)
     raise DispatchError(f"unknown dispatch mode {mode!r}; use one of {[m.name for m in Dispatch]}")
 
 
@@ -85,14 +91,27 @@ def _in_rank_order(by_rank: dict[int, Any]) -> list[Any]:
     return [by_rank[r] for r in sorted(by_rank)]
 
 
-def _plan_all_to_all(world: int, args: tuple, kwargs: dict[str, Any]) -> Plan:
+def _per_target_payloads(mode: str, target: str, count: int, args: tuple,
+                         kwargs: dict[str, Any]) -> list[tuple[tuple, dict[str, Any]]]:
+    """Payload i holds value i of every argument; each argument must be a list of `count` values."""
     named = {f"argument {i}": a for i, a in enumerate(args)} | {f"keyword {k!r}": v for k, v in kwargs.items()}
     for name, value in named.items():
-        if not isinstance(value, Sequence) or len(value) != world:
+        if not isinstance(value, Sequence) or len(value) != count:
             length = len(value) if isinstance(value, Sequence) else type(value).__name__
-            raise DispatchError(f"ALL_TO_ALL: {name} must be a list with one value per rank ({world}), got {length}")
-    payloads = [(tuple(a[r] for a in args), {k: v[r] for k, v in kwargs.items()}) for r in range(world)]
+            raise DispatchError(f"{mode}: {name} must be a list with one value per {target} ({count}), got {length}")
+    return [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}) for i in range(count)]
+
+
+def _plan_all_to_all(world: int, args: tuple, kwargs: dict[str, Any]) -> Plan:
+    payloads = _per_target_payloads("ALL_TO_ALL", "rank", world, args, kwargs)
     return Plan(payloads, list(range(world)), list(range(world)), _in_rank_order)
+
+
+def _plan_per_replica(spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> Plan:
+    payloads = _per_target_payloads("PER_REPLICA", "DP replica", spec.dp, args, kwargs)
+    dp_of_rank = [spec.coords(r)["dp"] for r in range(spec.world_size)]
+    owners = sorted((r for r in range(spec.world_size) if output_owner(spec, r)), key=lambda r: dp_of_rank[r])
+    return Plan(payloads, dp_of_rank, owners, lambda by_rank: [by_rank[r] for r in owners])
 
 
 def _split_for_dp(value: Any, num_chunks: int) -> list[Any]:

@@ -1,10 +1,12 @@
-"""Worker groups: one Ray actor per rank of a resource pool, holding one or more role objects, called as a unit.
+"""Worker groups: one Ray actor per rank of one or more resource pools, holding role objects, called as a unit.
 
 Building a group starts the actors, points every rank at rank 0's address for the rendezvous, initialises the
-default process group in each, then constructs every role in every rank. Calls are routed by a dispatch mode (see
-dispatch.py) and always waited on with a deadline: the first rank that raises or dies ends the call with a
-`WorkerError` naming the role, the rank and the cause, and the whole group is killed, since its surviving ranks
-would otherwise sit in a collective with a missing peer until the collective timeout.
+default process group in each (one world over all the group's pools), then constructs every role on its ranks.
+Calls are routed by a dispatch mode (see dispatch.py) and always waited on with a deadline: the first rank that
+raises or dies ends the call with a `WorkerError` naming the role, the rank and the cause, and the whole group is
+killed, since its surviving ranks would otherwise sit in a collective with a missing peer until the collective
+timeout. Calls to different ranks run at the same time (the trainer pool trains while the rollout pool generates);
+calls to one rank run one after another, in the order they were submitted.
 """
 
 from __future__ import annotations
@@ -44,9 +46,10 @@ class WorkerError(RuntimeError):
 class Role:
     """A worker class to build on every rank of the group, under `name`.
 
-    `layout` is the role's parallel layout over the group's ranks; DP_COMPUTE reads its DP coordinates from it.
+    `layout` is the role's parallel layout over its ranks; DP_COMPUTE reads its DP coordinates from it.
     None means every rank is its own DP replica. `extra_layouts` are other layouts over the same ranks that methods
     declared with `dispatch_mode(..., layout=name)` are split by (the hybrid engine's rollout next to its actor).
+    `ranks`: the group's ranks the role lives on, in layout order (None: all of them), e.g. the rollout pool's.
     """
 
     name: str
@@ -54,6 +57,7 @@ class Role:
     kwargs: dict[str, Any] = field(default_factory=dict)
     layout: LayoutSpec | None = None
     extra_layouts: dict[str, LayoutSpec] = field(default_factory=dict)
+    ranks: list[int] | None = None
 
 
 def _first_line(text: str) -> str:
@@ -150,6 +154,11 @@ class RoleHandle:
         self._group = group
         self._role = role
 
+    @property
+    def layout(self) -> LayoutSpec:
+        """The layout the role's calls are dispatched by (e.g. its number of DP replicas)."""
+        return self._group.layouts[self._role.name]
+
     def __getattr__(self, method: str) -> RemoteMethod:
         mode = getattr(getattr(self._role.cls, method, None), DISPATCH_ATTR, None)
         if mode is None:
@@ -176,52 +185,85 @@ class RemoteMethod:
         return self.group.submit(self.role, self.method, self.mode, *args, **kwargs)
 
 
+def _get_together(calls: Sequence[PendingCall]) -> None:
+    """Wait for calls that depend on each other (roles that form process groups together while being built): a rank
+    that fails is reported at once, not after the calls whose ranks wait for it in a collective time out."""
+    call_of = {ref: call for call in calls for ref in call._refs.values()}
+    waiting = list(call_of)
+    while waiting:
+        done, waiting = ray.wait(waiting, num_returns=1, timeout=calls[0].group.call_timeout_s)
+        if not done:
+            break  # the gets below report the deadline
+        try:
+            ray.get(done[0])
+        except RayError:
+            call_of[done[0]].get()  # raises a WorkerError naming the call's role and the failed rank
+    for call in calls:
+        call.get()
+
+
 class WorkerGroup:
-    """One Ray actor per rank of `pool`, each holding an instance of every role in `roles` (colocated roles share
-    the process and its default process group)."""
+    """One Ray actor per rank of `pools` (ranks numbered pool after pool) in ONE torch.distributed world; each rank
+    holds an instance of every role placed on it (colocated roles share the process and its default process group).
+
+    Several pools make a detached placement: a trainer pool's roles and a rollout pool's roles, each on its own ranks
+    (`Role.ranks`) with its own layout, can still form process groups together (the weight-sync group).
+    """
 
     def __init__(
         self,
-        pool: ResourcePool,
+        pools: ResourcePool | Sequence[ResourcePool],
         roles: Sequence[Role],
         collective_timeout: datetime.timedelta = DEFAULT_COLLECTIVE_TIMEOUT,
         call_timeout_s: float = DEFAULT_CALL_TIMEOUT_S,
     ) -> None:
-        self.name = pool.name
-        self.pool = pool
-        self.world_size = pool.world_size
+        self.pools = [pools] if isinstance(pools, ResourcePool) else list(pools)
+        self.name = "+".join(p.name for p in self.pools)
+        self.world_size = sum(p.world_size for p in self.pools)
         self.call_timeout_s = call_timeout_s
         self.roles = {r.name: r for r in roles}
-        self.layouts = {r.name: r.layout or LayoutSpec(self.world_size) for r in roles}
+        self.ranks = {r.name: list(range(self.world_size)) if r.ranks is None else list(r.ranks) for r in roles}
+        self.layouts = {r.name: r.layout or LayoutSpec(len(self.ranks[r.name])) for r in roles}
         self._check_roles(roles)
         self.failure: WorkerError | None = None
-        pool.in_use = True
-        self.hosts = [RemoteRankHost.options(**pool.actor_options(r)).remote() for r in range(self.world_size)]
+        for pool in self.pools:
+            pool.in_use = True
+        places = [(pool, local) for pool in self.pools for local in range(pool.world_size)]
+        self.hosts = [RemoteRankHost.options(**pool.actor_options(local)).remote() for pool, local in places]
         host0 = {0: self.hosts[0].rendezvous_address.remote()}
         addr, port = PendingCall(self, "(rendezvous)", "rendezvous_address", host0, lambda by_rank: by_rank[0]).get()
-        envs = [
-            rank_env(r, self.world_size, pool.node_local_rank(r), addr, port, pool.device, collective_timeout)
-            for r in range(self.world_size)
-        ]
-        self._on_all("(process group)", "join", [(env,) for env in envs]).get()
-        for role in roles:
-            self._on_all(role.name, "add_role", [(role.name, role.cls, role.kwargs)] * self.world_size).get()
+        envs = [rank_env(r, self.world_size, pool.node_local_rank(local), addr, port, pool.device, collective_timeout)
+                for r, (pool, local) in enumerate(places)]
+        everyone = list(range(self.world_size))
+        self._on_ranks("(process group)", "join", everyone, [(env,) for env in envs]).get()
+        # All roles at once: a rank builds its roles in list order, but a role may form groups with another role's
+        # ranks while being built (a rollout pool joins the trainer's weight-sync group), so none may wait for all.
+        _get_together([self._on_ranks(r.name, "add_role", self.ranks[r.name],
+                                      [(r.name, r.cls, r.kwargs)] * len(self.ranks[r.name])) for r in roles])
 
     def _check_roles(self, roles: Sequence[Role]) -> None:
         if not roles or len(self.roles) != len(roles):
             raise ValueError(f"worker group {self.name!r}: roles must be non-empty with unique names, got "
                              f"{[r.name for r in roles]}")
-        for name, spec in self.layouts.items():
-            if spec.world_size != self.world_size:
+        if len({p.device for p in self.pools}) != 1:
+            raise ValueError(f"worker group {self.name!r}: pools of one group share a device type (one backend), "
+                             f"got {[p.device for p in self.pools]}")
+        for name, ranks in self.ranks.items():
+            if not ranks or len(set(ranks)) != len(ranks) or not all(0 <= r < self.world_size for r in ranks):
+                raise ValueError(f"worker group {self.name!r}: role {name!r} has ranks {ranks}; expected distinct "
+                                 f"ranks in 0..{self.world_size - 1}")
+            spec = self.layouts[name]
+            if spec.world_size != len(ranks):
                 raise ValueError(f"worker group {self.name!r}: role {name!r} has a layout of world size "
-                                 f"{spec.world_size}, the pool has {self.world_size} ranks")
-        if self.pool.in_use:
-            raise ValueError(f"pool {self.name!r} already hosts a worker group; put colocated roles in one group "
-                             "or give each group its own pool")
+                                 f"{spec.world_size}, the role has {len(ranks)} ranks")
+        for pool in self.pools:
+            if pool.in_use:
+                raise ValueError(f"pool {pool.name!r} already hosts a worker group; put colocated roles in one "
+                                 "group or give each group its own pool")
 
-    def _on_all(self, role: str, host_method: str, per_rank_args: list[tuple]) -> PendingCall:
-        """A set-up step on every rank: `join` the process group, `add_role` to build a role."""
-        refs = {r: getattr(h, host_method).remote(*per_rank_args[r]) for r, h in enumerate(self.hosts)}
+    def _on_ranks(self, role: str, host_method: str, ranks: list[int], per_rank_args: list[tuple]) -> PendingCall:
+        """A set-up step on `ranks`: `join` the process group, `add_role` to build a role."""
+        refs = {r: getattr(self.hosts[r], host_method).remote(*args) for r, args in zip(ranks, per_rank_args)}
         return PendingCall(self, role, host_method, refs, lambda by_rank: None)
 
     def role(self, name: str) -> RoleHandle:
@@ -233,7 +275,8 @@ class WorkerGroup:
             raise ValueError(f"worker group {self.name!r} has roles {sorted(self.roles)}, not {name!r}")
 
     def submit(self, role: str, method: str, mode: Dispatch, /, *args: Any, **kwargs: Any) -> PendingCall:
-        """Start `role.method` on every rank as `mode` routes it; returns at once."""
+        """Start `role.method` on every rank of the role as `mode` routes it (by the role's own layout over its own
+        ranks); returns at once."""
         if self.failure is not None:
             raise WorkerError(f"worker group {self.name!r} is stopped: {self.failure}",
                               role, self.failure.rank, method)
@@ -245,23 +288,27 @@ class WorkerGroup:
         routing = plan(mode, spec, args, kwargs)
         payloads = [ray.put(p) for p in routing.payloads]
         reporting = set(routing.reporting_ranks)
+        ranks = self.ranks[role]  # the layout's rank i is the group's rank ranks[i]
         refs = {
-            r: h.run.remote(role, method, payloads[routing.payload_of_rank[r]], r in reporting)
-            for r, h in enumerate(self.hosts)
+            rank: self.hosts[rank].run.remote(role, method, payloads[routing.payload_of_rank[i]], i in reporting)
+            for i, rank in enumerate(ranks)
         }
-        return PendingCall(self, role, method, refs, routing.collect)
+        local = {rank: i for i, rank in enumerate(ranks)}
+        return PendingCall(self, role, method, refs,
+                           lambda by_rank: routing.collect({local[r]: v for r, v in by_rank.items()}))
 
     def call(self, role: str, method: str, mode: Dispatch, /, *args: Any, **kwargs: Any) -> Any:
         """`submit(...).get()`: run `role.method` on every rank and return the collected value."""
         return self.submit(role, method, mode, *args, **kwargs).get()
 
     def kill(self, failure: WorkerError) -> None:
-        """Stop every rank's process now and free the pool; later calls raise `failure`'s story."""
+        """Stop every rank's process now and free the pools; later calls raise `failure`'s story."""
         self.failure = self.failure or failure
         for host in self.hosts:
             ray.kill(host, no_restart=True)
-        self.pool.in_use = False
+        for pool in self.pools:
+            pool.in_use = False
 
     def shutdown(self) -> None:
-        """Stop the ranks and free the pool for another group (idempotent)."""
+        """Stop the ranks and free the pools for another group (idempotent)."""
         self.kill(WorkerError(f"worker group {self.name!r} was shut down", "", None, "shutdown"))

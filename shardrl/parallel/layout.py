@@ -149,6 +149,11 @@ def sync_group(ranks: list[int], timeout: datetime.timedelta = datetime.timedelt
     if not dist.is_initialized() or dist.get_rank() not in ranks:
         raise LayoutError(f"sync group over ranks {ranks}: this process is not one of them (or torch.distributed "
                           f"is not initialised)")
+    if len(ranks) == dist.get_world_size():
+        # The whole world (a trainer pool plus its rollout pool, or the colocated ranks): the default group already
+        # connects it. A new group would not do across roles: torch names a locally synchronised group by its ranks
+        # AND the number of groups the process made before, which differs between a trainer and a rollout rank.
+        return dist.group.WORLD
     return _shared_group(ranks, timeout)
 
 

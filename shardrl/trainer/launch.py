@@ -14,11 +14,16 @@ from shardrl.data.chat import pad_id
 from shardrl.data.rl_dataset import PromptLoader, RLDataset
 from shardrl.rewards.registry import default_compute_score, load_custom_reward
 from shardrl.trainer.config import PPOConfig
+from shardrl.trainer.fully_async import FullyAsyncTrainer
+from shardrl.trainer.one_step_off import OneStepOffTrainer
 from shardrl.trainer.plan import Plan
 from shardrl.trainer.plots import write_plots
 from shardrl.trainer.ppo import PPOTrainer, Workers
 from shardrl.trainer.tracking import Tracker
+from shardrl.workers.detached import DetachedActorWorker, RolloutWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
+
+TRAINERS = {"sync": PPOTrainer, "one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -62,7 +67,7 @@ def train(config: PPOConfig, plan: Plan) -> None:
 
     loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.train_batch_size, data.shuffle,
                           data.seed)
-    total_steps = trainer.total_training_steps or len(loader) * trainer.total_epochs
+    total_steps = training_steps(config, plan, loader)
     val_prompts = None
     if paths.val_files:
         val = dataset(paths.val_files, data.val_max_samples)
@@ -74,17 +79,11 @@ def train(config: PPOConfig, plan: Plan) -> None:
                                   algo.kl_ctrl.horizon) if algo.use_kl_in_reward else None)
 
     init_ray(**config.ray_kwargs.ray_init)
-    pool = ResourcePool("trainer", trainer.nnodes, trainer.n_gpus_per_node, plan.device)
-    worker_args = dict(config=config, plan=plan, model_path=paths.model, total_steps=total_steps)
-    roles = [Role("actor", ActorRolloutRefWorker, {**worker_args, "pad_token_id": pad_id(tokenizer)},
-                  layout=plan.roles["actor"].spec, extra_layouts={"rollout": plan.roles["rollout"].spec})]
-    if config.use_critic:
-        roles.append(Role("critic", CriticWorker, worker_args, layout=plan.roles["critic"].spec))
-    group = WorkerGroup(pool, roles)
-    workers = Workers(group.role("actor"), group.role("critic") if config.use_critic else None)
+    group, workers = start_workers(config, plan, paths.model, total_steps, pad_id(tokenizer))
     tracker = Tracker(list(trainer.logger), paths.run_dir, trainer.project_name, trainer.experiment_name,
                       dataclasses.asdict(config))
-    ppo = PPOTrainer(config, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl, total_steps)
+    ppo = TRAINERS[config.mode](config, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl,
+                                total_steps)
     try:
         ppo.fit()
         workers.actor.save_hf(str(paths.run_dir / "hf_export"))
@@ -92,3 +91,39 @@ def train(config: PPOConfig, plan: Plan) -> None:
         tracker.close()
         write_plots(paths.run_dir, ppo.timeline)
         group.shutdown()
+
+
+def training_steps(config: PPOConfig, plan: Plan, loader: PromptLoader) -> int:
+    """trainer.total_training_steps, else the data's prompts (total_epochs over the loader; fully async:
+    rollout.total_rollout_steps samples when set) in steps of `plan.step_prompts` prompts."""
+    if config.trainer.total_training_steps:
+        return config.trainer.total_training_steps
+    prompts = len(loader) * loader.batch_size * config.trainer.total_epochs
+    if config.rollout is not None and config.rollout.total_rollout_steps:
+        prompts = config.rollout.total_rollout_steps // plan.samples_per_prompt
+    return max(1, prompts // plan.step_prompts)
+
+
+def start_workers(config: PPOConfig, plan: Plan, model_path: str, total_steps: int,
+                  pad_token_id: int) -> tuple[WorkerGroup, Workers]:
+    """One worker group, one torch.distributed world: the trainer pool's ranks, then (detached placement) the
+    rollout pool's. Colocated, the actor's ranks also host the rollout engine (hybrid engine)."""
+    trainer = config.trainer
+    pools = [ResourcePool("trainer", trainer.nnodes, trainer.n_gpus_per_node, plan.device)]
+    worker_args = dict(config=config, plan=plan, model_path=model_path, total_steps=total_steps)
+    actor_args = {**worker_args, "pad_token_id": pad_token_id}
+    on_trainer = dict(ranks=plan.trainer_ranks)
+    if plan.placement == "colocated":
+        roles = [Role("actor", ActorRolloutRefWorker, actor_args, plan.roles["actor"].spec,
+                      {"rollout": plan.roles["rollout"].spec}, **on_trainer)]
+    else:
+        pools.append(ResourcePool("rollout", config.rollout.nnodes, config.rollout.n_gpus_per_node, plan.device))
+        rollout_args = dict(config=config, plan=plan, model_path=model_path, pad_token_id=pad_token_id)
+        roles = [Role("actor", DetachedActorWorker, actor_args, plan.roles["actor"].spec, **on_trainer),
+                 Role("rollout", RolloutWorker, rollout_args, plan.roles["rollout"].spec, ranks=plan.rollout_ranks)]
+    if config.use_critic:
+        roles.append(Role("critic", CriticWorker, worker_args, plan.roles["critic"].spec, **on_trainer))
+    group = WorkerGroup(pools, roles)
+    workers = Workers(group.role("actor"), group.role("critic") if config.use_critic else None,
+                      group.role("rollout") if plan.placement == "detached" else None)
+    return group, workers

@@ -35,10 +35,6 @@ def run(cfg: DictConfig) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    if config.mode != "sync":
-        print(f"error: --config-name: the {config.mode} mode is not built yet; use ppo_trainer or "
-              "ppo_megatron_trainer", file=sys.stderr)
-        return 2
     from shardrl.trainer.launch import train  # heavy imports (Ray, models) only when training starts
 
     train(config, plan)

@@ -1,8 +1,13 @@
-"""The synchronous PPO loop on a colocated hybrid engine: one `step` reads as the named verbs of DESIGN.md."""
+"""The PPO loop. A step reads as the named verbs of DESIGN.md: `generate` (rollout), `train` (score, log-probs,
+values, advantages, updates) and `sync_weights`. `schedule()` decides when generation runs and with which weights:
+the synchronous schedule is here, the async modes override it (one_step_off.py, fully_async.py) with the same verbs.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -13,15 +18,20 @@ from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
 from shardrl.data.rl_dataset import PromptLoader
 from shardrl.models.checkpoint import find_latest, mark_latest
-from shardrl.trainer import batch_ops
+from shardrl.trainer import batch_ops, staleness
 from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.tracking import Timeline, Tracker
 
 
 @dataclass
 class Workers:
-    actor: RoleHandle  # ActorRolloutRefWorker: generate, log-probs, ref log-probs, update, weight sync
+    actor: RoleHandle  # log-probs, ref log-probs, update, weight sync; and generation when colocated (hybrid engine)
     critic: RoleHandle | None
+    rollout: RoleHandle | None = None  # the detached rollout pool (async modes); None: the actor's hybrid engine
+
+    @property
+    def generator(self) -> RoleHandle:
+        return self.actor if self.rollout is None else self.rollout
 
 
 class PPOTrainer:
@@ -32,47 +42,94 @@ class PPOTrainer:
         self.total_steps = total_steps
         self.timeline = Timeline()
         self.global_step = 0
+        self.policy_version = 0  # of the actor's weights (see staleness.py)
+        # The colocated worker syncs its rollout when it is built; a detached pool gets its weights in fit().
+        self.rollout_version: int | None = 0 if workers.rollout is None else None
+        self.max_staleness = staleness.max_staleness(config)
 
-    def step(self, prompts: Batch) -> dict[str, float]:
-        """generate -> score -> log-probs (old, ref) -> values -> advantages -> update critic, actor -> sync."""
-        step, w, t = self.global_step, self.workers, self.timeline
-        metrics: dict[str, Any] = {}
+    def step(self, prompts: Batch) -> dict[str, Any]:
+        """generate -> train (score, log-probs, values, advantages, updates) -> sync: the synchronous schedule."""
+        step, t = self.global_step, self.timeline
         with t.phase(step, "step"):
             with t.phase(step, "gen"):
-                samples = batch_ops.assign_uids(prompts).repeat(self.config.actor_rollout_ref.rollout.n)
-                batch = w.actor.generate_sequences(batch_ops.with_sample_seeds(samples, self.config, step))
-            with t.phase(step, "reward"):
-                batch, reward_metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
-            if self.config.recompute_old_log_probs:
-                with t.phase(step, "old_log_prob"):
-                    batch = batch.union(w.actor.compute_log_prob(batch))
-            if self.config.use_reference_policy:
-                with t.phase(step, "ref"):
-                    batch = batch.union(w.actor.compute_ref_log_prob(batch))
-            if w.critic is not None:
-                with t.phase(step, "values"):
-                    batch = batch.union(w.critic.compute_values(batch))
-            with t.phase(step, "adv"):
-                metrics |= batch_ops.apply_rewards_and_correction(batch, self.config, self.kl_ctrl)
-                batch_ops.advantages(batch, self.config)
-            if w.critic is not None:
-                with t.phase(step, "update_critic"):
-                    metrics |= _prefixed("critic", w.critic.update_critic(batch, step))
-            if step >= self.config.trainer.critic_warmup:
-                with t.phase(step, "update_actor"):
-                    metrics |= _prefixed("actor", w.actor.update_actor(batch, step))
-                with t.phase(step, "sync"):
-                    metrics |= w.actor.sync_weights(step + 1)[0]
-        metrics |= reward_metrics | batch_ops.data_metrics(batch) | t.step_timing(step)
-        tokens = float(batch.tensors["attention_mask"].sum())
-        metrics["perf/total_num_tokens"] = tokens
-        metrics["perf/throughput"] = tokens / metrics["timing_s/step"]
+                batch = self.generate(prompts, step)
+            batch, metrics = self.train(batch, step)
+            metrics |= self.sync_weights(step)
+        return metrics | self.step_metrics(batch, step)
+
+    def generate(self, prompts: Batch, step: int) -> Batch:
+        return self.workers.generator.generate_sequences(self.sample_rows(prompts, step))
+
+    def sample_rows(self, prompts: Batch, step: int) -> Batch:
+        """`rollout.n` rows per prompt (one per sample, grouped by uid), seeded by (seed, step, row): what they
+        generate depends only on the weights and the data."""
+        samples = batch_ops.assign_uids(prompts).repeat(self.config.actor_rollout_ref.rollout.n)
+        return batch_ops.with_sample_seeds(samples, self.config, step)
+
+    def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
+        """score -> log-probs (old, ref) -> values -> advantages -> update critic, actor."""
+        w, t = self.workers, self.timeline
+        with t.phase(step, "reward"):
+            batch, metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
+        metrics |= staleness.lag_metrics(batch.tensors["policy_versions"], batch.tensors["response_mask"],
+                                         self.policy_version, self.max_staleness)
+        if self.config.recompute_old_log_probs:
+            with t.phase(step, "old_log_prob"):
+                batch = batch.union(w.actor.compute_log_prob(batch))
+        if self.config.use_reference_policy:
+            with t.phase(step, "ref"):
+                batch = batch.union(w.actor.compute_ref_log_prob(batch))
+        if w.critic is not None:
+            with t.phase(step, "values"):
+                batch = batch.union(w.critic.compute_values(batch))
+        with t.phase(step, "adv"):
+            metrics |= batch_ops.apply_rewards_and_correction(batch, self.config, self.kl_ctrl)
+            batch_ops.advantages(batch, self.config)
+        if w.critic is not None:
+            with t.phase(step, "update_critic"):
+                metrics |= _prefixed("critic", w.critic.update_critic(batch, step))
+        if step >= self.config.trainer.critic_warmup:
+            with t.phase(step, "update_actor"):
+                metrics |= _prefixed("actor", w.actor.update_actor(batch, step))
+            self.policy_version = step + 1
+        return batch, metrics | batch_ops.data_metrics(batch)
+
+    def sync_weights(self, step: int) -> dict[str, float]:
+        """Hand the rollout the actor's current weights unless it has them; a detached pool receives while the
+        trainer pool sends. Metrics are the receiving side's (bytes it loaded)."""
+        if self.rollout_version == self.policy_version:
+            return {}
+        w, version = self.workers, self.policy_version
+        with self.timeline.phase(step, "sync"):
+            if w.rollout is None:
+                metrics = w.actor.sync_weights(version)[0]
+            else:
+                sending = w.actor.sync_weights.submit(version)
+                metrics = w.rollout.sync_weights(version)[0]
+                sending.get()
+        self.rollout_version = version
         return metrics
+
+    def step_metrics(self, batch: Batch, step: int) -> dict[str, float]:
+        """Timing of the step's phases and its token throughput (after the step's phases closed)."""
+        metrics = self.timeline.step_timing(step)
+        tokens = float(batch.tensors["attention_mask"].sum())
+        return metrics | {"perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["timing_s/step"]}
+
+    def schedule(self) -> Iterator[dict[str, Any]]:
+        """The synchronous schedule: every step generates with the weights it then updates (staleness 0)."""
+        for prompts in self.prompt_batches():
+            yield self.step(prompts)
+
+    def prompt_batches(self) -> Iterator[Batch]:
+        """The loader's batches, epoch after epoch (the schedule decides when to stop)."""
+        while True:
+            yield from self.loader
 
     def validate(self) -> dict[str, float]:
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.config, -1)
-        batch = self.workers.actor.generate_sequences(samples, validate=True)
+        batch = self.workers.generator.generate_sequences(samples, validate=True)
         batch, _ = batch_ops.score(batch, self.tokenizer, self.score_fn)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
         sources = batch.non_tensors["data_source"]
@@ -82,7 +139,8 @@ class PPOTrainer:
 
     def save(self) -> None:
         """Every role's checkpoint of this step, then (all written) the `latest` pointer: atomic as a whole."""
-        state = {"step": self.global_step, "dataloader": self.loader.state_dict(), "policy_version": self.global_step,
+        state = {"step": self.global_step, "dataloader": self.loader.state_dict(),
+                 "policy_version": self.policy_version,
                  "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
         root = self.tracker.run_dir
         self.workers.actor.save_checkpoint(str(root), self.global_step, state)
@@ -101,7 +159,8 @@ class PPOTrainer:
         if self.workers.critic is not None:
             self.workers.critic.load_checkpoint(str(step_dir))
         self.loader.load_state_dict(state["dataloader"])
-        self.global_step = state["step"]
+        self.global_step, self.policy_version = state["step"], state["policy_version"]
+        self.rollout_version = None  # the rollout still holds the initial weights: fit() syncs
         if self.kl_ctrl is not None:
             self.kl_ctrl.value = state["kl_coef"]
         print(f"resumed from {step_dir} at step {self.global_step}")
@@ -109,12 +168,13 @@ class PPOTrainer:
     def fit(self) -> None:
         trainer = self.config.trainer
         self.resume()
+        print(staleness.describe(self.config))
+        self.sync_weights(-1)
         if self.val_prompts is not None and trainer.val_before_train:
             self.tracker.log(self.global_step, self.validate())
-        while self.global_step < self.total_steps:
-            for prompts in self.loader:
-                start = time.perf_counter()
-                metrics = self.step(prompts)
+        start = time.perf_counter()
+        with contextlib.closing(self.schedule()) as steps:  # closing stops an async schedule's rollouter
+            for metrics in steps:
                 self.global_step += 1
                 last = self.global_step >= self.total_steps
                 if self.val_prompts is not None and trainer.test_freq > 0 and (
@@ -128,6 +188,7 @@ class PPOTrainer:
                     self.save()
                 if last:
                     return
+                start = time.perf_counter()
 
 
 def _prefixed(role: str, per_replica: list[dict[str, list[float]]]) -> dict[str, float]:

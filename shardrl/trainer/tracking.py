@@ -32,6 +32,14 @@ class Timeline:
             self.spans.append({"step": step, "phase": name, "lane": lane, "start": start,
                                "end": time.perf_counter() - self.origin})
 
+    def overlap(self, step: int, lane: str, idle: tuple[str, ...] = ()) -> float:
+        """Seconds in which the trainer worked on `step` (its phases but "step" itself and the `idle` ones) while
+        `lane` was busy: the rollout pool generating while the trainer pool trains, what the async schedules gain."""
+        working = [s for s in self.spans if s["step"] == step and s["lane"] == "trainer"
+                   and s["phase"] not in ("step", *idle)]
+        busy = [s for s in self.spans if s["lane"] == lane]
+        return sum(max(0.0, min(w["end"], b["end"]) - max(w["start"], b["start"])) for w in working for b in busy)
+
     def step_timing(self, step: int) -> dict[str, float]:
         timing: dict[str, float] = {}
         for span in self.spans:
@@ -66,13 +74,14 @@ class Tracker:
             self.backends.append(lambda step, m: mlflow.log_metrics(
                 {k.replace("@", "_at_"): v for k, v in m.items()}, step=step))
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
+    def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
+        scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # lists (histograms): file only
         for backend in self.backends:
-            backend(step, metrics)
+            backend(step, scalars)
         if self.console is not None:
-            self.console.print(_table(step, metrics))
+            self.console.print(_table(step, scalars))
 
     def close(self) -> None:
         self.file.close()
@@ -80,7 +89,8 @@ class Tracker:
 
 SUMMARY_KEYS = ("critic/score/mean", "val-core/reward/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy",
                 "actor/grad_norm", "critic/vf_loss", "response_length/mean", "rollout_corr/mismatch_kl",
-                "perf/throughput", "timing_s/step", "timing_s/gen", "timing_s/update_actor")
+                "perf/throughput", "timing_s/step", "timing_s/gen", "timing_s/update_actor", "async/staleness_mean",
+                "timing_s/rollout_overlap")
 
 
 def _table(step: int, metrics: dict[str, float]) -> Table:

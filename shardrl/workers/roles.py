@@ -7,6 +7,8 @@ from collections.abc import Sequence
 import torch
 
 from shardrl.algos import ClipRange
+from shardrl.rollout.request import SamplingParams
+from shardrl.rollout.runner import EngineConfig
 from shardrl.trainer.config import ActorConfig, CriticConfig, MegatronConfig, OptimConfig, PPOConfig
 from shardrl.trainer.plan import MicroBatching
 from shardrl.workers.actor import PolicyLossOptions
@@ -79,3 +81,27 @@ def build_engine(model_config: ModelConfig, layout: Layout, options: EngineOptio
         return ModelEngine(model_config, layout, options, hf_path=hf_path, optional_weights=optional_weights)
     return ModelEngine(model_config, layout, options, weights_loader=lambda chunks: load_model_from_dist(
         chunks, layout, megatron.dist_checkpointing_path))
+
+
+def offload_flags(megatron: MegatronConfig) -> dict[str, bool]:
+    """What a role keeps in host memory between its calls (`shardrl.parallel.offload` keyword arguments)."""
+    return dict(params=megatron.param_offload, grads=megatron.grad_offload, optimizer_state=megatron.optimizer_offload)
+
+
+def rollout_engine_config(config: PPOConfig) -> EngineConfig:
+    """The rollout engine of either placement (colocated with the actor, or alone on the rollout pool)."""
+    rollout = config.actor_rollout_ref.rollout
+    return EngineConfig(
+        max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
+        max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+        gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
+        enforce_eager=rollout.enforce_eager, seed=rollout.seed)
+
+
+def sampling_params(config: PPOConfig, seeds: torch.Tensor, validate: bool = False) -> list[SamplingParams]:
+    """One request's settings per row (`seeds` [B]: the rows' `sample_seed`); validation samples by `val_kwargs`."""
+    rollout = config.actor_rollout_ref.rollout
+    sampling = rollout.val_kwargs if validate else rollout
+    temperature = sampling.temperature if sampling.do_sample else 0.0
+    return [SamplingParams(max_tokens=rollout.response_length, temperature=temperature, top_k=sampling.top_k,
+                           top_p=sampling.top_p, ignore_eos=rollout.ignore_eos, seed=int(seed)) for seed in seeds]

@@ -1,0 +1,79 @@
+"""How old the trainer's samples may be (from the flags) and how old they were (from the samples).
+
+Versions. The actor's initial weights are version 0 and its weights after the update of step k are version k + 1;
+a sync hands the rollout engine the actor's current version, and the engine stamps every sampled token with the
+version it held (`policy_versions`, the off-policy contract of DESIGN.md). A token's *lag* is the version the trainer
+holds when it trains on the token minus the token's version: 0 is on-policy.
+
+The bound per mode (`max_staleness`):
+
+* sync: 0. Each step generates with the weights it then updates.
+* one_step_off: 1. Batch k+1 is generated while step k updates, with the weights of step k-1's update.
+* fully_async: `trigger - 1 + ceil(extra / per_step)`. A sync window is `trigger = trigger_parameter_sync_step`
+  steps of `per_step = require_batches x ppo_mini_batch_size` prompts, i.e. `window = trigger x per_step` prompts.
+  After each sync the rollouter may start prompts until `window + extra` prompts, `extra = floor(staleness_threshold
+  x window)`, are outstanding (queued or in flight), then pauses until the next sync (verl's rule). The trainer takes
+  prompts first in, first out, so a prompt started at version v is trained at step v + trigger - 1 at the latest
+  when it is among the window's first `window` prompts, and otherwise among the first `extra` of the next window.
+  Without partial rollout, samples still running at a sync are finished before it, so this is a bound. With partial
+  rollout they are paused and resumed after it and may be overtaken by newer ones; the trainer then drops any sample
+  whose oldest token is past the bound (`async/dropped_samples`), so the bound holds in every mode.
+  staleness_threshold=0 and trigger_parameter_sync_step=1 is the synchronous schedule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from shardrl.trainer.config import PPOConfig
+
+
+def fully_async_window(config: PPOConfig) -> tuple[int, int]:
+    """(prompts between two syncs, prompts the rollouter may start beyond them) in fully async mode."""
+    a = config.async_training
+    window = a.trigger_parameter_sync_step * a.require_batches * config.actor_rollout_ref.actor.ppo_mini_batch_size
+    return window, math.floor(a.staleness_threshold * window)
+
+
+def max_staleness(config: PPOConfig) -> int:
+    """The largest lag (versions) a trained token can have under the config's schedule; see the module docstring."""
+    if config.mode == "sync":
+        return 0
+    if config.mode == "one_step_off":
+        return 1
+    a = config.async_training
+    _, extra = fully_async_window(config)
+    per_step = a.require_batches * config.actor_rollout_ref.actor.ppo_mini_batch_size
+    return a.trigger_parameter_sync_step - 1 + math.ceil(extra / per_step)
+
+
+def describe(config: PPOConfig) -> str:
+    """The line the trainer prints at start."""
+    bound = max_staleness(config)
+    return (f"{config.mode} mode: samples may be up to {bound} version{'s' if bound != 1 else ''} old "
+            f"(a token's lag = trainer version - the version that sampled it)")
+
+
+def lag_metrics(versions: torch.Tensor, mask: torch.Tensor, version: int, bound: int) -> dict[str, float | list]:
+    """Lag statistics of one training batch: `versions` [B, R] (-1 on padding), `mask` [B, R] the response tokens,
+    `version` the trainer's. `async/staleness_hist` is the fraction of tokens per lag 0.. (a list, for metrics.jsonl);
+    `async/lag_<k>_frac` the same as scalars for k = 0..`bound`."""
+    lags = version - versions[mask.bool()]  # [num tokens]
+    if lags.numel() == 0:
+        return {}
+    if lags.min() < 0:
+        raise ValueError(f"policy_versions up to {int(versions.max())} are newer than the trainer's version {version}: "
+                         "the rollout was synced with weights the trainer does not have")
+    counts = torch.bincount(lags, minlength=bound + 1).double()
+    fractions = (counts / lags.numel()).tolist()
+    sample_lags = (version - versions.masked_fill(~mask.bool(), version)).amax(-1)  # [B] oldest token of each sample
+    metrics: dict[str, float | list] = {
+        "async/staleness_mean": float(lags.double().mean()),
+        "async/staleness_max": float(lags.max()),
+        "async/sample_staleness_mean": float(sample_lags.double().mean()),
+        "async/staleness_hist": fractions,
+    }
+    metrics |= {f"async/lag_{k}_frac": fractions[k] for k in range(bound + 1)}
+    return metrics

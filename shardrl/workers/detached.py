@@ -1,0 +1,100 @@
+"""Workers of the detached placement (the async modes): the trainer pool's actor and the rollout pool's engine, in
+one torch.distributed world, trainer ranks first (`Plan.trainer_ranks`, then `Plan.rollout_ranks`).
+
+`DetachedActorWorker` is the colocated `ActorRefWorker` (the same batch normalisation from `plan.roles["actor"]`, the
+same log-prob and update code, the same offload handling) plus the sending end of `DetachedSync`.
+
+`RolloutWorker` builds only its own layout and the weight-sync group, nothing of the trainer's TP x PP x EP, so a
+rollout pool need not fit the trainer's layout. Its engine serves in two ways: `generate_sequences` (a whole batch,
+as the colocated worker) and `stream` (requests added and finished samples returned over many short calls: the
+fully async rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
+replica stay in lockstep without coordinating among themselves.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from shardrl.controller.dispatch import Dispatch, dispatch_mode
+from shardrl.controller.host import collective_timeout
+from shardrl.data.batch import Batch
+from shardrl.models.config import ModelConfig
+from shardrl.parallel.layout import Layout
+from shardrl.rollout.engine import Engine
+from shardrl.sync.detached import DetachedSync
+from shardrl.trainer.config import PPOConfig
+from shardrl.trainer.plan import Plan
+from shardrl.workers import roles
+from shardrl.workers.hybrid import ActorRefWorker
+from shardrl.workers.rollout import generate, prompt_ids_of, samples_batch
+
+
+class DetachedActorWorker(ActorRefWorker):
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int) -> None:
+        super().__init__(config, plan, model_path, total_steps, pad_token_id)
+        sync = config.actor_rollout_ref.rollout.weight_sync
+        self.weight_sync = DetachedSync.sender(self.actor, plan.rollout_ranks, sync.bucket_size_mb << 20, sync.verify,
+                                               collective_timeout())
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Send the actor's weights to the rollout pool (with `RolloutWorker.sync_weights` at the same time);
+        offloaded params are read from host memory and stay there."""
+        return self.weight_sync.sync(version)
+
+
+class RolloutWorker:
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, pad_token_id: int) -> None:
+        torch.manual_seed(config.trainer.seed)
+        self.config, self.pad_token_id = config, pad_token_id
+        self.response_length = config.actor_rollout_ref.rollout.response_length
+        role = plan.roles["rollout"]
+        layout = Layout.create(role.spec, role.ranks, timeout=collective_timeout())
+        # Weights arrive by the first sync; until then the engine holds a random init.
+        self.engine = Engine(ModelConfig.from_pretrained(model_path), layout, roles.rollout_engine_config(config))
+        sync = config.actor_rollout_ref.rollout.weight_sync
+        self.weight_sync = DetachedSync.receiver(self.engine, plan.trainer_ranks, sync.bucket_size_mb << 20,
+                                                 sync.verify, collective_timeout())
+        self.prompts: dict[str, Batch] = {}  # request id -> its prompt row, while the request runs
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
+        """One response per row, as `ActorRolloutRefWorker.generate_sequences`. Streamed requests still running wait
+        meanwhile (paused and resumed, under the same weights)."""
+        self.engine.abort(keep=True)
+        params = roles.sampling_params(self.config, prompts.tensors["sample_seed"], validate)
+        samples = generate(self.engine, prompts, params, self.response_length, self.pad_token_id)
+        self.engine.resume()
+        return samples
+
+    @dispatch_mode(Dispatch.PER_REPLICA)
+    def stream(self, prompts: Batch | None, max_steps: int) -> Batch | None:
+        """Queue one request per row of `prompts` (None: nothing new), run at most `max_steps` engine steps (fewer
+        when the engine runs out of work) and return the samples that finished meanwhile, whichever call queued them
+        (None if none did). Samples keep their prompt row's columns, `sample_seed` included."""
+        if prompts is not None:
+            params = roles.sampling_params(self.config, prompts.tensors["sample_seed"])
+            for row, (ids, p) in enumerate(zip(prompt_ids_of(prompts), params)):
+                self.prompts[self.engine.submit(ids, p)[0]] = prompts.take([row])
+        finished = []
+        for _ in range(max_steps):
+            if not self.engine.has_unfinished():
+                break
+            finished += self.engine.step()
+        if not finished:
+            return None
+        rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
+        samples = samples_batch(rows, finished, 1, self.response_length, self.pad_token_id)
+        samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
+        return samples
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Receive the trainer's weights (with `DetachedActorWorker.sync_weights` at the same time). Requests in
+        flight are paused around the transfer and continue under the new weights, re-prefilled from prompt and tokens
+        so far: a partial rollout, whose later tokens carry `version`. The controller drains them first when it
+        wants every sample from one version."""
+        self.engine.abort(keep=True)
+        metrics = self.weight_sync.sync(version)
+        self.engine.resume()
+        return metrics
