@@ -106,12 +106,16 @@ class MoELayer(nn.Module):
         """Run every (token, expert) assignment through its expert and sum each token's k outputs by weight."""
         num_tokens, hidden = x.shape
         order = top_experts.flatten().argsort(stable=True)  # [T*k] assignments grouped by expert
-        rows = x.index_select(0, order // self.top_k)  # [T*k, H]
+        inverse = _inverse(order)
+        # Copy each token k times, then permute: every backward is a gather (a permutation's inverse and a sum
+        # over k), never index_add's atomics, which were the slowest kernel of a bf16 MoE step on H200.
+        copies = x.unsqueeze(1).expand(num_tokens, self.top_k, hidden).reshape(-1, hidden)  # [T*k, H]
+        rows = permute_rows(copies, order, inverse)  # [T*k, H]
         if self.layout.ep_etp_group is None:
             y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down)  # [T*k, H]
         else:
             y = self._experts_over_ranks(rows, counts)
-        y = y.index_select(0, _inverse(order)).view(num_tokens, self.top_k, hidden)  # [T, k, H]
+        y = permute_rows(y, inverse, order).view(num_tokens, self.top_k, hidden)  # [T, k, H]
         return (y * weights.unsqueeze(-1)).sum(dim=1)
 
     def _experts_over_ranks(self, rows: Tensor, counts: Tensor) -> Tensor:
@@ -121,8 +125,9 @@ class MoELayer(nn.Module):
         rows = all_to_all_rows(rows, plan.send, plan.recv, layout.ep_group)
         rows = gather_rows(rows, plan.etp_rows, layout.etp_group)  # [M, H] by (ETP src, EP src, expert)
         by_expert = plan.row_experts.argsort(stable=True)  # [M]
-        y = expert_ffn(rows.index_select(0, by_expert), plan.expert_counts, self.w_gate, self.w_up, self.w_down)
-        y = y.index_select(0, _inverse(by_expert))  # [M, H] partial sums over this rank's F slice
+        back = _inverse(by_expert)
+        y = expert_ffn(permute_rows(rows, by_expert, back), plan.expert_counts, self.w_gate, self.w_up, self.w_down)
+        y = permute_rows(y, back, by_expert)  # [M, H] partial sums over this rank's F slice
         y = scatter_sum_rows(y, plan.etp_rows, layout.etp_group)
         return all_to_all_rows(y, plan.recv, plan.send, layout.ep_group)
 
@@ -156,6 +161,23 @@ class MoELayer(nn.Module):
         self.last_z_loss = totals[-2] / num_tokens
         self.last_tokens_per_expert = group_counts.long()
         return num_experts * (fraction * prob_sum).sum() / num_tokens, lse_sq.sum() / num_tokens
+
+
+class _PermuteRows(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+        ctx.save_for_backward(inverse)
+        return x.index_select(0, perm)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        (inverse,) = ctx.saved_tensors
+        return grad.index_select(0, inverse), None, None
+
+
+def permute_rows(x: Tensor, perm: Tensor, inverse: Tensor) -> Tensor:
+    """x[perm] for a permutation `perm` whose inverse is given: the backward is the inverse gather."""
+    return _PermuteRows.apply(x, perm, inverse)
 
 
 def _inverse(perm: Tensor) -> Tensor:
