@@ -173,8 +173,11 @@ class PPOTrainer:
         if self.val_prompts is not None and trainer.val_before_train:
             self.tracker.log(self.global_step, self.validate())
         start = time.perf_counter()
-        with contextlib.closing(self.schedule()) as steps:  # closing stops an async schedule's rollouter
+        progress = self.tracker.progress(self.total_steps, self.global_step, self.timeline)
+        # closing() stops an async schedule's rollouter
+        with progress as step_done, contextlib.closing(self.schedule()) as steps:
             for metrics in steps:
+                step_done()
                 self.global_step += 1
                 last = self.global_step >= self.total_steps
                 if self.val_prompts is not None and trainer.test_freq > 0 and (

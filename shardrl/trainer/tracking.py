@@ -6,25 +6,30 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 
 @dataclass
 class Timeline:
-    """Start/end of every phase of every step (seconds since the run started): `timing_s/*` and the Gantt plot."""
+    """Start/end of every phase of every step (seconds since the run started): `timing_s/*` and the Gantt plot.
+    `on_phase(step, name)` is told when a phase starts (the progress bar shows it)."""
 
     origin: float = field(default_factory=time.perf_counter)
     spans: list[dict[str, Any]] = field(default_factory=list)
+    on_phase: Callable[[int, str], None] | None = None
 
     @contextmanager
     def phase(self, step: int, name: str, lane: str = "trainer") -> Iterator[None]:
+        if self.on_phase is not None:
+            self.on_phase(step, name)
         start = time.perf_counter() - self.origin
         try:
             yield
@@ -82,6 +87,23 @@ class Tracker:
             backend(step, scalars)
         if self.console is not None:
             self.console.print(_table(step, scalars))
+
+    @contextmanager
+    def progress(self, total_steps: int, done: int, timeline: Timeline) -> Iterator[Callable[[], None]]:
+        """A progress bar over the run's steps (console logger only) whose text names the phase running now
+        (gen, old_log_prob, update_actor, sync, ...); yields the function that marks a step done."""
+        if self.console is None:
+            yield lambda: None
+            return
+        columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn())
+        with Progress(*columns, console=self.console, transient=True) as bar:
+            task = bar.add_task("training", total=total_steps, completed=done)
+            timeline.on_phase = lambda step, name: bar.update(task, description=f"step {step + 1}: {name}")
+            try:
+                yield lambda: bar.advance(task)
+            finally:
+                timeline.on_phase = None
 
     def close(self) -> None:
         self.file.close()
