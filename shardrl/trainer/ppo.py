@@ -17,7 +17,7 @@ from shardrl.algos import KLController
 from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
 from shardrl.data.rl_dataset import PromptLoader
-from shardrl.models.checkpoint import find_latest, mark_latest
+from shardrl.models.checkpoint import checkpoint_dir, find_latest, mark_latest
 from shardrl.trainer import batch_ops, staleness
 from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.tracking import Timeline, Tracker
@@ -144,6 +144,8 @@ class PPOTrainer:
                  "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
         root = self.tracker.run_dir
         self.workers.actor.save_checkpoint(str(root), self.global_step, state)
+        if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's key for it
+            self.workers.actor.save_hf(str(checkpoint_dir(root, self.global_step) / "actor_hf"))
         if self.workers.critic is not None:
             self.workers.critic.save_checkpoint(str(root), self.global_step, state)
         mark_latest(root, self.global_step, self.config.trainer.max_actor_ckpt_to_keep)
