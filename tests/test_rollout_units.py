@@ -7,7 +7,15 @@ import torch
 from torch.testing import assert_close
 
 from shardrl.rollout.cuda_graphs import length_bucket, row_buckets
-from shardrl.rollout.kv_cache import DecodeAttention, KVCache, KVCacheError, decode_attention, num_slots_for_budget
+from shardrl.rollout.kv_cache import (
+    DecodeAttention,
+    KVCache,
+    KVCacheError,
+    decode_attention,
+    grouped_decode_attention,
+    num_slots_for_budget,
+    reference_decode_attention,
+)
 from shardrl.rollout.request import Request, SamplingParams
 from shardrl.rollout.scheduler import Scheduler
 
@@ -26,6 +34,36 @@ def test_decode_attention_matches_per_head_loop():
             kv = h // (num_heads // num_kv)  # query heads 0-2 read KV head 0, 3-5 KV head 1
             weights = torch.softmax(keys[b, kv, :n] @ q[b, h] * 0.5, dim=0)
             assert_close(out[b, h], weights @ values[b, kv, :n], atol=1e-6, rtol=1e-6)
+
+
+def _cache_views(num_rows, num_heads, num_kv, length, dim, dtype=torch.float32, device="cpu"):
+    """q, keys/values as strided views of a larger cache (as the engine passes them), additive mask."""
+    torch.manual_seed(1)
+    q = torch.randn(num_rows, num_heads, dim, device=device).to(dtype)
+    cache = torch.randn(2, num_rows + 2, num_kv, length + 5, dim, device=device).to(dtype)
+    keys, values = cache[0, :num_rows, :, :length], cache[1, :num_rows, :, :length]
+    positions = torch.randint(0, length, (num_rows,), device=device)
+    valid = torch.arange(length, device=device) <= positions.unsqueeze(1)  # [B, L]
+    mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -torch.inf)
+    return q, keys, values, mask
+
+
+@pytest.mark.parametrize("num_heads, num_kv", [(6, 2), (4, 4), (7, 1)])
+def test_grouped_decode_attention_matches_reference(num_heads, num_kv):
+    q, keys, values, mask = _cache_views(5, num_heads, num_kv, 11, 8)
+    expected = reference_decode_attention(q, keys, values, mask, scale=0.3)
+    assert_close(grouped_decode_attention(q, keys, values, mask, scale=0.3), expected, atol=1e-6, rtol=1e-6)
+    assert torch.equal(decode_attention(q, keys, values, mask, scale=0.3), expected)  # CPU takes the reference
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_grouped_decode_attention_bf16_on_cuda_matches_fp32_reference():
+    q, keys, values, mask = _cache_views(64, 14, 2, 300, 64, torch.bfloat16, "cuda")
+    expected = reference_decode_attention(q.float(), keys.float(), values.float(), mask.float(), scale=0.125)
+    got = grouped_decode_attention(q, keys, values, mask, scale=0.125)
+    assert got.dtype == torch.bfloat16
+    assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 probabilities and output
 
 
 def test_decode_hook_writes_the_new_token_and_attends_to_its_prefix():

@@ -99,6 +99,24 @@ def test_empirical_frequencies_match_probabilities():
     assert torch.allclose(freq, probs, atol=0.012)  # standard error <= 0.0036
 
 
+def test_unit_temperature_bf16_logits_give_the_fp32_result_bit_for_bit():
+    # The temperature-1 path uses bf16 logits as they are; the reference is the fp32 pipeline written out here.
+    torch.manual_seed(4)
+    logits = (3 * torch.randn(6, 300)).bfloat16()
+    scaled = logits.float()
+    noise = torch.empty(6, 300).exponential_(generator=torch.Generator().manual_seed(9))
+    expected_tokens = (scaled - noise.clamp_(min=torch.finfo(torch.float32).tiny).log_()).argmax(-1)
+    normaliser = torch.logsumexp(scaled, -1)
+    out = sample(logits, SamplingBatch.build([SamplingParams(raw_logprobs=True)] * 6, [None] * 6, 300, CPU),
+                 torch.Generator().manual_seed(9))
+    assert torch.equal(out.token_ids, expected_tokens)
+    expected_logprobs = scaled.gather(1, expected_tokens[:, None]).squeeze(1) - normaliser
+    assert torch.equal(out.logprobs, expected_logprobs) and torch.equal(out.raw_logprobs, expected_logprobs)
+    greedy = sample(logits, SamplingBatch.build([SamplingParams(temperature=0.0)] * 6, [None] * 6, 300, CPU))
+    assert torch.equal(greedy.token_ids, scaled.argmax(-1))
+    assert torch.equal(greedy.logprobs, scaled.max(-1).values - normaliser)
+
+
 def test_invalid_params_name_the_field():
     with pytest.raises(SamplingParamsError, match="top_p"):
         SamplingParams(top_p=0.0)

@@ -108,7 +108,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, seqs.cos, seqs.sin), apply_rope(k, seqs.cos, seqs.sin)
+        cos, sin = seqs.cos.to(q.dtype), seqs.sin.to(q.dtype)  # [T, D], converted once for both q and k
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         if seqs.kv_cache is None:
             out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
         else:

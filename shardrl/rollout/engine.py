@@ -64,6 +64,7 @@ class Engine:
         self.stats = EngineStats()
         self._paused: dict[str, Request] = {}
         self._counter = itertools.count()
+        self._sampling: tuple[list[Request], SamplingBatch] | None = None  # the last batch's, see `_sampling_batch`
 
     @classmethod
     def from_pretrained(cls, path: str | Path, layout: Layout, config: EngineConfig = EngineConfig()) -> Engine:
@@ -143,9 +144,7 @@ class Engine:
 
     def _sample_and_record(self, requests: list[Request], logits: Tensor) -> list[RequestOutput]:
         """logits [N, V] -> one new token per request; returns the requests this finished."""
-        sampling = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests],
-                                       self.model_config.vocab_size, self.device)
-        drawn = sample(logits, sampling, self.generator)
+        drawn = sample(logits, self._sampling_batch(requests), self.generator)
         columns = [drawn.token_ids.double(), drawn.logprobs.double()]
         if drawn.raw_logprobs is not None:
             columns.append(drawn.raw_logprobs.double())
@@ -158,6 +157,16 @@ class Engine:
                 self.scheduler.release(request)
                 finished.append(request.output())
         return finished
+
+    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
+        """The requests' sampling settings as tensors, built again only when the batch holds other requests: decode
+        steps of an unchanged running set (most steps) reuse them and make no host-to-device copies for them."""
+        cached = self._sampling
+        if cached is None or len(cached[0]) != len(requests) or any(a is not b for a, b in zip(cached[0], requests)):
+            batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests],
+                                        self.model_config.vocab_size, self.device)
+            cached = self._sampling = (list(requests), batch)
+        return cached[1]
 
     def stream(self) -> Iterator[RequestOutput]:
         """Yield requests as they finish until none is left (requests submitted meanwhile are included)."""

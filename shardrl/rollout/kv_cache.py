@@ -101,13 +101,43 @@ class DecodeAttention:
 
 
 def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """One query token per row against its cached keys: q [B, nq, D], keys/values [B, nkv, L, D]; mask [B, L] is
-    True (or 0.0) where a key may be attended to, False (or -inf) elsewhere.
+    """One query token per row against its cached keys: q [B, nq, D], keys/values [B, nkv, L, D] -> [B, nq, D];
+    mask [B, L] is 0.0 where a key may be attended to and -inf elsewhere (the reference also takes True/False).
+
+    The one device-specific switch of decode attention: CUDA runs `grouped_decode_attention` (two batched GEMMs);
+    everything else runs `reference_decode_attention`, which the tests compare against.
+    """
+    if q.is_cuda:
+        return grouped_decode_attention(q, keys, values, mask, scale)
+    return reference_decode_attention(q, keys, values, mask, scale)
+
+
+def reference_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """Portable decode attention through SDPA (fp32 scores).
 
     The query heads sharing a KV head are stacked as that head's query rows ([B, nkv, nq/nkv, D]), so grouped-query
-    attention needs no copies of the cache; SDPA keeps fp32 scores and picks a fused kernel on GPU.
+    attention needs no copies of the cache.
     """
     num_rows, num_heads, head_dim = q.shape
     grouped = q.view(num_rows, keys.shape[1], -1, head_dim)  # [B, nkv, nq/nkv, D]
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_rows, num_heads, head_dim)
+
+
+def grouped_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
+    """The GPU fast path of `decode_attention` (additive mask only; fp32 anywhere, bf16/fp16 on CUDA).
+
+    SDPA sends a one-token query to a prefill flash kernel, which pays for tiles the decode never fills. Here the
+    nq/nkv query heads of each KV head are the rows of one small GEMM against that head's cached keys, read in place
+    (a strided view of the cache, no copy); the scores come out in fp32 (as SDPA keeps them), are masked and
+    softmaxed in fp32, and the probabilities meet the values in the cache dtype (as flash kernels do).
+    """
+    num_rows, num_heads, head_dim = q.shape
+    num_kv, length = keys.shape[1], keys.shape[2]
+    grouped = q.reshape(num_rows * num_kv, num_heads // num_kv, head_dim)  # [B*nkv, nq/nkv, D]
+    fp32_out = {} if q.dtype == torch.float32 else {"out_dtype": torch.float32}
+    scores = torch.bmm(grouped, keys.flatten(0, 1).transpose(1, 2), **fp32_out)  # [B*nkv, nq/nkv, L] fp32
+    scores = torch.add(mask.unsqueeze(1), scores.view(num_rows, num_heads, length), alpha=scale)  # [B, nq, L] fp32
+    probs = scores.softmax(dim=-1).to(values.dtype).view(num_rows * num_kv, -1, length)
+    out = torch.bmm(probs, values.flatten(0, 1))  # [B*nkv, nq/nkv, D]
+    return out.view(num_rows, num_heads, head_dim)

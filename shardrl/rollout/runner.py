@@ -85,7 +85,9 @@ class ModelRunner:
             hidden = self.graphs.run(ids_t, positions_t, length)
         else:
             hidden = self.decode_hidden(ids_t, positions_t, length_bucket(length, self.cache.max_len))
-        return self.logits(hidden.index_select(0, active))
+        if len(batch.requests) < batch.num_rows:  # else every row is a running request, in slot order
+            hidden = hidden.index_select(0, active)
+        return self.logits(hidden)
 
     def decode_hidden(self, ids: Tensor, positions: Tensor, length: int) -> Tensor:
         """The portable decode forward (and what the CUDA graphs capture): ids, positions [B] -> hidden [B, H]."""

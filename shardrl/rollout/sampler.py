@@ -33,20 +33,26 @@ class SamplingBatch:
     generators: list[torch.Generator | None]  # a row's own generator, or None: the shared one
     any_greedy: bool
     all_greedy: bool
+    unit_temperature: bool  # every row samples at temperature 1 (or is greedy): the logits need no division
     raw: bool  # some row asked for raw temperature-1 logprobs
 
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
               device: torch.device) -> SamplingBatch:
         filtered = any(p.filtered for p in params)
+        temperature = [p.temperature or 1.0 for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
+
+        def to_device(values: list, dtype: torch.dtype) -> Tensor:
+            # Asynchronous: a blocking host-to-device copy would wait for the decode forward still running.
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
         return cls(
-            temperature=torch.tensor([p.temperature or 1.0 for p in params], dtype=torch.float32, device=device),
-            greedy=torch.tensor([p.greedy for p in params], device=device),
-            top_k=torch.tensor(top_k, device=device) if filtered else None,
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device) if filtered else None,
+            temperature=to_device(temperature, torch.float32), greedy=to_device([p.greedy for p in params], torch.bool),
+            top_k=to_device(top_k, torch.int64) if filtered else None,
+            top_p=to_device([p.top_p for p in params], torch.float32) if filtered else None,
             generators=generators, any_greedy=any(p.greedy for p in params), all_greedy=all(p.greedy for p in params),
-            raw=any(p.raw_logprobs for p in params))
+            unit_temperature=all(t == 1.0 for t in temperature), raw=any(p.raw_logprobs for p in params))
 
 
 @dataclass(frozen=True)
@@ -90,21 +96,38 @@ def sample(logits: Tensor, batch: SamplingBatch, shared: torch.Generator | None 
     """logits [B, V] (full vocab, any float dtype) -> one token per row with its logprobs.
 
     Only per-row reductions touch the log-normaliser (logp = z - logsumexp(z) and the argmax of z - log E does not
-    need it), which saves full [B, V] passes on a 150k vocabulary.
+    need it), which saves full [B, V] passes on a 150k vocabulary. At temperature 1 the logits are used as they
+    are: every op below computes in fp32 (a bf16 logit converts to fp32 exactly), so skipping the division changes
+    no bit of the result and saves a full-size fp32 copy.
     """
-    scaled = torch.div(logits, batch.temperature.unsqueeze(1))  # [B, V] fp32 (promoted in the same pass)
+    scaled = logits  # [B, V]
+    if not batch.unit_temperature:
+        scaled = torch.div(logits, batch.temperature.unsqueeze(1))  # fp32 (promoted in the same pass)
     if batch.top_k is not None:
-        scaled = filter_top_k_top_p(scaled, batch.top_k, batch.top_p)  # -inf outside the kept set
+        scaled = filter_top_k_top_p(scaled.float(), batch.top_k, batch.top_p)  # -inf outside the kept set
     if batch.all_greedy:
         token_ids = scaled.argmax(dim=-1)
     else:
         noise = exponential_noise(tuple(scaled.shape), batch.generators, shared, logits.device)
-        token_ids = (scaled - noise.log_()).argmax(dim=-1)  # argmax log(p / E): the exponential race
+        # argmax log(p / E), the exponential race; written over the noise, computed in fp32
+        token_ids = torch.sub(scaled, noise.log_(), out=noise).argmax(dim=-1)
         if batch.any_greedy:
             token_ids = torch.where(batch.greedy, scaled.argmax(dim=-1), token_ids)
     chosen = token_ids.unsqueeze(1)
-    logprobs = scaled.gather(1, chosen).squeeze(1) - torch.logsumexp(scaled, dim=-1)
+    logprobs = scaled.gather(1, chosen).squeeze(1).float() - log_normaliser(scaled)
     raw = None
     if batch.raw:
-        raw = logits.gather(1, chosen).squeeze(1).float() - torch.logsumexp(logits.float(), dim=-1)
+        raw = logits.gather(1, chosen).squeeze(1).float() - log_normaliser(logits)
     return Sampled(token_ids, logprobs, raw)
+
+
+def log_normaliser(logits: Tensor) -> Tensor:
+    """logits [B, V] of any float dtype -> logsumexp over V in fp32, [B].
+
+    The same steps, in the same order, as `torch.logsumexp` of `logits.float()` (so the same bits), but the
+    max is taken over the logits as they are and the shifted copy is the only fp32 tensor, instead of converting
+    the whole input first.
+    """
+    top = logits.amax(dim=-1, keepdim=True).float()  # [B, 1]
+    top.masked_fill_(top.abs() == torch.inf, 0.0)  # an all -inf row stays -inf instead of becoming nan
+    return torch.sub(logits, top).exp_().sum(dim=-1).log_() + top.squeeze(1)
