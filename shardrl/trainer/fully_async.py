@@ -67,7 +67,9 @@ class Rollouter:
         self.replica_load = [0] * num_replicas  # samples running per replica
         self.budget = window + extra  # groups it may still start before the next sync
         self.dropped = 0
-        self.pause_requested = self.drain = self.paused = self.stopping = False
+        # Pausing: the trainer asks (`requests` counts its asks), the thread answers between calls (`answered`).
+        self.pausing = self.drain = self.stopping = False
+        self.requests = self.answered = 0
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
 
@@ -96,9 +98,10 @@ class Rollouter:
     def pause(self, drain: bool) -> None:
         """Wait until the rollouter stands between two calls (with `drain`: with no request running)."""
         with self.cond:
-            self.pause_requested, self.drain = True, drain
+            self.pausing, self.drain = True, drain
+            self.requests += 1
             self.cond.notify_all()
-            while not self.paused:
+            while self.answered != self.requests:
                 self._raise_error()
                 self.cond.wait()
 
@@ -107,7 +110,7 @@ class Rollouter:
         with self.cond:
             if new_window:
                 self.budget = self.window + self.extra - len(self.queue) - len(self.running)
-            self.pause_requested = False
+            self.pausing = False
             self.cond.notify_all()
 
     def close(self) -> None:
@@ -140,14 +143,15 @@ class Rollouter:
         """Groups to start with the next call (maybe none, when requests are running); None: stop."""
         with self.cond:
             while not self.stopping:
-                if self.pause_requested and not (self.drain and self.running):
-                    self.paused = True
+                if self.pausing and self.answered != self.requests:
+                    if self.drain and self.running:
+                        return []  # finish the running requests first, start nothing
+                    self.answered = self.requests
                     self.cond.notify_all()
-                    while self.pause_requested and not self.stopping:
-                        self.cond.wait()
-                    self.paused = False
+                if self.pausing:
+                    self.cond.wait()  # paused: until resumed (or asked again)
                     continue
-                new = [] if self.pause_requested else self._start(self.budget)
+                new = self._start(self.budget)
                 if new or self.running:
                     return new
                 self.cond.wait()  # the budget is spent and nothing runs: wait for the next sync
