@@ -1,4 +1,4 @@
-"""CUDA-graph replay of the decode forward (the GPU fast path; `Engine._decode_hidden` is the portable reference).
+"""CUDA-graph replay of the decode forward (the GPU fast path; `ModelRunner.decode_hidden` is the portable reference).
 
 A decode step of a small model is hundreds of tiny kernels; launched from Python their overhead, not the GPU, sets
 the pace. Here the forward for a padded batch of `rows` slots attending to `length` cache positions is captured once
