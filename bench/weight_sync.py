@@ -27,7 +27,7 @@ from transformers import Qwen2Config, Qwen3MoeConfig
 
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout, LayoutSpec, sync_group
 from shardrl.parallel.offload import offload
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.sync.colocated import ColocatedSync
@@ -128,7 +128,7 @@ def h2d_seconds(nbytes: int, device: torch.device, times: int) -> float:
     return repeat(lambda: dev.copy_(host, non_blocking=True), device, times)[0]
 
 
-def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.device):
+def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.device, group):
     """This rank's trainer engine (random weights) and/or rollout engine, and its end of the sync."""
     config, dtype = model_config(kind, args.quick), torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, actor, engine = dist.get_rank(), None, None
@@ -148,16 +148,16 @@ def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.devic
     if args.placement == "colocated":
         sync = ColocatedSync(actor, engine, bucket)
     elif actor is not None:
-        sync = DetachedSync.sender(actor, setup.rollout_ranks, bucket)
+        sync = DetachedSync.sender(actor, group, bucket)
     else:
-        sync = DetachedSync.receiver(engine, setup.trainer_ranks, bucket)
+        sync = DetachedSync.receiver(engine, group, bucket)
     return actor, engine, sync
 
 
-def measure(kind: str, args: argparse.Namespace, device: torch.device) -> dict:
+def measure(kind: str, args: argparse.Namespace, device: torch.device, group) -> dict:
     """Both modes for one model on this rank; every rank returns the same numbers except `rank`."""
     setup = make_setup(kind, args.world, args.placement)
-    actor, engine, sync = build(kind, setup, args, device)
+    actor, engine, sync = build(kind, setup, args, device, group)
     boxes = {(s.hf_name, s.box) for s in Shards(engine.model).slices()} if engine is not None else set()
     out: dict = {"setup": setup.describe(), "rank": dist.get_rank(), "boxes": boxes}
     for mode in ("resident", "offloaded"):
@@ -190,7 +190,9 @@ def measure(kind: str, args: argparse.Namespace, device: torch.device) -> dict:
 
 def rank_main(args: argparse.Namespace) -> list[dict]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    return [measure(kind, args, device) for kind in args.models]
+    # Detached: the sync group before any Layout (its members must have made the same number of groups).
+    group = sync_group(list(range(args.world))) if args.placement == "detached" else None
+    return [measure(kind, args, device, group) for kind in args.models]
 
 
 def _size(n: float, unit: str = "B") -> str:

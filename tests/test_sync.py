@@ -19,7 +19,7 @@ from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel import layout as layout_module
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec, rank_tables
+from shardrl.parallel.layout import Layout, LayoutSpec, rank_tables, sync_group
 from shardrl.parallel.offload import offload
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.rollout.request import SamplingParams
@@ -27,6 +27,7 @@ from shardrl.sync.colocated import ColocatedSync
 from shardrl.sync.detached import DetachedSync
 from shardrl.sync.transport import Transport
 from shardrl.sync.verify import SyncVerifyError
+from shardrl.sync.weight_sync import WeightSync
 from shardrl.workers.engine import EngineOptions, ModelEngine
 
 BUCKET = 8 << 10  # bytes: tiny models still need many buckets and steps
@@ -85,12 +86,20 @@ def _peak_bytes(prof) -> int:
     return peak
 
 
-def _build_sync(case: Case, actor, engine, trainer_ranks, rollout_ranks):
+def _build_sync(case: Case, actor, engine, group):
+    """This rank's end; detached cases share the run's sync group (made first, see `run_cases`), so a rank with
+    no part in a case still joins the plan's construction."""
     if case.placement == "colocated":
         return ColocatedSync(actor, engine, case.bucket, case.verify)
     if actor is not None:
-        return DetachedSync.sender(actor, rollout_ranks, case.bucket, case.verify)
-    return DetachedSync.receiver(engine, trainer_ranks, case.bucket, case.verify)
+        return DetachedSync.sender(actor, group, case.bucket, case.verify)
+    if engine is not None:
+        return DetachedSync.receiver(engine, group, case.bucket, case.verify)
+    return WeightSync(group, _device(), case.bucket, case.verify)
+
+
+def _device() -> torch.device:
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
 
 
 def _inject_fault(case: Case, sync) -> None:
@@ -101,7 +110,7 @@ def _inject_fault(case: Case, sync) -> None:
         weights.transport = faulty(t.plan, t.group, t.device, t.source, t.target)
 
 
-def run_case(case: Case, checkpoints: dict[str, str], export_dir: str) -> dict | None:
+def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group) -> dict | None:
     """One sync on this rank's role(s); rollout ranks compare against an engine built from the trainer's export."""
     rank = dist.get_rank()
     trainer_ranks, rollout_ranks = case.ranks()
@@ -120,8 +129,10 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str) -> dict |
         layout = Layout.create(LayoutSpec(case.rollout_world, **case.rollout), rollout_ranks)
         engine = Engine.from_pretrained(checkpoints[case.model + "_other"], layout, config)
     result: dict = {"rank": rank}
+    if case.placement == "detached" and actor is None and engine is None:
+        _build_sync(case, actor, engine, group)
     if actor is not None or engine is not None:
-        sync = _build_sync(case, actor, engine, trainer_ranks, rollout_ranks)
+        sync = _build_sync(case, actor, engine, group)
         _inject_fault(case, sync)
         with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
             try:
@@ -151,7 +162,9 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str) -> dict |
 
 
 def run_cases(cases: list[Case], checkpoints: dict[str, str], export_root: str) -> list[dict | None]:
-    return [run_case(case, checkpoints, f"{export_root}/{i}") for i, case in enumerate(cases)]
+    # The sync group first, before any Layout: torch only matches members that made the same number of groups.
+    group = sync_group(list(range(dist.get_world_size())))
+    return [run_case(case, checkpoints, f"{export_root}/{i}", group) for i, case in enumerate(cases)]
 
 
 @pytest.fixture(scope="module")
@@ -182,12 +195,11 @@ def check_synced(case: Case, results: list[dict], allocator_slack: int = 0) -> N
         assert peak <= 2 * case.bucket + largest + allocator_slack, (case, rank, peak)
         if case.offload and rank in trainer_ranks:
             assert r["still_offloaded"], case
-    if case.placement == "detached":  # rollout ranks joined their own layout's groups and the sync group only
+    if case.placement == "detached":  # rollout ranks joined their own layout's groups (and the sync group) only
         for rank in rollout_ranks:
             tables = rank_tables(LayoutSpec(case.rollout_world, **case.rollout), rollout_ranks)
             own = {tuple(g) for table in tables.values() for g in table if rank in g and len(g) > 1}
-            sync_ranks = tuple(sorted(trainer_ranks + rollout_ranks))
-            assert set(by_rank[rank]["new_groups"]) <= own | {sync_ranks}, (case, by_rank[rank]["new_groups"])
+            assert set(by_rank[rank]["new_groups"]) <= own, (case, by_rank[rank]["new_groups"])
             # In this process's whole life (every case so far) no group of trainer ranks only was built here.
             assert not any(set(g) <= set(trainer_ranks) for g in by_rank[rank]["all_groups"]), case
 

@@ -142,18 +142,17 @@ def sync_group(ranks: list[int], timeout: datetime.timedelta = datetime.timedelt
                ) -> dist.ProcessGroup | None:
     """The weight-sync group over explicit global `ranks`, which may span several roles' layouts (a trainer pool's
     senders and a rollout pool's receivers, or the colocated ranks). Collective over `ranks` only, so a rollout-only
-    worker joins this group and its own layout's, never the trainer's. None for a single rank."""
+    worker joins this group and its own layout's, never the trainer's. None for a single rank.
+
+    torch names such a group by its ranks and by how many groups the calling process made before, so the members
+    must have made the same number: colocated ranks (same layouts in the same order) may call it any time;
+    separate pools must call it before building any Layout."""
     ranks = sorted(set(ranks))
     if len(ranks) == 1:
         return None
     if not dist.is_initialized() or dist.get_rank() not in ranks:
         raise LayoutError(f"sync group over ranks {ranks}: this process is not one of them (or torch.distributed "
                           f"is not initialised)")
-    if len(ranks) == dist.get_world_size():
-        # The whole world (a trainer pool plus its rollout pool, or the colocated ranks): the default group already
-        # connects it. A new group would not do across roles: torch names a locally synchronised group by its ranks
-        # AND the number of groups the process made before, which differs between a trainer and a rollout rank.
-        return dist.group.WORLD
     return _shared_group(ranks, timeout)
 
 

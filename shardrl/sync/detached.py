@@ -2,6 +2,8 @@
 group spanning both (NCCL on GPU, gloo on CPU).
 
 Each side builds only its own layout; the sync group and the plan are all a rollout rank knows of the trainer.
+Every process of both pools makes the group first, before its Layout (`parallel.layout.sync_group`: torch only
+matches members that made the same number of groups before), and hands it to `sender` / `receiver`.
 Every trainer rank sends the pieces it holds (replicas split the work), in double-buffered buckets; offloaded
 params are streamed from pinned host memory and stay offloaded. Both pools call `sync()` at the same point of their
 loops (the rollout with no request mid-step: abort/resume around it for partial rollouts).
@@ -9,15 +11,12 @@ loops (the rollout with no request mid-step: abort/resume around it for partial 
 
 from __future__ import annotations
 
-import datetime
+import torch.distributed as dist
 
-from shardrl.parallel.layout import sync_group
 from shardrl.rollout.engine import Engine
 from shardrl.sync.shards import Shards
 from shardrl.sync.weight_sync import Verify, WeightSync
 from shardrl.workers.engine import ModelEngine
-
-TIMEOUT = datetime.timedelta(minutes=10)
 
 
 class DetachedSync:
@@ -25,18 +24,16 @@ class DetachedSync:
         self.weights, self.rollout = weights, rollout
 
     @classmethod
-    def sender(cls, actor: ModelEngine, rollout_ranks: list[int], bucket_bytes: int, verify: Verify = "checksum",
-               timeout: datetime.timedelta = TIMEOUT) -> DetachedSync:
-        """The trainer side, on every actor rank. Collective over actor and rollout ranks (with `receiver`)."""
-        group = sync_group(actor.layout.ranks + list(rollout_ranks), timeout)
+    def sender(cls, actor: ModelEngine, group: dist.ProcessGroup, bucket_bytes: int,
+               verify: Verify = "checksum") -> DetachedSync:
+        """The trainer side, on every actor rank. Collective over the group (with `receiver` on the rollout ranks)."""
         source = Shards(actor.chunks, sending=True, first_stage=actor.layout.is_first_stage)
         return cls(WeightSync(group, actor.layout.device, bucket_bytes, verify, source=source), None)
 
     @classmethod
-    def receiver(cls, rollout: Engine, trainer_ranks: list[int], bucket_bytes: int, verify: Verify = "checksum",
-                 timeout: datetime.timedelta = TIMEOUT) -> DetachedSync:
+    def receiver(cls, rollout: Engine, group: dist.ProcessGroup, bucket_bytes: int,
+                 verify: Verify = "checksum") -> DetachedSync:
         """The rollout side, on every rollout rank."""
-        group = sync_group(list(trainer_ranks) + rollout.layout.ranks, timeout)
         return cls(WeightSync(group, rollout.device, bucket_bytes, verify, target=Shards(rollout.model)), rollout)
 
     def sync(self, version: int | None = None) -> dict[str, float]:
