@@ -3,7 +3,8 @@
 
 * a detached actor normalises mini batches exactly as the colocated one (ppo_mini_batch_size x n / DP samples per
   rank: the optimizer steps and their metrics equal the colocated worker's on the same batch);
-* a rollout-only worker creates no trainer group (only its own layout's, asserted on the groups it made);
+* a rollout-only worker creates no trainer group (only its own layout's and the sync group: asserted on the groups
+  it made);
 * weight sync with param_offload moves the updated weights (the rollout equals an engine built from the actor's HF
   export) and leaves the actor's params offloaded.
 
@@ -148,9 +149,9 @@ def test_detached_workers_normalise_like_colocated_build_no_trainer_groups_and_s
     for rank in range(2):
         assert trainer[rank]["update"] == colocated[rank]
 
-    # Bug 2: each pool made only its own layout's groups (the sync group is the default group: the whole world).
-    assert [r["new_groups"] for r in trainer] == [[(0, 1)], [(0, 1)]]
-    assert [r["new_groups"] for r in rollout] == [[(2, 3)], [(2, 3)]]
+    # Bug 2: each pool made only its own layout's groups, plus the sync group over both.
+    assert [r["new_groups"] for r in trainer] == [[(0, 1), (0, 1, 2, 3)]] * 2
+    assert [r["new_groups"] for r in rollout] == [[(0, 1, 2, 3), (2, 3)]] * 2
 
     # Bug 3: offloaded before and after the sync, and the rollout holds the updated weights exactly.
     assert all(r["offloaded_after_update"] and r["offloaded_after_sync"] for r in trainer)

@@ -5,7 +5,8 @@ one torch.distributed world, trainer ranks first (`Plan.trainer_ranks`, then `Pl
 same log-prob and update code, the same offload handling) plus the sending end of `DetachedSync`.
 
 `RolloutWorker` builds only its own layout and the weight-sync group, nothing of the trainer's TP x PP x EP, so a
-rollout pool need not fit the trainer's layout. Its engine serves in two ways: `generate_sequences` (a whole batch,
+rollout pool need not fit the trainer's layout. Both make the sync group before anything else: torch pairs the members
+of a group by the number of groups each made before (see `parallel.layout.sync_group`). Its engine serves in two ways: `generate_sequences` (a whole batch,
 as the colocated worker) and `stream` (requests added and finished samples returned over many short calls: the
 fully async rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
 replica stay in lockstep without coordinating among themselves.
@@ -19,7 +20,7 @@ from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
-from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout import Layout, sync_group
 from shardrl.rollout.engine import Engine
 from shardrl.sync.detached import DetachedSync
 from shardrl.trainer.config import PPOConfig
@@ -29,12 +30,16 @@ from shardrl.workers.hybrid import ActorRefWorker
 from shardrl.workers.rollout import generate, prompt_ids_of, samples_batch
 
 
+def _sync_group(plan: Plan):
+    return sync_group(plan.trainer_ranks + plan.rollout_ranks, collective_timeout())
+
+
 class DetachedActorWorker(ActorRefWorker):
     def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int) -> None:
+        group = _sync_group(plan)
         super().__init__(config, plan, model_path, total_steps, pad_token_id)
         sync = config.actor_rollout_ref.rollout.weight_sync
-        self.weight_sync = DetachedSync.sender(self.actor, plan.rollout_ranks, sync.bucket_size_mb << 20, sync.verify,
-                                               collective_timeout())
+        self.weight_sync = DetachedSync.sender(self.actor, group, sync.bucket_size_mb << 20, sync.verify)
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -48,13 +53,13 @@ class RolloutWorker:
         torch.manual_seed(config.trainer.seed)
         self.config, self.pad_token_id = config, pad_token_id
         self.response_length = config.actor_rollout_ref.rollout.response_length
+        group = _sync_group(plan)
         role = plan.roles["rollout"]
         layout = Layout.create(role.spec, role.ranks, timeout=collective_timeout())
         # Weights arrive by the first sync; until then the engine holds a random init.
         self.engine = Engine(ModelConfig.from_pretrained(model_path), layout, roles.rollout_engine_config(config))
         sync = config.actor_rollout_ref.rollout.weight_sync
-        self.weight_sync = DetachedSync.receiver(self.engine, plan.trainer_ranks, sync.bucket_size_mb << 20,
-                                                 sync.verify, collective_timeout())
+        self.weight_sync = DetachedSync.receiver(self.engine, group, sync.bucket_size_mb << 20, sync.verify)
         self.prompts: dict[str, Batch] = {}  # request id -> its prompt row, while the request runs
 
     @dispatch_mode(Dispatch.DP_COMPUTE)

@@ -1,0 +1,150 @@
+"""Async speedup: training steps per hour of the synchronous, one-step-off and fully async trainers on the same model,
+data, batch and GPUs, from one run (issue 9 targets: one-step-off >= 1.35x and fully async >= 2x the synchronous).
+
+Default (4 GPUs): a random-weight Qwen2-shape model of ~0.3B parameters in bf16; every step trains on 64 prompts x 8
+samples of a rollout-heavy, long-tailed workload: the model stops on any of 16 of its 8192 tokens, so with its
+near-uniform random policy responses are geometric with mean ~512 tokens, capped at 2048 (a few percent hit the cap,
+which is what a synchronous step waits for). The synchronous trainer runs colocated on all GPUs; the async modes on
+a trainer pool and a rollout pool of half the GPUs each. All three anchor PPO on the rollout's logprobs (no
+old-logprob pass), so they do the same work per step. `--world 2` is the half-scale run (2 colocated vs 1 + 1).
+
+    python bench/async_speedup.py                  # 4 GPUs
+    python bench/async_speedup.py --world 2        # 2 GPUs
+    python bench/async_speedup.py --quick          # tiny model on CPU: a smoke test of this script
+
+Each mode is one `python -m shardrl.trainer.main_ppo` run; steps/hour = 3600 / mean `timing_s/step_total` after
+`--warmup` steps (CUDA graph capture, allocator warm-up). Run directories and a JSON summary go to `--out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from shardrl.data import builtin_task
+
+MODEL_300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=8192, max_position_embeddings=4096)
+MODEL_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
+MODES = ("sync", "one_step_off", "fully_async")
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--world", type=int, default=4, help="GPUs in all (even): sync uses all, async half + half")
+    parser.add_argument("--steps", type=int, default=12)
+    parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
+    parser.add_argument("--prompts", type=int, default=64, help="prompts per training step")
+    parser.add_argument("--n", type=int, default=8, help="samples per prompt")
+    parser.add_argument("--response-length", type=int, default=2048)
+    parser.add_argument("--stop-tokens", type=int, default=16, help="tokens that end a response (of the vocab)")
+    parser.add_argument("--trigger", type=int, default=2, help="fully async: trigger_parameter_sync_step")
+    parser.add_argument("--staleness", type=float, default=0.5, help="fully async: staleness_threshold")
+    parser.add_argument("--no-partial", action="store_true", help="fully async: partial_rollout=false")
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--out", default="/tmp/shardrl_async_speedup")
+    parser.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
+    parser.add_argument("--quick", action="store_true", help="tiny model, few short steps, on CPU")
+    args = parser.parse_args()
+    if args.quick:
+        args.world, args.steps, args.warmup, args.prompts, args.n, args.response_length = 2, 3, 1, 8, 2, 16
+        args.stop_tokens = 32
+    if args.world < 2 or args.world % 2:
+        parser.error(f"--world {args.world}: needs an even number of GPUs (trainer and rollout pools of half each)")
+    return args
+
+
+def make_model(out: Path, shape: dict, stop_tokens: int, seed: int = 0) -> Path:
+    """A random-weight model whose responses end on any of `stop_tokens` ids (the last ones of its vocab, plus the
+    task tokenizer's <eos>): with a near-uniform policy, lengths are geometric with mean vocab / stop_tokens."""
+    vocab = shape["vocab_size"]
+    eos = [builtin_task.SPECIAL.index("<eos>")] + list(range(vocab - stop_tokens + 1, vocab))
+    config = AutoConfig.for_model("qwen2", **shape, tie_word_embeddings=False, bos_token_id=None, eos_token_id=eos,
+                                  pad_token_id=0, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).save_pretrained(out)
+    builtin_task.make_tokenizer(out)  # the task's prompts and scorer; ids past its vocab decode to nothing
+    return out
+
+
+def overrides(args: argparse.Namespace, mode: str, model: Path, task: dict, run_dir: Path) -> list[str]:
+    """The same job in every mode; only the pools and the schedule's keys differ."""
+    half, device = args.world // 2, "cpu" if args.quick else "cuda"
+    dtype = "float32" if args.quick else "bfloat16"
+    common = [
+        f"actor_rollout_ref.model.path={model}", f"data.train_files={task['train_files']}",
+        f"data.val_files={task['val_files']}", f"trainer.default_local_dir={run_dir}", "trainer.logger=[file]",
+        f"trainer.device={device}", f"trainer.total_training_steps={args.steps}", "trainer.test_freq=-1",
+        "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.resume_mode=disable",
+        f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
+        f"data.max_response_length={args.response_length}", "data.max_prompt_length=32",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts // 2}", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max(16384, 2 * (args.response_length + 32))}",
+        f"actor_rollout_ref.actor.megatron.dtype={dtype}", f"actor_rollout_ref.rollout.dtype={dtype}",
+        f"actor_rollout_ref.rollout.max_num_seqs={args.prompts * args.n}", "algorithm.rollout_correction.decoupled=false",
+    ]
+    if mode == "sync":
+        return ["--config-name=ppo_trainer", *common, f"trainer.n_gpus_per_node={args.world}"]
+    pools = [f"trainer.n_gpus_per_node={half}", f"rollout.n_gpus_per_node={half}",
+             "async_training.use_rollout_log_probs=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.85"]
+    if mode == "one_step_off":
+        return ["--config-name=one_step_off_ppo_trainer", *common, *pools]
+    return ["--config-name=fully_async_ppo_trainer", *common, *pools, "async_training.require_batches=2",
+            f"async_training.trigger_parameter_sync_step={args.trigger}",
+            f"async_training.staleness_threshold={args.staleness}",
+            f"async_training.partial_rollout={str(not args.no_partial).lower()}"]
+
+
+def run_mode(args: argparse.Namespace, mode: str, model: Path, task: dict, out: Path) -> dict:
+    run_dir = out / mode
+    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", *overrides(args, mode, model, task, run_dir)]
+    print(f"[{mode}] {' '.join(cmd)}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+    (out / f"{mode}.log").write_text(done.stdout + done.stderr)
+    if done.returncode != 0:
+        raise SystemExit(f"[{mode}] failed (exit {done.returncode}); see {out / f'{mode}.log'}:\n{done.stderr[-2000:]}")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    timed = [r for r in rows if "timing_s/step_total" in r][args.warmup:]
+    seconds = sum(r["timing_s/step_total"] for r in timed) / len(timed)
+
+    def mean(key: str) -> float:
+        values = [r[key] for r in timed if key in r]
+        return sum(values) / len(values) if values else float("nan")
+
+    return {"mode": mode, "steps_timed": len(timed), "seconds_per_step": seconds, "steps_per_hour": 3600 / seconds,
+            "response_length_mean": mean("response_length/mean"), "staleness_mean": mean("async/staleness_mean"),
+            "rollout_overlap_s": mean("timing_s/rollout_overlap"), "sync_s": mean("timing_s/sync")}
+
+
+def main() -> None:
+    args = parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    task = builtin_task.prepare(out / "task")
+    model = make_model(out / "model", MODEL_TINY if args.quick else MODEL_300M, args.stop_tokens)
+    results = {mode: run_mode(args, mode, model, task, out) for mode in args.modes}
+    half = args.world // 2
+    print(f"\n{args.prompts} prompts x {args.n} samples per step, responses <= {args.response_length} tokens, "
+          f"{'CPU processes' if args.quick else 'GPUs'}: sync on {args.world} colocated, async on {half} + {half}")
+    print(f"{'mode':<14}{'steps/hour':>12}{'s/step':>10}{'resp len':>10}{'staleness':>11}{'overlap s':>11}"
+          f"{'x sync':>8}")
+    base = results.get("sync", {}).get("steps_per_hour")
+    for r in results.values():
+        ratio = f"{r['steps_per_hour'] / base:.2f}" if base else "-"
+        print(f"{r['mode']:<14}{r['steps_per_hour']:>12.1f}{r['seconds_per_step']:>10.2f}"
+              f"{r['response_length_mean']:>10.1f}{r['staleness_mean']:>11.2f}{r['rollout_overlap_s']:>11.2f}"
+              f"{ratio:>8}")
+    summary = {"args": vars(args), "results": results}
+    (out / "summary.json").write_text(json.dumps(summary, indent=2))
+    print(f"summary: {out / 'summary.json'}")
+
+
+if __name__ == "__main__":
+    main()
