@@ -223,7 +223,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4, help="processes, one GPU each (the issue's setup: 4)")
     parser.add_argument("--placement", choices=("colocated", "detached"), default="colocated")
-    parser.add_argument("--bucket-mb", type=int, default=512, help="actor_rollout_ref.rollout.weight_sync.bucket_size_mb")
+    parser.add_argument("--bucket-mb", type=int, default=512,
+                        help="actor_rollout_ref.rollout.weight_sync.bucket_size_mb")
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per mode (median reported)")
     parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU (gloo), 16 KB buckets")

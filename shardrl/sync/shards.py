@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 
-import torch
 from torch import Tensor, nn
 
 from shardrl.parallel.spec import ShardSpec, get_spec
