@@ -59,7 +59,7 @@ def describe(config: PPOConfig) -> str:
 def lag_metrics(versions: torch.Tensor, mask: torch.Tensor, version: int, bound: int) -> dict[str, float | list]:
     """Lag statistics of one training batch: `versions` [B, R] (-1 on padding), `mask` [B, R] the response tokens,
     `version` the trainer's. `async/staleness_hist` is the fraction of tokens per lag 0.. (a list, for metrics.jsonl);
-    `async/lag_<k>_frac` the same as scalars for k = 0..`bound`."""
+    `async/lag_<k>_frac` the same as scalars for k = 0..`bound`. Samples without response tokens count as lag 0."""
     lags = version - versions[mask.bool()]  # [num tokens]
     if lags.numel() == 0:
         return {}
@@ -68,11 +68,15 @@ def lag_metrics(versions: torch.Tensor, mask: torch.Tensor, version: int, bound:
                          "the rollout was synced with weights the trainer does not have")
     counts = torch.bincount(lags, minlength=bound + 1).double()
     fractions = (counts / lags.numel()).tolist()
-    sample_lags = (version - versions.masked_fill(~mask.bool(), version)).amax(-1)  # [B] oldest token of each sample
+    valid = mask.bool()
+    oldest = versions.masked_fill(~valid, version).amin(-1)  # [B]
+    newest = versions.masked_fill(~valid, -1).amax(-1)  # [B]
     metrics: dict[str, float | list] = {
         "async/staleness_mean": float(lags.double().mean()),
         "async/staleness_max": float(lags.max()),
-        "async/sample_staleness_mean": float(sample_lags.double().mean()),
+        "async/sample_staleness_mean": float((version - oldest).double().mean()),
+        # samples continued across a sync (partial rollout): tokens of more than one version
+        "async/mixed_version_frac": float((newest > oldest).double().mean()),
         "async/staleness_hist": fractions,
     }
     metrics |= {f"async/lag_{k}_frac": fractions[k] for k in range(bound + 1)}

@@ -1,0 +1,31 @@
+"""One-step-off PPO end to end on CPU (gloo, Ray, the default job): a trainer pool of 2 ranks at TP2 and a detached
+rollout pool at TP1 learn the built-in task to >= 0.9 validation reward, every sample one version old (the first
+batch excepted), generation overlapping training on the timeline."""
+
+import pytest
+
+from async_jobs import DETACHED, check_learned, run_job
+
+STEPS = ["trainer.total_training_steps=60", "trainer.test_freq=30"]
+
+
+def check_one_step_off(rows, out):
+    assert "one_step_off mode: samples may be up to 1 version old" in out
+    check_learned(rows, bound=1)
+    lags = [r["async/staleness_max"] for r in rows if "async/staleness_max" in r]
+    assert lags == [0.0] + [1.0] * 59
+    assert any(r.get("timing_s/rollout_overlap", 0) > 0 for r in rows)  # batch k+1 generated during step k
+
+
+def test_one_step_off_learns_with_param_offload(tmp_path):
+    rows, out = run_job(tmp_path, "one_step_off_ppo_trainer", *DETACHED, *STEPS,
+                        "actor_rollout_ref.actor.megatron.param_offload=true")
+    check_one_step_off(rows, out)
+    for name in ("timeline.png", "curves.png", "hf_export/config.json"):
+        assert (tmp_path / name).exists(), name
+
+
+@pytest.mark.slow
+def test_one_step_off_learns_without_offload_on_two_rollout_replicas(tmp_path):
+    rows, out = run_job(tmp_path, "one_step_off_ppo_trainer", *DETACHED, *STEPS, "rollout.n_gpus_per_node=2")
+    check_one_step_off(rows, out)
