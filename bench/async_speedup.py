@@ -85,10 +85,12 @@ def overrides(args: argparse.Namespace, mode: str, model: Path, task: dict, run_
         "trainer.val_before_train=false", "trainer.save_freq=-1", "trainer.resume_mode=disable",
         f"data.train_batch_size={args.prompts}", f"actor_rollout_ref.rollout.n={args.n}",
         f"data.max_response_length={args.response_length}", "data.max_prompt_length=32",
-        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts // 2}", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        f"actor_rollout_ref.actor.ppo_mini_batch_size={args.prompts // 2}",
+        "actor_rollout_ref.actor.use_dynamic_bsz=true",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max(16384, 2 * (args.response_length + 32))}",
         f"actor_rollout_ref.actor.megatron.dtype={dtype}", f"actor_rollout_ref.rollout.dtype={dtype}",
-        f"actor_rollout_ref.rollout.max_num_seqs={args.prompts * args.n}", "algorithm.rollout_correction.decoupled=false",
+        f"actor_rollout_ref.rollout.max_num_seqs={args.prompts * args.n}",
+        "algorithm.rollout_correction.decoupled=false",
     ]
     if mode == "sync":
         return ["--config-name=ppo_trainer", *common, f"trainer.n_gpus_per_node={args.world}"]

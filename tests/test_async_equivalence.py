@@ -14,7 +14,8 @@ def test_fully_async_with_staleness_0_and_sync_every_step_equals_sync(tmp_path):
     async_rows, out = run_job(tmp_path / "async", "fully_async_ppo_trainer", *steps,
                               "async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1",
                               "async_training.require_batches=2", "async_training.partial_rollout=false",
-                              "async_training.use_rollout_log_probs=false", "algorithm.rollout_correction.decoupled=true")
+                              "async_training.use_rollout_log_probs=false",
+                              "algorithm.rollout_correction.decoupled=true")
     assert "samples may be up to 0 versions old" in out
     assert [r["step"] for r in sync_rows] == [r["step"] for r in async_rows] == [0, 1, 2, 3, 4]
     for expected, got in zip(sync_rows, async_rows):

@@ -12,8 +12,8 @@ from shardrl.trainer.staleness import describe, lag_metrics, max_staleness
     ("one_step_off_ppo_trainer", [], 1),
     # defaults: trigger 4, 1 x 16 prompts per step, window 64, extra floor(0.1 * 64) = 6: 3 + ceil(6 / 16) = 4
     ("fully_async_ppo_trainer", [], 4),
-    ("fully_async_ppo_trainer", ["async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1"],
-     0),
+    ("fully_async_ppo_trainer",
+     ["async_training.staleness_threshold=0", "async_training.trigger_parameter_sync_step=1"], 0),
     ("fully_async_ppo_trainer", ["async_training.staleness_threshold=0"], 3),  # a window of 4 steps, no run-ahead
     # window 2 x 2 x 8 = 32 prompts, extra 64: 1 + ceil(64 / 16) = 5
     ("fully_async_ppo_trainer", ["async_training.staleness_threshold=2", "async_training.trigger_parameter_sync_step=2",

@@ -5,11 +5,13 @@ one torch.distributed world, trainer ranks first (`Plan.trainer_ranks`, then `Pl
 same log-prob and update code, the same offload handling) plus the sending end of `DetachedSync`.
 
 `RolloutWorker` builds only its own layout and the weight-sync group, nothing of the trainer's TP x PP x EP, so a
-rollout pool need not fit the trainer's layout. Both make the sync group before anything else: torch pairs the members
-of a group by the number of groups each made before (see `parallel.layout.sync_group`). Its engine serves in two ways: `generate_sequences` (a whole batch,
+rollout pool need not fit the trainer's layout. Its engine serves in two ways: `generate_sequences` (a whole batch,
 as the colocated worker) and `stream` (requests added and finished samples returned over many short calls: the
 fully async rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
 replica stay in lockstep without coordinating among themselves.
+
+Both workers make the sync group before anything else: torch pairs the members of a locally synchronised group by
+the number of groups each made before (see `parallel.layout.sync_group`).
 """
 
 from __future__ import annotations
