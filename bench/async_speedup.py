@@ -12,8 +12,10 @@ old-logprob pass), so they do the same work per step. `--world 2` is the half-sc
     python bench/async_speedup.py --world 2        # 2 GPUs
     python bench/async_speedup.py --quick          # tiny model on CPU: a smoke test of this script
 
-Each mode is one `python -m shardrl.trainer.main_ppo` run; steps/hour = 3600 / mean `timing_s/step_total` after
-`--warmup` steps (CUDA graph capture, allocator warm-up). Run directories and a JSON summary go to `--out`.
+On the GPU machine run it in the environment `make gpu-test` sets up (PYTHONPATH with the wheels and this
+checkout, NCCL_NVLS_ENABLE=0 ...). Each mode is one `python -m shardrl.trainer.main_ppo` run; steps/hour = 3600 /
+mean `timing_s/step_total` after `--warmup` steps (CUDA graph capture, allocator warm-up). Run directories and a
+JSON summary go to `--out`.
 """
 
 from __future__ import annotations
