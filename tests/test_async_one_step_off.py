@@ -29,3 +29,18 @@ def test_one_step_off_learns_with_param_offload(tmp_path):
 def test_one_step_off_learns_without_offload_on_two_rollout_replicas(tmp_path):
     rows, out = run_job(tmp_path, "one_step_off_ppo_trainer", *DETACHED, *STEPS, "rollout.n_gpus_per_node=2")
     check_one_step_off(rows, out)
+
+
+def test_resumed_run_syncs_the_checkpoint_to_the_rollout_pool(tmp_path):
+    """Save at step 2 (offloaded actor), resume: the detached rollout pool gets the checkpoint's weights, so greedy
+    validation before the resumed training equals the first run's validation after step 2."""
+    args = [*DETACHED, "actor_rollout_ref.actor.megatron.param_offload=true", "trainer.save_freq=2",
+            "trainer.test_freq=2"]
+    first, _ = run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=2")
+    rows, out = run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=3")
+    assert "at step 2" in out
+    resumed = rows[len(first):]  # metrics.jsonl is appended to
+    val = [(r["step"], r["val-core/reward/mean"]) for r in first + resumed if "val-core/reward/mean" in r]
+    assert [step for step, _ in val] == [0, 2, 2, 3]
+    assert val[1][1] == val[2][1] != val[0][1]  # the trained weights, not the initial ones
+    assert resumed[-1]["step"] == 3 and resumed[-1]["async/staleness_max"] == 0  # the first batch after resuming

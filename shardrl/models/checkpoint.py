@@ -16,7 +16,8 @@ written with torch.distributed.checkpoint (DCP) and keyed by HF tensor names.
 * Atomic: all ranks write into ``.<name>.tmp`` next to the target; the first rank adds the side files (HF config,
   tokenizer, `META_FILE`), fsyncs and renames it into place. `mark_latest` then points ``<root>/latest`` at a step.
 
-Collective functions are called on every rank of the layout, whose ranks must be the whole default group.
+Collective functions are called on every rank of the layout and communicate over its "world" group only, so a role
+whose ranks are part of a larger world (a trainer pool beside a detached rollout pool) checkpoints alone.
 """
 
 from __future__ import annotations
@@ -79,18 +80,17 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     included when given, every rank's RNG states when `rng`. The HF config.json and, from `hf_dir`, the tokenizer
     files are stored alongside so `dist-to-hf` needs nothing else. An existing checkpoint at `path` is replaced.
     """
-    path, coordinator = Path(path), _rank() == 0
-    _check_world(layout)
+    path, coordinator, group = Path(path), layout.local_rank == 0, layout.group("world")
     tmp = path.parent / f".{path.name}.tmp"
     if coordinator:
         if tmp.exists():  # left by a save that crashed
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
-    _barrier()
+    _barrier(group)
     params = unique_params(chunks)
     state: dict[str, Any] = model_entries(params, layout, writing=True)
     if rng:
-        state[f"rng/{_rank()}"] = _rng_state()
+        state[f"rng/{layout.local_rank}"] = _rng_state()
     objects: dict[str, Any] = {}
     if optimizer is not None:
         state |= optimizer_entries(optimizer, params, layout, writing=True)[0]
@@ -103,14 +103,15 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
         state |= objects
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: supported
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ShardSavePlanner())
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp), planner=ShardSavePlanner(), process_group=group,
+                 no_dist=group is None)
     if coordinator:
-        meta = dict(format_version=FORMAT_VERSION, world_size=_world(), layout=asdict(layout.spec),
+        meta = dict(format_version=FORMAT_VERSION, world_size=layout.spec.world_size, layout=asdict(layout.spec),
                     distributed_optimizer=optimizer.grads.shard if optimizer is not None else None,
                     contents=["model", *(["rng"] if rng else []), *objects])
         _write_side_files(tmp, meta, chunks[0].config.hf_config, hf_dir)
         _commit(tmp, path)
-    _barrier()
+    _barrier(group)
     return path
 
 
@@ -201,8 +202,7 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     Returns the saved `trainer_state` (None if none was saved). RNG states are per rank: at another world size,
     rank r takes those of saved rank r % saved world size.
     """
-    path = Path(path)
-    _check_world(layout)
+    path, group = Path(path), layout.group("world")
     params = unique_params(chunks)
     meta = _read_meta(path, chunks[0].config, optimizer is not None)
     state: dict[str, Any] = model_entries(params, layout, writing=False)
@@ -213,16 +213,17 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
         state["scheduler"] = None
     if "trainer" in meta["contents"]:
         state["trainer"] = None
-    rng_key = f"rng/{_rank() % meta['world_size']}"
+    rng_key = f"rng/{layout.local_rank % meta['world_size']}"
     if restore_rng:
         state[rng_key] = None
-    _agree(_check_keys(path, state))
+    _agree(_check_keys(path, state), group)
     with torch.no_grad():  # what no checkpoint stores (vocab padding rows and their state) is zero
         for tensor in [*params, *(optimizer.state_tensors() if optimizer is not None else [])]:
             tensor.zero_()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: supported
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner())
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(), process_group=group,
+                 no_dist=group is None)
     if optimizer is not None:
         # The state was read into the optimizer's own tensors; this sets the step count and publishes the master
         # weights into the model (over DP with the distributed optimizer).
@@ -285,35 +286,21 @@ def _check_keys(path: Path, state: dict[str, Any]) -> str | None:
     return None
 
 
-def _agree(error: str | None) -> None:
-    """Raise `error` on every rank if any rank found one (a rank raising alone would leave the others blocked in
-    the next collective)."""
-    if dist.is_initialized():
-        errors: list[str | None] = [None] * dist.get_world_size()
-        dist.all_gather_object(errors, error)
+def _agree(error: str | None, group: dist.ProcessGroup | None) -> None:
+    """Raise `error` on every rank of the layout if any rank found one (a rank raising alone would leave the others
+    blocked in the next collective)."""
+    if group is not None:
+        errors: list[str | None] = [None] * dist.get_world_size(group)
+        dist.all_gather_object(errors, error, group=group)
         error = next((e for e in errors if e), None)
     if error:
         raise CheckpointError(error)
 
 
 # ---------------------------------------------------------------------------------------------- process helpers
-def _rank() -> int:
-    return dist.get_rank() if dist.is_initialized() else 0
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_initialized() else 1
-
-
-def _barrier() -> None:
-    if dist.is_initialized():
-        dist.barrier()
-
-
-def _check_world(layout: Layout) -> None:
-    if layout.spec.world_size != _world():
-        raise CheckpointError(f"layout of {layout.spec.world_size} ranks in a world of {_world()}: checkpoints are "
-                              f"collective over the default group, so the layout must span all of it")
+def _barrier(group: dist.ProcessGroup | None) -> None:
+    if group is not None:
+        dist.barrier(group=group)
 
 
 def _rng_state() -> dict[str, Any]:

@@ -39,6 +39,7 @@ GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "ep": ("ep",),
     "edp": ("edp",),
     "ep_etp": ("etp", "ep"),  # token dispatch group of the MoE layers
+    "world": ("tp", "cp", "dp", "pp"),  # every rank of the layout (checkpoints; other roles' ranks take no part)
 }
 GROUP_NAMES = (*GROUP_DIMS, "embedding")
 
