@@ -171,8 +171,8 @@ class Rollouter:
         return new
 
     def _assign(self, groups: list[Group]) -> list[Batch | None]:
-        """New groups to replicas in contiguous runs (as DP_COMPUTE splits a batch), filling the least loaded up to
-        an even share."""
+        """New groups to replicas in contiguous runs (as DP_COMPUTE splits a batch): in replica order, each filled
+        up to an even share of all the samples that will be running."""
         loads = list(self.replica_load)
         share = -(-(sum(loads) + self.group_size * len(groups)) // self.num_replicas)
         per_replica: list[list[Batch]] = [[] for _ in range(self.num_replicas)]
