@@ -40,17 +40,10 @@ def score(batch: Batch, tokenizer, score_fn) -> tuple[Batch, dict[str, float]]:
 
 
 def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLController | None) -> dict[str, float]:
-    """token_level_rewards (scores, minus the KL penalty when it is in the reward) and the off-policy anchor and
-    importance weights (`old_log_probs`, `is_weights`) the actor loss reads."""
+    """The off-policy anchor and importance weights (`old_log_probs`, `is_weights`) the actor loss reads, then
+    token_level_rewards (scores, minus the KL penalty of the anchor policy against the reference when the KL is in
+    the reward; the anchor is the recomputed policy, or the rollout's logprobs in bypass mode)."""
     t, algo, metrics = batch.tensors, config.algorithm, {}
-    if algo.use_kl_in_reward:
-        rewards, kl_metrics = apply_kl_penalty(t["token_level_scores"], t["old_log_probs"], t["ref_log_prob"],
-                                               t["response_mask"], kl_ctrl.value, algo.kl_penalty)
-        kl_ctrl.update(float(kl_metrics["reward_kl_penalty"]), n_steps=len(batch))
-        metrics |= {f"actor/{k}": float(v) for k, v in kl_metrics.items()}
-    else:
-        rewards = t["token_level_scores"]
-    t["token_level_rewards"] = rewards
     rc = algo.rollout_correction
     correction = rollout_correction(t["old_log_probs"] if "old_log_probs" in t.keys() else None,
                                     t["rollout_log_probs"], t["response_mask"], rc.rollout_is,
@@ -59,6 +52,14 @@ def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLCon
     if rc.rollout_is is not None:
         t["is_weights"] = correction.is_weights
     metrics |= {f"rollout_corr/{k}": float(v) for k, v in correction.metrics.items()}
+    if algo.use_kl_in_reward:
+        rewards, kl_metrics = apply_kl_penalty(t["token_level_scores"], t["old_log_probs"], t["ref_log_prob"],
+                                               t["response_mask"], kl_ctrl.value, algo.kl_penalty)
+        kl_ctrl.update(float(kl_metrics["reward_kl_penalty"]), n_steps=len(batch))
+        metrics |= {f"actor/{k}": float(v) for k, v in kl_metrics.items()}
+    else:
+        rewards = t["token_level_scores"]
+    t["token_level_rewards"] = rewards
     return metrics
 
 
