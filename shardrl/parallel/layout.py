@@ -124,10 +124,13 @@ def rank_tables(spec: LayoutSpec, ranks: list[int] | None = None) -> dict[str, l
     return tables
 
 
-# torch names a group made with use_local_synchronization by a hash of its ranks alone, so a second group over the
-# same ranks (pp and mp at TP=1, or a ref layout beside the actor's) would reuse the first one's rendezvous keys and
-# can hang. Every layout in the process therefore shares one group per rank set (which also saves NCCL
-# communicators); the first creator's timeout applies. Keyed by the default group: a re-initialised world starts afresh.
+# torch (2.13) names a group made with use_local_synchronization from its ranks and the number of groups this process
+# made before, and its members meet on keys derived from that name. Two groups over the same ranks (pp and mp at
+# TP=1, or a ref layout beside the actor's) can then disagree on keys and hang, and so can members that made
+# different groups before this one. Every layout in the process therefore shares one group per rank set (which also
+# saves NCCL communicators; the first creator's timeout applies), and a group spanning two pools (the detached sync
+# group) is made before either pool builds its layouts. Keyed by the default group: a re-initialised world starts
+# afresh.
 _SHARED_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
 
 
