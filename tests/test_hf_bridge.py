@@ -4,7 +4,6 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch.testing import assert_close
 

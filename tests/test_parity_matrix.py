@@ -154,9 +154,13 @@ LAYOUTS = [  # (model kinds, world, sizes, distributed optimizer, micro batch si
 ]
 
 
+def _layout_id(kinds, world, sizes, distributed_optimizer, _micro) -> str:
+    return "-".join(["+".join(kinds), *(f"{d}{n}" for d, n in sizes.items()), f"w{world}",
+                     *(["distopt"] if distributed_optimizer else [])])
+
+
 @pytest.mark.parametrize("kinds, world, sizes, distributed_optimizer, micro", LAYOUTS,
-                         ids=["-".join(["+".join(k), *(f"{d}{n}" for d, n in s.items()), f"w{w}", *(["distopt"] if o else [])])
-                              for k, w, s, o, _ in LAYOUTS])
+                         ids=[_layout_id(*layout) for layout in LAYOUTS])
 def test_layout_matches_single_process(checkpoints, references, kinds, world, sizes, distributed_optimizer, micro):
     for kind in kinds:
         results = run_distributed(world, train_on_layout, checkpoints[kind], sizes, distributed_optimizer, micro)

@@ -5,13 +5,11 @@ next-token cross entropy divided by the token count of the whole mini batch (DES
 reference's accumulated gradients must equal the pipeline's exactly up to float rounding.
 """
 
-import copy
 import datetime
 import weakref
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from shardrl.parallel.launch import run_distributed

@@ -32,7 +32,8 @@ def make_tiny_qwen3(tokenizer_dir: str | Path, out_dir: str | Path, hidden_size:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--tokenizer", required=True, help="tokenizer directory (tokenizer.json, tokenizer_config.json)")
+    parser.add_argument("--tokenizer", required=True,
+                        help="tokenizer directory (tokenizer.json, tokenizer_config.json)")
     parser.add_argument("--output_dir", required=True, help="model directory to write")
     parser.add_argument("--hidden_size", type=int, default=32)
     parser.add_argument("--max_position_embeddings", type=int, default=1024, help="longest prompt + response")

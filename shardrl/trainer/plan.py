@@ -225,7 +225,7 @@ def _rollout_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
     rollout = config.actor_rollout_ref.rollout
     pool = ("the trainer pool (colocated)" if config.rollout is None
             else "the rollout pool rollout.nnodes x rollout.n_gpus_per_node")
-    world, tp, ep = len(ranks), rollout.tensor_model_parallel_size, rollout.expert_parallel_size
+    world, tp = len(ranks), rollout.tensor_model_parallel_size
     if world % tp:
         raise ConfigError("actor_rollout_ref.rollout.tensor_model_parallel_size",
                           f"TP {tp} does not divide {pool} of {world} ranks")
