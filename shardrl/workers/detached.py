@@ -91,7 +91,7 @@ class RolloutWorker:
         if not finished:
             return None
         rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
-        samples = samples_batch(rows, finished, 1, self.response_length, self.pad_token_id)
+        samples = samples_batch(rows, finished, self.response_length, self.pad_token_id)
         samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
         return samples
 

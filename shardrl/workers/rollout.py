@@ -21,10 +21,9 @@ def prompt_ids_of(prompts: Batch) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
-def samples_batch(prompts: Batch, outputs: list[RequestOutput], n: int, response_length: int,
-                  pad_token_id: int) -> Batch:
-    """Pack engine outputs (`n` per prompt row, next to each other) into the padded sample batch; prompt columns
-    (non-tensors included) are repeated to match."""
+def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length: int, pad_token_id: int) -> Batch:
+    """Pack engine outputs (one per prompt row: the controller repeats prompts `n` times before generation) into the
+    padded sample batch."""
     num = len(outputs)
     responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
     response_mask = torch.zeros(num, response_length)
@@ -36,8 +35,7 @@ def samples_batch(prompts: Batch, outputs: list[RequestOutput], n: int, response
         response_mask[i, :length] = 1.0
         log_probs[i, :length] = torch.tensor(out.logprobs)
         versions[i, :length] = torch.tensor(out.policy_versions, dtype=torch.long)
-    rep = prompts.repeat(n, interleave=True)
-    p = rep.tensors
+    p = prompts.tensors
     last_position = p["position_ids"][:, -1:]  # [num, 1]
     response_positions = last_position + torch.arange(1, response_length + 1)  # [num, R]
     tensors = {
@@ -50,7 +48,7 @@ def samples_batch(prompts: Batch, outputs: list[RequestOutput], n: int, response
         "rollout_log_probs": log_probs,
         "policy_versions": versions,
     }
-    non_tensors = dict(rep.non_tensors)
+    non_tensors = dict(prompts.non_tensors)
     non_tensors["finish_reason"] = as_object_array([out.finish_reason for out in outputs])
     return Batch(tensors, non_tensors, dict(prompts.meta))
 
@@ -59,4 +57,4 @@ def generate(engine: Engine, prompts: Batch, params: list[SamplingParams], respo
              pad_token_id: int) -> Batch:
     """Sample one response per prompt row of `prompts` (this replica's share) with that row's `params`."""
     outputs = engine.generate(prompt_ids_of(prompts), params)
-    return samples_batch(prompts, outputs, 1, response_length, pad_token_id)
+    return samples_batch(prompts, outputs, response_length, pad_token_id)
