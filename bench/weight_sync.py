@@ -4,12 +4,14 @@ same run: a raw NCCL broadcast of the bytes one rollout rank receives, and pinne
 each trainer rank reads (issue 7's targets: >= 0.70 of the broadcast GPU-resident, >= 0.70 of H2D offloaded).
 
 Default (4 GPUs, colocated as in the hybrid engine): dense Qwen2.5-3B sizes on trainer TP2 x PP2, MoE (64 experts,
-8 layers) on trainer EP4, both -> rollout TP2 x 2 replicas. `--world 2` runs the same at half scale (trainer TP2 /
-EP2 -> rollout TP2 x 1) and says so; `--placement detached` puts the trainer on the first half of the ranks and the
-rollout on the second (so 8 GPUs give the full-scale layouts).
+8 layers) on trainer EP4, both -> rollout TP2 x 2 replicas. `--world 2` runs at HALF SCALE, with layouts that move
+data between the GPUs as the full-scale ones do (dense PP2 -> rollout TP2 and TP2 -> rollout 2 x TP1, MoE EP2 ->
+rollout TP2; see `make_setups`), and says so; `--placement detached` puts the trainer on the first half of the
+ranks and the rollout on the second (so 8 GPUs give the full-scale layouts). `--profile` prints rank 0's top
+operators of one more sync per mode.
 
     python bench/weight_sync.py                       # the GPU benchmark (4 GPUs)
-    python bench/weight_sync.py --world 2             # half scale on 2 GPUs
+    python bench/weight_sync.py --world 2 --profile   # half scale on 2 GPUs
     python bench/weight_sync.py --quick               # tiny shapes, 4 CPU processes over gloo: a smoke test
 """
 
@@ -23,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen3MoeConfig
 
 from shardrl.models.config import ModelConfig
@@ -65,20 +68,29 @@ class Setup:
                 f"TP{self.rollout.get('tp', 1)} x {replicas} replica(s) on ranks {self.rollout_ranks}")
 
 
-def make_setup(kind: str, world: int, placement: str) -> Setup:
-    """Full scale at 4 trainer ranks: TP2 x PP2 (dense) / EP4 (MoE) -> rollout TP2 x 2; smaller worlds shrink PP,
-    EP and the replicas."""
+def make_setups(kind: str, world: int, placement: str) -> list[Setup]:
+    """The issue's layouts at 4 trainer ranks: TP2 x PP2 (dense) / EP4 (MoE) -> rollout TP2 x 2 replicas. At 2
+    trainer ranks (HALF SCALE) layouts that move data between GPUs as the full-scale ones do (a trainer TP2 ->
+    rollout TP2 on the same ranks would only copy in place): dense PP2 -> rollout TP2 (each rank keeps the half of
+    its layers' shards it already holds and receives the other stage's layers, as each rank does at full scale) and
+    dense TP2 -> rollout 2 x TP1 (each rank receives the other's half of every tensor); MoE EP2 -> rollout TP2 with
+    experts tensor-split (each rank keeps its experts' half and receives the other rank's experts' half). One
+    trainer rank: everything -> one rollout rank."""
     trainer_world = world if placement == "colocated" else world // 2
     rollout_world = world if placement == "colocated" else world - trainer_world
-    if trainer_world < 1 or rollout_world < 1:
-        raise SystemExit(f"--world {world} is too small for a {placement} placement")
-    tp = min(2, trainer_world)
-    trainer = dict(tp=tp, pp=trainer_world // tp) if kind == "dense" else dict(ep=trainer_world)
-    rollout_tp = min(2, rollout_world)
-    rollout = dict(tp=rollout_tp) | (dict(etp=rollout_tp) if kind == "moe" else {})
+    if trainer_world not in (1, 2, 4) or rollout_world not in (1, 2, 4):
+        raise SystemExit(f"--world {world} with --placement {placement}: needs 1, 2 or 4 trainer and rollout ranks")
+    moe_tp2 = dict(tp=2, etp=2)  # the rollout's MoE layout at TP2: experts tensor-split (RolloutConfig.layout)
+    if trainer_world == 4:
+        layouts = [(dict(tp=2, pp=2), dict(tp=2))] if kind == "dense" else [(dict(ep=4), moe_tp2)]
+    elif trainer_world == 2:
+        layouts = [(dict(pp=2), dict(tp=2)), (dict(tp=2), {})] if kind == "dense" else [(dict(ep=2), moe_tp2)]
+    else:
+        layouts = [({}, {})]
     trainer_ranks = list(range(trainer_world))
     rollout_ranks = trainer_ranks if placement == "colocated" else list(range(trainer_world, world))
-    return Setup(trainer, trainer_ranks, rollout, rollout_ranks)
+    return [Setup(trainer, trainer_ranks, rollout if rollout_world > 1 else {}, rollout_ranks)
+            for trainer, rollout in layouts]
 
 
 def model_config(kind: str, quick: bool) -> ModelConfig:
@@ -154,9 +166,28 @@ def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.devic
     return actor, engine, sync
 
 
-def measure(kind: str, args: argparse.Namespace, device: torch.device, group) -> dict:
-    """Both modes for one model on this rank; every rank returns the same numbers except `rank`."""
-    setup = make_setup(kind, args.world, args.placement)
+def profiled(fn, device: torch.device) -> str:
+    """One more `fn()` under the torch profiler: this rank's operators by device time (CPU time on CPU), to see
+    whether copies, checksums, the transfer or gaps between them take the time."""
+    cuda = device.type == "cuda"
+    dist.barrier()
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        fn()
+        if cuda:
+            torch.cuda.synchronize(device)
+    return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
+                                     row_limit=12)
+
+
+def sum_over_ranks(value: float, device: torch.device) -> float:
+    t = torch.tensor([value], dtype=torch.float64, device=device)
+    dist.all_reduce(t)
+    return t.item()
+
+
+def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.device, group) -> dict:
+    """Both modes for one model and layout on this rank; every rank returns the same numbers except `rank` and
+    `profile`."""
     actor, engine, sync = build(kind, setup, args, device, group)
     boxes = {(s.hf_name, s.box) for s in Shards(engine.model).slices()} if engine is not None else set()
     out: dict = {"setup": setup.describe(), "rank": dist.get_rank(), "boxes": boxes}
@@ -168,11 +199,13 @@ def measure(kind: str, args: argparse.Namespace, device: torch.device, group) ->
         host_reads = metrics["sync/bytes_sent"] + (metrics["sync/bytes_local"] if actor is not None else 0.0)
         group = sync.weights.transport.group
         per_rank = max_over_ranks(received, device)
-        total = torch.tensor([received], dtype=torch.float64, device=device)
-        dist.all_reduce(total)
-        out[mode] = dict(seconds=seconds, total=total.item(), per_rank=per_rank,
+        out[mode] = dict(seconds=seconds, total=sum_over_ranks(received, device), per_rank=per_rank,
+                         crossed=sum_over_ranks(metrics["sync/bytes_received"], device),
+                         in_place=sum_over_ranks(metrics["sync/bytes_local"] if engine is not None else 0.0, device),
                          peak=max_over_ranks(metrics["sync/peak_extra_bytes"], device),
                          buckets=max_over_ranks(metrics["sync/buckets"], device))
+        if args.profile:
+            out[mode]["profile"] = profiled(sync.sync, device)
         if mode == "resident" and group is not None:
             out[mode]["reference"] = broadcast_seconds(int(per_rank), group, device, args.repeats)
         if mode == "offloaded":
@@ -188,11 +221,12 @@ def measure(kind: str, args: argparse.Namespace, device: torch.device, group) ->
     return out
 
 
-def rank_main(args: argparse.Namespace) -> list[dict]:
+def rank_main(args: argparse.Namespace) -> list[tuple[str, dict]]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     # Detached: the sync group before any Layout (its members must have made the same number of groups).
     group = sync_group(list(range(args.world))) if args.placement == "detached" else None
-    return [measure(kind, args, device, group) for kind in args.models]
+    return [(kind, measure(kind, setup, args, device, group)) for kind in args.models
+            for setup in make_setups(kind, args.world, args.placement)]
 
 
 def _size(n: float, unit: str = "B") -> str:
@@ -212,11 +246,14 @@ def report(kind: str, results: list[dict], args: argparse.Namespace) -> None:
         print(f"  {mode:9s}: {_size(m['total'])} into rollout shards in {m['seconds'] * 1e3:.1f} ms = "
               f"{m['total'] / m['seconds'] / 1e9:.2f} GB/s total, {m['per_rank'] / m['seconds'] / 1e9:.2f} GB/s per "
               f"rollout rank; peak extra {_size(m['peak'])} (max over ranks); {m['buckets']:.0f} buckets/rank")
+        print(f"             moved: {_size(m['crossed'])} between ranks, {_size(m['in_place'])} copied in place")
         if m.get("reference"):
             print(f"             {reference}: {m['reference'] * 1e3:.2f} ms -> ratio "
                   f"{m['reference'] / m['seconds']:.2f} (target >= {target:.2f})")
         if mode == "offloaded":
             print(f"             params still offloaded after the sync: {'yes' if m['still_offloaded'] else 'NO'}")
+        if "profile" in m:
+            print(f"             profile of one more {mode} sync, rank {r['rank']}:\n{m['profile']}")
 
 
 def main() -> None:
@@ -228,18 +265,20 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per mode (median reported)")
     parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
     parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU (gloo), 16 KB buckets")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the timed syncs, profile one more per mode and print rank 0's top operators")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.quick
     if cuda and torch.cuda.device_count() < args.world:
         raise SystemExit(f"--world {args.world} needs {args.world} GPUs, this machine has {torch.cuda.device_count()}")
     trainer_world = args.world if args.placement == "colocated" else args.world // 2
-    if trainer_world != 4:
-        print(f"NOTE: {trainer_world} trainer rank(s), not the issue's 4: layouts scaled down "
-              f"({'half scale' if trainer_world == 2 else 'reduced scale'}), see the setup lines")
+    if trainer_world < 4:
+        print(f"HALF SCALE: {trainer_world} trainer rank(s), not the issue's 4 (dense TP2 x PP2, MoE EP4 -> rollout "
+              f"TP2 x 2): the layouts below move data between GPUs as the full-scale ones do, on fewer ranks")
     results = run_distributed(args.world, rank_main, args, backend="nccl" if cuda else "gloo",
                               timeout=datetime.timedelta(minutes=10))
-    for i, kind in enumerate(args.models):
-        report(kind, [rank[i] for rank in results], args)
+    for i, (kind, _) in enumerate(results[0]):
+        report(kind, [rank[i][1] for rank in results], args)
 
 
 if __name__ == "__main__":

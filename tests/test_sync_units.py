@@ -1,5 +1,6 @@
 """Weight-sync units without processes: the resharding plan by hand (sources, buckets, steps, errors), the
-bucket checksum against a pure-Python reference, and host staging."""
+bucket checksum against a pure-Python reference (and that it catches a flipped bit anywhere), the buffer ring's
+rotation (no buffer reused while in flight) and host staging."""
 
 import struct
 
@@ -9,7 +10,7 @@ import torch
 from shardrl.parallel.spec import ShardSpec
 from shardrl.sync.plan import (
     ALIGN,
-    CHECKSUM_RESERVE,
+    CHECKSUM_WORDS,
     TRAILER_BYTES,
     Piece,
     PlanError,
@@ -22,7 +23,7 @@ from shardrl.sync.plan import (
     split_piece,
 )
 from shardrl.sync.shards import shard_box
-from shardrl.sync.transport import HostStaging
+from shardrl.sync.transport import BufferInFlightError, HostStaging, Ring
 from shardrl.sync.verify import checksum
 
 F32 = torch.float32
@@ -77,8 +78,8 @@ def test_split_piece_cuts_outer_dims_first():
 
 def test_buckets_respect_capacity_alignment_and_order():
     pieces = [Piece(f"t{i}", ((0, n),), F32) for i, n in enumerate([3, 10, 40, 5])]  # 12, 40, 160, 20 bytes
-    buckets = pack_buckets([Transfer(0, 1, p) for p in pieces], lambda src, dst: 128)
-    capacity = (128 - 128 // CHECKSUM_RESERVE - TRAILER_BYTES) // ALIGN * ALIGN  # 96
+    buckets = pack_buckets([Transfer(0, 1, p) for p in pieces], lambda src, dst: 96 + TRAILER_BYTES)
+    capacity = 96
     assert all(b.nbytes <= capacity and all(p.offset % ALIGN == 0 for p in b.pieces) for b in buckets)
     layout = [[(p.hf_name, p.box, p.offset) for p in b.pieces] for b in buckets]
     assert layout == [[("t0", ((0, 3),), 0), ("t1", ((0, 10),), 16)],
@@ -88,7 +89,7 @@ def test_buckets_respect_capacity_alignment_and_order():
 def test_schedule_each_rank_sends_and_receives_one_bucket_per_step():
     pieces = [Piece("w", ((i, i + 1),), F32) for i in range(3)]
     buckets = pack_buckets([Transfer(s, d, p) for s in range(3) for d in range(3, 6)
-                            for p in pieces], lambda src, dst: 48)  # each piece its own bucket
+                            for p in pieces], lambda src, dst: 16 + TRAILER_BYTES)  # a piece per bucket
     steps = schedule(buckets)
     assert len(steps) == len(buckets) == 27
     for step in {b.step for b in steps}:
@@ -123,23 +124,71 @@ def test_plan_errors_name_the_tensor(holdings, needs, message):
         build_plan(holdings, needs, bucket_bytes=1024)
 
 
-def _reference_checksum(data: bytes) -> tuple[int, int]:
-    """Sum (wrapped to a signed int64) and xor of the little-endian int64 words, in plain Python."""
+def _reference_checksum(data: bytes) -> list[int]:
+    """Per run of words (CHECKSUM_WORDS equal runs, the last taking the rest): the sum of its little-endian int64
+    words wrapped to a signed int64, in plain Python."""
     words = struct.unpack(f"<{len(data) // 8}q", data)
-    xor = 0
-    for w in words:
-        xor ^= w
-    total = sum(words) % 2**64
-    return total - 2**64 if total >= 2**63 else total, xor
+    width = len(words) // CHECKSUM_WORDS
+    runs = [words[i * width:(i + 1) * width] for i in range(CHECKSUM_WORDS - 1)] + [words[(CHECKSUM_WORDS - 1) * width:]]
+    return [(sum(run) + 2**63) % 2**64 - 2**63 for run in runs]
 
 
-@pytest.mark.parametrize("num_bytes", [8, 24, 1000 * 8, 4099 * 8])
-def test_checksum_matches_python_and_catches_one_bit(num_bytes):
-    data = torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
-    assert tuple(checksum(data).tolist()) == _reference_checksum(bytes(data.tolist()))
-    flipped = data.clone()
-    flipped[num_bytes // 2] ^= 0x04
-    assert not torch.equal(checksum(flipped), checksum(data))
+def _random_bytes(num_bytes: int) -> torch.Tensor:
+    return torch.randint(0, 256, (num_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("num_bytes", [8, 24, 13 * 8, 1000 * 8, 4099 * 8])
+def test_checksum_matches_python(num_bytes):
+    data = _random_bytes(num_bytes)
+    assert checksum(data).tolist() == _reference_checksum(bytes(data.tolist()))
+
+
+@pytest.mark.parametrize("num_bytes", [8, 13 * 8, 64 * 8 + 8])
+def test_checksum_catches_a_flipped_bit_in_every_byte(num_bytes):
+    # Every byte, so the first and last element, the run boundaries and the ragged tail are all covered.
+    data = _random_bytes(num_bytes)
+    reference = checksum(data)
+    for position in range(num_bytes):
+        for bit in (0, 7):
+            flipped = data.clone()
+            flipped[position] ^= 1 << bit
+            assert not torch.equal(checksum(flipped), reference), (position, bit)
+
+
+def test_checksum_catches_a_wrapped_top_bit_and_words_swapped_between_runs():
+    words = torch.arange(1, 8 * CHECKSUM_WORDS + 1, dtype=torch.int64)  # 8 words per run
+    reference = checksum(words.view(torch.uint8))
+    top = words.clone()
+    top[-1] ^= -2**63  # the sign bit: the run's sum moves by 2**63, not 0 modulo 2**64
+    assert not torch.equal(checksum(top.view(torch.uint8)), reference)
+    swapped = words.clone()
+    swapped[[0, -1]] = swapped[[-1, 0]]  # first word of the first run with the last of the last run
+    assert not torch.equal(checksum(swapped.view(torch.uint8)), reference)
+
+
+class RecordingStream:
+    """Stands in for a CUDA stream: records the events it was made to wait for."""
+
+    def __init__(self):
+        self.waited = []
+
+    def wait_event(self, event):
+        self.waited.append(event)
+
+
+def test_ring_hands_out_a_buffer_only_after_its_last_use_was_released():
+    ring, stream = Ring([torch.empty(4), torch.empty(4)]), RecordingStream()
+    first, second = ring.acquire(stream), ring.acquire(stream)
+    assert [first[0], second[0]] == [0, 1] and stream.waited == []  # fresh buffers: nothing to wait for
+    with pytest.raises(BufferInFlightError, match="buffer 0 of 2 is needed for use 2 but use 0"):
+        ring.acquire(stream)  # buffer 0's transfer has not finished
+    ring.release(1, "sent-1")  # out of order: buffer 1 is free, but the turn is buffer 0's
+    with pytest.raises(BufferInFlightError):
+        ring.acquire(stream)
+    ring.release(0, "sent-0")
+    slot, buf = ring.acquire(stream)
+    assert slot == 0 and buf is first[1] and stream.waited == ["sent-0"]  # the writer waits for the release
+    assert ring.acquire(stream)[0] == 1 and stream.waited == ["sent-0", "sent-1"]
 
 
 def test_host_staging_stages_a_param_once_within_its_budget():

@@ -23,8 +23,8 @@ import torch
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) along every dim of the full HF tensor
 ALIGN = 16  # bytes: every piece starts aligned, so a bucket is a whole number of int64 words
-TRAILER_BYTES = 16  # the checksum (two int64) that follows a bucket's data on the wire
-CHECKSUM_RESERVE = 16  # 1/16 of a bucket is kept for the checksum's scratch (verify.checksum)
+CHECKSUM_WORDS = 8  # the checksum: int64 sums of this many consecutive runs of a bucket (verify.checksum)
+TRAILER_BYTES = 8 * CHECKSUM_WORDS  # the checksum follows a bucket's data on the wire
 
 
 class PlanError(ValueError):
@@ -213,15 +213,15 @@ def split_piece(piece: Piece, max_bytes: int) -> list[Piece]:
 
 
 def pack_buckets(transfers: Sequence[Transfer], buffer_bytes) -> list[Bucket]:
-    """Pack each (src, dst) pair's pieces into buckets whose data, trailer and checksum scratch fit
-    `buffer_bytes(src, dst)`. Steps are left at -1 for `schedule`."""
+    """Pack each (src, dst) pair's pieces into buckets whose data and checksum trailer fit `buffer_bytes(src, dst)`
+    (the checksum needs no scratch worth counting). Steps are left at -1 for `schedule`."""
     pairs: dict[tuple[int, int], list[Piece]] = defaultdict(list)
     for t in transfers:
         pairs[t.src, t.dst].append(t.piece)
     buckets = []
     for (src, dst), pieces in pairs.items():
         size = buffer_bytes(src, dst)
-        capacity = (size - size // CHECKSUM_RESERVE - TRAILER_BYTES) // ALIGN * ALIGN
+        capacity = (size - TRAILER_BYTES) // ALIGN * ALIGN
         current: list[Piece] = []
         offset = 0
         for part in (p for piece in pieces for p in split_piece(piece, capacity)):

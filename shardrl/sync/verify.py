@@ -1,9 +1,11 @@
 """Always-on verification of weight sync: a checksum per bucket, computed by the sender before the bucket leaves
 and by the receiver when it lands, compared once per sync (one host sync at the end, none per bucket).
 
-The checksum is (sum, xor) of the bucket's int64 words: exact integer arithmetic, so it does not depend on the
-reduction order or the device, and any single flipped bit or changed word changes it. `verify: full`
-additionally re-sends every bucket and compares each received tensor elementwise with what was loaded.
+The checksum is the bucket's int64 words cut into `CHECKSUM_WORDS` consecutive runs, each run summed modulo 2**64:
+one reduction kernel reading the bucket once (plus one for a ragged tail). Integer sums are exact and independent
+of the reduction order and the device; a flipped bit changes its word by +-2**k, which is never 0 modulo 2**64, so
+any single flipped bit or changed word changes its run's sum, and words swapped between runs change two sums.
+`verify: full` additionally re-sends every bucket and compares each received tensor elementwise with what was loaded.
 """
 
 from __future__ import annotations
@@ -13,9 +15,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-from shardrl.sync.plan import Bucket
-
-CHUNKS = 16  # the xor runs over the bucket in this many slices; its scratch is one slice (plan.CHECKSUM_RESERVE)
+from shardrl.sync.plan import CHECKSUM_WORDS, Bucket
 
 
 class SyncVerifyError(RuntimeError):
@@ -23,23 +23,15 @@ class SyncVerifyError(RuntimeError):
 
 
 def checksum(data: Tensor) -> Tensor:
-    """data: uint8 [n] with n a multiple of 8 -> int64 [2] = (sum of its int64 words modulo 2**64, xor of them).
-
-    Integer reductions wrap around on CPU and CUDA, so both are exact and independent of the reduction order.
-    About 40 small kernels and n/16 bytes of scratch, whatever n: cheap next to moving the bucket."""
+    """data: uint8 [n] with n a multiple of 8 -> int64 [CHECKSUM_WORDS]: the sums (wrapping modulo 2**64, as
+    integer reductions do on CPU and CUDA) of its int64 words in CHECKSUM_WORDS consecutive runs of equal length,
+    the last run also taking the words left over."""
     words = data.view(torch.int64)  # [n/8]
-    if words.numel() == 0:
-        return torch.zeros(2, dtype=torch.int64, device=data.device)
-    width = -(-words.numel() // CHUNKS)
-    acc = words[:width].clone()  # [width] running xor
-    for chunk in words[width:].split(width):
-        acc[:chunk.numel()].bitwise_xor_(chunk)
-    length = width
-    while length > 1:  # fold the top half onto the bottom; an odd middle word stays where it is
-        half = length // 2
-        acc[:half].bitwise_xor_(acc[length - half:length])
-        length -= half
-    return torch.stack([words.sum(), acc[0]])
+    width = words.numel() // CHECKSUM_WORDS
+    sums = words[:width * CHECKSUM_WORDS].view(CHECKSUM_WORDS, width).sum(dim=1)  # [CHECKSUM_WORDS]
+    if words.numel() % CHECKSUM_WORDS:
+        sums[-1] += words[width * CHECKSUM_WORDS:].sum()
+    return sums
 
 
 def _describe(bucket: Bucket) -> str:
@@ -49,7 +41,7 @@ def _describe(bucket: Bucket) -> str:
 
 
 def check_checksums(buckets: Sequence[Bucket], sums: Tensor) -> None:
-    """sums [len(buckets), 2, 2]: per received bucket the sender's checksum and the receiver's."""
+    """sums [len(buckets), 2, CHECKSUM_WORDS]: per received bucket the sender's checksum and the receiver's."""
     if not buckets:
         return
     bad = (sums[:, 0] != sums[:, 1]).any(dim=-1).nonzero().flatten().tolist()
