@@ -211,6 +211,7 @@ def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.dev
         if mode == "offloaded":
             reads = max_over_ranks(host_reads, device)
             out[mode]["reads"] = reads
+            out[mode]["host_read"] = max_over_ranks(metrics["sync/bytes_host_read"], device)
             out[mode]["reference"] = h2d_seconds(int(host_reads), device, args.repeats) if reads else None
             still = all(p.untyped_storage().nbytes() == 0 for c in actor.chunks for p in c.parameters()) \
                 if actor is not None else True
@@ -251,6 +252,8 @@ def report(kind: str, results: list[dict], args: argparse.Namespace) -> None:
             print(f"             {reference}: {m['reference'] * 1e3:.2f} ms -> ratio "
                   f"{m['reference'] / m['seconds']:.2f} (target >= {target:.2f})")
         if mode == "offloaded":
+            print(f"             read from pinned host memory: {_size(m['host_read'])} (max over ranks; the H2D "
+                  f"reference copies {_size(m['reads'])}; more means params staged twice; 0 on CPU)")
             print(f"             params still offloaded after the sync: {'yes' if m['still_offloaded'] else 'NO'}")
         if "profile" in m:
             print(f"             profile of one more {mode} sync, rank {r['rank']}:\n{m['profile']}")

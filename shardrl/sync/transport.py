@@ -40,6 +40,7 @@ class TransferStats:
     bytes_local: int = 0
     buckets: int = 0
     buffer_bytes: int = 0
+    host_read_bytes: int = 0  # crossed from pinned host memory (offloaded params), staged params counted whole
 
 
 class HostStaging:
@@ -54,6 +55,7 @@ class HostStaging:
     def __init__(self, device: torch.device, budget: int) -> None:
         self.device, self.budget = device, budget
         self.staged: OrderedDict[int, Tensor] = OrderedDict()  # host storage address -> its bytes on the device
+        self.read_bytes = 0  # host -> device bytes so far: what PCIe carried (0 on CPU: host and device are one)
 
     def view(self, src: Tensor) -> Tensor:
         """`src` (a view of an offloaded param's host copy) as the same view of its device copy."""
@@ -65,6 +67,7 @@ class HostStaging:
                 self.staged.popitem(last=False)
             host = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes] the whole pinned storage
             staged = torch.empty_like(host, device=self.device).copy_(host, non_blocking=True)
+            self.read_bytes += host.numel()
         self.staged[storage.data_ptr()] = staged
         return staged.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
 
@@ -72,6 +75,8 @@ class HostStaging:
         """`dst.copy_(src)`, staging a host `src` that cannot be DMA'd straight into `dst`."""
         if src.device != dst.device and not (src.is_contiguous() and src.dtype == dst.dtype):
             src = self.view(src)
+        elif src.device != dst.device:
+            self.read_bytes += src.numel() * src.element_size()
         dst.copy_(src, non_blocking=True)
 
 
@@ -212,12 +217,13 @@ class Transport:
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
         self.staging.staged.clear()
+        host_read, self.staging.read_bytes = self.staging.read_bytes, 0
         check_checksums(plan.recvs, sums)
         if compared is not None:
             check_full([name for name, _ in compared], [flag for _, flag in compared], plan.rank)
         return TransferStats(sum(b.nbytes for b in plan.sends), sum(b.nbytes for b in plan.recvs),
                              sum(p.nbytes for p in plan.local), len(plan.sends) + len(plan.recvs),
-                             sum(b.numel() for b in send_ring.buffers + recv_ring.buffers))
+                             sum(b.numel() for b in send_ring.buffers + recv_ring.buffers), host_read)
 
     def _finish(self, works: list, sent: int | None, received: tuple[int, int, Bucket] | None, send_ring: Ring,
                 recv_ring: Ring, sums: Tensor, compared: list | None) -> None:
