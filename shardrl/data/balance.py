@@ -16,6 +16,9 @@ a run because one sample exceeds a memory knob is worse than one larger micro ba
 `max_prompt_length + max_response_length` against the budget up front). When a fixed number of micro batches is
 required (all ranks of an EP group or a pipeline must run the same count) the samples are spread over exactly that
 many micro batches.
+
+The trainer's `balance_batch` (`dp_balanced_order`) balances each optimizer step's samples over the DP ranks, so
+the steps' gradients stay what they were without it.
 """
 
 from __future__ import annotations
@@ -107,6 +110,33 @@ def balance_partitions(
     parts = _lpt(weights, k, equal_counts=True)
     _swap_refine(parts, weights)
     return [sorted(i for u in part for i in units[u]) for part in parts]
+
+
+def dp_balanced_order(seq_lens: Sequence[int], num_ranks: int, rows_per_mini_batch: int) -> list[int]:
+    """A permutation of the samples after which the DP split (rank d takes the d-th of `num_ranks` equal contiguous
+    chunks) gives every rank a near-equal token sum, while every optimizer step still trains on the same samples.
+
+    A rank cuts its chunk into mini batches of `rows_per_mini_batch` rows in order, so optimizer step j of the DP
+    group trains on rows [j*m, (j+1)*m) of every chunk. The permutation deals exactly those samples out again, balanced
+    over the ranks (`balance_partitions`), the heaviest share to the rank with the fewest tokens so far. A step's
+    loss is a sum over its samples divided by global counts, so its gradient does not change (up to float summation
+    order); only which rank computes which sample does. With one rank it is the identity.
+    """
+    num = len(seq_lens)
+    if num_ranks < 1 or rows_per_mini_batch < 1 or num % (num_ranks * rows_per_mini_batch):
+        raise ValueError(f"dp_balanced_order: {num} samples do not split into {num_ranks} ranks x mini batches of "
+                         f"{rows_per_mini_batch} rows")
+    chunk = num // num_ranks
+    ranks: list[list[int]] = [[] for _ in range(num_ranks)]
+    loads = [0] * num_ranks
+    for start in range(0, chunk, rows_per_mini_batch):
+        step = [d * chunk + start + i for d in range(num_ranks) for i in range(rows_per_mini_batch)]
+        shares = [[step[i] for i in part] for part in balance_partitions([seq_lens[i] for i in step], num_ranks)]
+        shares.sort(key=lambda share: -sum(seq_lens[i] for i in share))
+        for rank, share in zip(sorted(range(num_ranks), key=lambda r: loads[r]), shares):
+            ranks[rank] += share
+            loads[rank] += sum(seq_lens[i] for i in share)
+    return [i for rank in ranks for i in rank]
 
 
 def _first_fit_decreasing(seq_lens: Sequence[int], max_tokens: int) -> list[list[int]]:

@@ -1,14 +1,16 @@
-"""Whole-batch steps the controller runs between worker calls: scoring, KL in reward, off-policy correction,
-advantages, and the batch's data metrics (verl's metric names)."""
+"""Whole-batch steps the controller runs between worker calls: balancing over DP, scoring, KL in reward, off-policy
+correction, advantages, and the batch's data metrics (verl's metric names)."""
 
 from __future__ import annotations
 
+import math
 import uuid
 
 import numpy as np
 import torch
 
 from shardrl.algos import AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, rollout_correction
+from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.rewards.manager import compute_token_level_scores
 from shardrl.trainer.config import PPOConfig
@@ -26,6 +28,31 @@ def with_sample_seeds(samples: Batch, config: PPOConfig, step: int) -> Batch:
     base = (config.trainer.seed * 1_000_003 + (step + 1) * 65_537) % 2**31
     samples.tensors["sample_seed"] = base + torch.arange(len(samples), dtype=torch.long)
     return samples
+
+
+def balance_over_dp(batch: Batch, config: PPOConfig, actor_dp: int,
+                    critic_dp: int | None) -> tuple[Batch, dict[str, float]]:
+    """`trainer.balance_batch`: reorder whole samples so each of the actor's DP ranks gets a near-equal token count
+    (prompt + response, from the attention mask), keeping every optimizer step's samples (see `dp_balanced_order`).
+
+    The unit kept together is the actor's per-rank mini batch, or the largest size dividing both the actor's and
+    the critic's when the critic has the same DP (a critic with another DP gets a rough balance and its mini batches
+    hold other samples than without balancing). Metrics are verl's `global_seqlen/*`: per-rank token sums of the
+    contiguous split before (min, max, minmax_diff) and after (balanced_min, balanced_max) reordering.
+    """
+    n = config.actor_rollout_ref.rollout.n
+    rows = config.actor_rollout_ref.actor.ppo_mini_batch_size * n // actor_dp
+    if critic_dp == actor_dp:
+        rows = math.gcd(rows, config.critic.ppo_mini_batch_size * n // actor_dp)
+    lengths = batch.tensors["attention_mask"].sum(-1)  # [B]
+    order = dp_balanced_order(lengths.tolist(), actor_dp, rows)
+    before = lengths.view(actor_dp, -1).sum(-1)  # [DP]
+    after = lengths[order].view(actor_dp, -1).sum(-1)  # [DP]
+    metrics = {"global_seqlen/min": float(before.min()), "global_seqlen/max": float(before.max()),
+               "global_seqlen/minmax_diff": float(before.max() - before.min()),
+               "global_seqlen/balanced_min": float(after.min()), "global_seqlen/balanced_max": float(after.max()),
+               "global_seqlen/mean": float(before.float().mean())}
+    return batch.take(order), metrics
 
 
 def score(batch: Batch, tokenizer, score_fn) -> tuple[Batch, dict[str, float]]:

@@ -67,10 +67,16 @@ class PPOTrainer:
         return batch_ops.with_sample_seeds(samples, self.config, step)
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
-        """score -> log-probs (old, ref) -> values -> advantages -> update critic, actor."""
+        """balance -> score -> log-probs (old, ref) -> values -> advantages -> update critic, actor."""
         w, t = self.workers, self.timeline
+        metrics: dict[str, Any] = {}
+        if self.config.trainer.balance_batch:
+            with t.phase(step, "balance"):
+                batch, metrics = batch_ops.balance_over_dp(batch, self.config, w.actor.layout.dp,
+                                                           w.critic.layout.dp if w.critic is not None else None)
         with t.phase(step, "reward"):
-            batch, metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
+            batch, score_metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
+        metrics |= score_metrics
         metrics |= staleness.lag_metrics(batch.tensors["policy_versions"], batch.tensors["response_mask"],
                                          self.policy_version, self.max_staleness)
         if self.config.recompute_old_log_probs:
