@@ -14,10 +14,12 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths, elementwise
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import apply_rope
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear, enter_tp
+from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear
+from shardrl.parallel.tensor_overlap import column_parallel, row_parallel
 
 
 class KVCacheHook(Protocol):
@@ -34,7 +36,7 @@ class PackedSeqs:
     cu_seqlens: Tensor  # [N+1] int32: sequence i is tokens cu_seqlens[i]:cu_seqlens[i+1]
     max_seqlen: int
     cos: Tensor  # [T, head_dim] fp32 rotary angles of each token's position
-    sin: Tensor  # [T, head_dim]
+    signed_sin: Tensor  # [T, head_dim] fp32, first half negated (`rope.RotaryEmbedding`)
     kv_cache: KVCacheHook | None = None  # set only by the rollout engine
 
     @property
@@ -74,8 +76,9 @@ class Attention(nn.Module):
     share a KV head, which lines up with the query heads they hold."""
 
     def __init__(self, config: ModelConfig, layout: Layout, layer_id: int, sequence_parallel: bool,
-                 dtype: torch.dtype) -> None:
+                 dtype: torch.dtype, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
+        self.fast = fast
         tp, prefix = layout.tp_size, f"model.layers.{layer_id}.self_attn"
         hidden, head_dim = config.hidden_size, config.head_dim
         num_heads, num_kv = config.num_heads, config.num_kv_heads
@@ -96,22 +99,25 @@ class Attention(nn.Module):
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # each rank normalises only its own heads, so the weights' gradients are summed over TP
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, f"{prefix}.q_norm.weight", tp > 1,
-                                  layout.device, dtype)
+                                  layout.device, dtype, fast.compile)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, f"{prefix}.k_norm.weight", tp > 1,
-                                  layout.device, dtype)
+                                  layout.device, dtype, fast.compile)
 
     def forward(self, x: Tensor, seqs: PackedSeqs) -> Tensor:
         """x [T, H] (or this rank's SP chunk [T_r, H]) -> same shape."""
-        x = enter_tp(x, self.group, self.sequence_parallel, seqs.num_tokens)  # [T, H]
-        q = self.q_proj(x).unflatten(-1, (-1, self.head_dim))  # [T, nq/tp, D]
-        k = self.k_proj(x).unflatten(-1, (-1, self.head_dim))  # [T, nkv/tp or 1, D]
-        v = self.v_proj(x).unflatten(-1, (-1, self.head_dim))
+        q, k, v = column_parallel(x, (self.q_proj, self.k_proj, self.v_proj), self.group, self.sequence_parallel,
+                                  seqs.num_tokens, self.fast.tp_overlap.backward)
+        q = q.unflatten(-1, (-1, self.head_dim))  # [T, nq/tp, D]
+        k = k.unflatten(-1, (-1, self.head_dim))  # [T, nkv/tp or 1, D]
+        v = v.unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = seqs.cos.to(q.dtype), seqs.sin.to(q.dtype)  # [T, D], converted once for both q and k
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # [T, D], converted once for both q and k
+        cos, signed_sin = seqs.cos.to(q.dtype), seqs.signed_sin.to(q.dtype)
+        rope = elementwise(apply_rope, self.fast.compile)
+        q, k = rope(q, cos, signed_sin), rope(k, cos, signed_sin)
         if seqs.kv_cache is None:
             out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
         else:
             out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)
-        return self.o_proj(out.flatten(1))
+        return row_parallel(out.flatten(1), self.o_proj, self.fast.tp_overlap.chunks)

@@ -7,25 +7,30 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths, elementwise
 from shardrl.parallel.expert import MoELayer, MoENames
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import (
     ColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
-    enter_tp,
     gather_tokens,
     scatter_tokens,
 )
+from shardrl.parallel.tensor_overlap import column_parallel, row_parallel
+
+
+def swiglu(gate: Tensor, up: Tensor) -> Tensor:
+    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
     """down(silu(gate(x)) * up(x)); gate/up column-parallel, down row-parallel."""
 
     def __init__(self, hidden_size: int, ffn_size: int, layout: Layout, prefix: str, bias: bool,
-                 sequence_parallel: bool, dtype: torch.dtype) -> None:
+                 sequence_parallel: bool, dtype: torch.dtype, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
-        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
+        self.group, self.sequence_parallel, self.fast = layout.tp_group, sequence_parallel, fast
         self.gate_proj = ColumnParallelLinear(hidden_size, ffn_size, layout, f"{prefix}.gate_proj", bias, dtype=dtype)
         self.up_proj = ColumnParallelLinear(hidden_size, ffn_size, layout, f"{prefix}.up_proj", bias, dtype=dtype)
         self.down_proj = RowParallelLinear(ffn_size, hidden_size, layout, f"{prefix}.down_proj", bias,
@@ -33,8 +38,10 @@ class MLP(nn.Module):
 
     def forward(self, x: Tensor, num_tokens: int) -> Tensor:
         """x [T, H] (or this rank's SP chunk) -> same shape; `num_tokens` is T."""
-        x = enter_tp(x, self.group, self.sequence_parallel, num_tokens)  # [T, H]
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel, num_tokens,
+                                   self.fast.tp_overlap.backward)  # [T, F/tp] each
+        return row_parallel(elementwise(swiglu, self.fast.compile)(gate, up), self.down_proj,
+                            self.fast.tp_overlap.chunks)
 
 
 class MoEBlock(nn.Module):
@@ -46,7 +53,7 @@ class MoEBlock(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layout: Layout, layer_id: int, sequence_parallel: bool,
-                 dtype: torch.dtype, aux_loss_coef: float, z_loss_coef: float) -> None:
+                 dtype: torch.dtype, aux_loss_coef: float, z_loss_coef: float, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
         moe = config.moe
         prefix = f"model.layers.{layer_id}.{moe.block_name}"
@@ -58,7 +65,7 @@ class MoEBlock(nn.Module):
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(config.hidden_size, moe.shared_expert_size, layout, f"{prefix}.shared_expert",
-                                     False, sequence_parallel, dtype)
+                                     False, sequence_parallel, dtype, fast)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, layout, f"{prefix}.shared_expert_gate",
                                                        sequence_parallel, dtype)
 

@@ -41,15 +41,16 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_frequencies(rope, head_dim).to(device), persistent=False)
 
     def forward(self, position_ids: Tensor) -> tuple[Tensor, Tensor]:
-        """position_ids [T] -> (cos, sin), each [T, head_dim] fp32 (the two halves of the channels repeat)."""
+        """position_ids [T] -> (cos, signed_sin), each [T, head_dim] fp32; the two halves of the channels repeat,
+        and the first half of `signed_sin` is negated (the sign `apply_rope` needs, folded in once per forward)."""
         angles = position_ids.float().unsqueeze(-1) * self.inv_freq  # [T, D/2]
-        angles = torch.cat([angles, angles], dim=-1)  # [T, D]
-        return angles.cos(), angles.sin()
+        sin = angles.sin()
+        return torch.cat([angles, angles], dim=-1).cos(), torch.cat([-sin, sin], dim=-1)
 
 
-def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, heads, D]: rotate channel i with channel i + D/2 by the position's angle."""
-    cos, sin = cos.to(x.dtype).unsqueeze(1), sin.to(x.dtype).unsqueeze(1)  # [T, 1, D]
-    first, second = x.chunk(2, dim=-1)
-    rotated = torch.cat([-second, first], dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """x [T, heads, D], cos and signed_sin [T, D] in x's dtype: rotate channel i with channel i + D/2 by the
+    position's angle, x * cos + [-x2, x1] * sin, written as x * cos + roll(x, D/2) * signed_sin (a roll, a
+    multiply and a fused multiply-add instead of a negation, a concatenation, two multiplies and an add)."""
+    cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [T, 1, D]
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)

@@ -21,6 +21,7 @@ from torch.utils.checkpoint import checkpoint
 
 from shardrl.models.attention import Attention, KVCacheHook, PackedSeqs
 from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths
 from shardrl.models.mlp import MLP, MoEBlock
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import RotaryEmbedding
@@ -40,20 +41,20 @@ VALUE_HEAD_NAME = "score.weight"
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layout: Layout, layer_id: int, sequence_parallel: bool,
-                 dtype: torch.dtype, moe_aux_loss_coef: float, moe_z_loss_coef: float) -> None:
+                 dtype: torch.dtype, moe_aux_loss_coef: float, moe_z_loss_coef: float, fast: FastPaths) -> None:
         super().__init__()
         prefix, eps, tp = f"model.layers.{layer_id}", config.rms_norm_eps, layout.tp_size
         self.input_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.input_layernorm.weight",
-                                       sequence_parallel and tp > 1, layout.device, dtype)
-        self.self_attn = Attention(config, layout, layer_id, sequence_parallel, dtype)
+                                       sequence_parallel and tp > 1, layout.device, dtype, fast.compile)
+        self.self_attn = Attention(config, layout, layer_id, sequence_parallel, dtype, fast)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.post_attention_layernorm.weight",
-                                                sequence_parallel and tp > 1, layout.device, dtype)
+                                                sequence_parallel and tp > 1, layout.device, dtype, fast.compile)
         if config.moe is not None and layer_id in config.moe.layers:
             self.mlp = MoEBlock(config, layout, layer_id, sequence_parallel, dtype, moe_aux_loss_coef,
-                                moe_z_loss_coef)
+                                moe_z_loss_coef, fast)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, layout, f"{prefix}.mlp", config.mlp_bias,
-                           sequence_parallel, dtype)
+                           sequence_parallel, dtype, fast)
 
     def forward(self, h: Tensor, seqs: PackedSeqs) -> Tensor:
         h = h + self.self_attn(self.input_layernorm(h), seqs)
@@ -64,13 +65,14 @@ class Transformer(nn.Module):
     """One pipeline stage (the whole model by default) of a Llama / Qwen2 / Qwen3 / Mixtral / Qwen-MoE decoder.
 
     `recompute`: checkpoint every layer (activations recomputed in backward). `moe_aux_loss_coef` and
-    `moe_z_loss_coef` weight the router losses that `MoELayer` back-propagates.
+    `moe_z_loss_coef` weight the router losses that `MoELayer` back-propagates. `fast`: communication overlap and
+    compiled elementwise kernels (`fast_paths`), which change speed, not results.
     """
 
     def __init__(self, config: ModelConfig, layout: Layout, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, value_head: bool = False,
                  sequence_parallel: bool = False, recompute: bool = False, dtype: torch.dtype = torch.float32,
-                 moe_aux_loss_coef: float = 0.0, moe_z_loss_coef: float = 0.0) -> None:
+                 moe_aux_loss_coef: float = 0.0, moe_z_loss_coef: float = 0.0, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
         if layout.cp_size > 1:
             raise NotImplementedError(f"context_parallel_size={layout.cp_size}: context parallelism is not built "
@@ -87,9 +89,11 @@ class Transformer(nn.Module):
                 config.vocab_size, config.hidden_size, layout, "model.embed_tokens.weight", sp,
                 tied_group=tied and not post_process, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, i, sp, dtype, moe_aux_loss_coef, moe_z_loss_coef) for i in self.layer_ids)
+            DecoderLayer(config, layout, i, sp, dtype, moe_aux_loss_coef, moe_z_loss_coef, fast)
+            for i in self.layer_ids)
         if post_process:
-            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight", sp, layout.device, dtype)
+            self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight", sp, layout.device, dtype,
+                                fast.compile)
             if value_head:
                 self.score = ReplicatedLinear(config.hidden_size, 1, layout, "score", sp, dtype)
             elif not (tied and pre_process):  # else the LM head is `embed_tokens.weight` itself
@@ -106,10 +110,10 @@ class Transformer(nn.Module):
         feed those to `compute_logprobs`, `compute_logits` or `compute_values`. The rollout engine passes its
         `kv_cache` hook, and `max_seqlen` when it knows it (computing it is a host sync a CUDA graph cannot hold).
         """
-        cos, sin = self.rotary(position_ids)
+        cos, signed_sin = self.rotary(position_ids)
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        seqs = PackedSeqs(cu_seqlens, max_seqlen, cos, sin, kv_cache)
+        seqs = PackedSeqs(cu_seqlens, max_seqlen, cos, signed_sin, kv_cache)
         h = self.embed_tokens(x) if self.pre_process else x
         for layer in self.layers:
             h = checkpoint(layer, h, seqs, use_reentrant=False) if self.recompute else layer(h, seqs)

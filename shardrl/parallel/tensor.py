@@ -24,6 +24,7 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec, set_spec
 
 Group = dist.ProcessGroup | None
+Work = dist.Work
 
 
 def group_size(group: Group) -> int:
@@ -44,7 +45,7 @@ def _pad_rows(x: Tensor, rows: int) -> Tensor:
     return F.pad(x, (0, 0) * (x.dim() - 1) + (0, rows - x.shape[0])).contiguous()
 
 
-def _all_gather_tokens(x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
+def all_gather_tokens(x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
     """x [T_r, ...], this rank's chunk -> [T, ...], all chunks in rank order."""
     sizes = token_split_sizes(num_tokens, group_size(group))
     pad = sizes[0]
@@ -53,14 +54,15 @@ def _all_gather_tokens(x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> 
     return torch.cat([chunk[:n] for chunk, n in zip(out.split(pad), sizes)])
 
 
-def _reduce_scatter_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
-    """x [T, ...] partial sums -> this rank's token chunk of the sum over the group."""
+def reduce_scatter_tokens(x: Tensor, group: dist.ProcessGroup, async_op: bool = False) -> tuple[Tensor, Work | None]:
+    """x [T, ...] partial sums -> this rank's token chunk of the sum over the group, and the pending work with
+    `async_op` (the chunk is valid only after `work.wait()`)."""
     sizes = token_split_sizes(x.shape[0], group_size(group))
     pad = sizes[0]
     chunks = [_pad_rows(c, pad) for c in x.split(sizes)]
     out = x.new_empty(pad, *x.shape[1:])
-    dist.reduce_scatter_tensor(out, torch.cat(chunks), group=group)
-    return out[: sizes[group_rank(group)]]
+    work = dist.reduce_scatter_tensor(out, torch.cat(chunks), group=group, async_op=async_op)
+    return out[: sizes[group_rank(group)]], work
 
 
 def _own_tokens(x: Tensor, group: dist.ProcessGroup) -> Tensor:
@@ -101,22 +103,22 @@ class _GatherFromSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
         ctx.group = group
-        return _all_gather_tokens(x, group, num_tokens)
+        return all_gather_tokens(x, group, num_tokens)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _reduce_scatter_tokens(grad.contiguous(), ctx.group), None, None
+        return reduce_scatter_tokens(grad.contiguous(), ctx.group)[0], None, None
 
 
 class _ReduceScatterToSP(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup) -> Tensor:
         ctx.group, ctx.num_tokens = group, x.shape[0]
-        return _reduce_scatter_tokens(x, group)
+        return reduce_scatter_tokens(x, group)[0]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather_tokens(grad.contiguous(), ctx.group, ctx.num_tokens), None
+        return all_gather_tokens(grad.contiguous(), ctx.group, ctx.num_tokens), None
 
 
 class _ScatterTokens(torch.autograd.Function):
@@ -129,7 +131,7 @@ class _ScatterTokens(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        return _all_gather_tokens(grad.contiguous(), ctx.group, ctx.num_tokens), None
+        return all_gather_tokens(grad.contiguous(), ctx.group, ctx.num_tokens), None
 
 
 class _GatherTokens(torch.autograd.Function):
@@ -138,7 +140,7 @@ class _GatherTokens(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> Tensor:
         ctx.group = group
-        return _all_gather_tokens(x, group, num_tokens)
+        return all_gather_tokens(x, group, num_tokens)
 
     @staticmethod
     def backward(ctx, grad: Tensor):

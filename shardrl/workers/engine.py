@@ -18,6 +18,7 @@ from shardrl.algos import LossScale, loss_counts
 from shardrl.data.balance import split_by_token_budget
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
@@ -53,6 +54,7 @@ class EngineOptions:
     moe_aux_loss_coef: float = 0.0
     moe_z_loss_coef: float = 0.0
     optim: OptimOptions | None = None  # None: inference only (reference policy)
+    fast: FastPaths = field(default_factory=FastPaths)  # TP communication overlap, compiled elementwise kernels
 
 
 @dataclass
@@ -80,7 +82,7 @@ class ModelEngine:
                 config, layout, stage_layer_ids(config.num_layers, pp, vpp, layout.pp_rank, chunk), pre, post,
                 value_head=options.value_head, sequence_parallel=options.sequence_parallel,
                 recompute=options.recompute, dtype=options.dtype, moe_aux_loss_coef=options.moe_aux_loss_coef,
-                moe_z_loss_coef=options.moe_z_loss_coef))
+                moe_z_loss_coef=options.moe_z_loss_coef, fast=options.fast))
         if hf_path is not None:
             load_hf_weights(self.chunks, hf_path, optional=optional_weights)
         if weights_loader is not None:

@@ -1,0 +1,39 @@
+"""Model options that change speed, not maths (beyond float rounding), and the one switch to compiled kernels.
+
+The elementwise chains (RMSNorm, rotary, SwiGLU) are plain torch functions: eager they are the reference the tests
+compare against; with `compile` each runs as the kernels `torch.compile` fuses it into (on GPU through Triton, on
+CPU through a C++ compiler), so a chain of casts, reductions and multiplies costs one pass over memory.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TypeVar
+
+import torch
+
+from shardrl.parallel.tensor_overlap import TPOverlap
+
+Fn = TypeVar("Fn", bound=Callable)
+
+
+@dataclass(frozen=True)
+class FastPaths:
+    """tp_overlap: how tensor-parallel collectives overlap compute; compile: `torch.compile` the elementwise
+    chains (verl's `use_torch_compile`)."""
+
+    tp_overlap: TPOverlap = field(default_factory=TPOverlap)
+    compile: bool = False
+
+
+@functools.cache
+def _compiled(fn: Fn) -> Fn:
+    # dynamic: token counts change with every packed micro batch, so one symbolic-shape graph serves them all.
+    return torch.compile(fn, dynamic=True)
+
+
+def elementwise(fn: Fn, compile: bool) -> Fn:
+    """`fn` itself, or its compiled version (built on first use, once per process)."""
+    return _compiled(fn) if compile else fn
