@@ -129,7 +129,8 @@ def _reference_checksum(data: bytes) -> list[int]:
     words wrapped to a signed int64, in plain Python."""
     words = struct.unpack(f"<{len(data) // 8}q", data)
     width = len(words) // CHECKSUM_WORDS
-    runs = [words[i * width:(i + 1) * width] for i in range(CHECKSUM_WORDS - 1)] + [words[(CHECKSUM_WORDS - 1) * width:]]
+    last = (CHECKSUM_WORDS - 1) * width
+    runs = [words[i * width:(i + 1) * width] for i in range(CHECKSUM_WORDS - 1)] + [words[last:]]
     return [(sum(run) + 2**63) % 2**64 - 2**63 for run in runs]
 
 
