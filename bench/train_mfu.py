@@ -9,9 +9,18 @@ Each configuration runs without and with activation recompute.
 Layouts (issue 10): dense TP2 x DP2 and MoE EP4 on 4 GPUs. `--world 2` runs them at half scale (dense TP2, MoE
 EP2; the same per-GPU work, no DP replica) and says so. `--quick` is a smoke test: tiny shapes on 2 CPU ranks (gloo).
 
+Speed options (`FastPaths`, none changes the maths): `--no-tp-overlap` (column-parallel backward waits for its
+all-reduce before the weight gradients), `--tp-comm-chunks N` (row-parallel forward pipelines N token pieces with
+their collectives), `--compile` (torch.compile of RMSNorm, rotary, SwiGLU). `--variants` runs several such settings
+one after another in the same processes and prints a table with each one's ratio to the first. Before the models,
+an all-reduce probe times bf16 all-reduces of a few sizes over the TP group (NCCL_PROTO / NCCL_ALGO and the other
+NCCL_* variables in effect are printed; unset means NCCL's own choice).
+
     PYTHONPATH=. python bench/train_mfu.py                   # 4 GPUs
     PYTHONPATH=. python bench/train_mfu.py --world 2 --profile
+    PYTHONPATH=. python bench/train_mfu.py --world 2 --model dense --recompute off --variants all
     python bench/train_mfu.py --quick --profile               # CPU
+    python bench/train_mfu.py --quick --variants all --model dense --recompute off
 
 FLOPs per step (the model's, not the hardware's: recomputed forwards are not counted, so this is MFU, not HFU):
     6 * N_active * tokens  +  6 * L * n_heads * head_dim * sum over sequences of s^2
@@ -27,6 +36,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -39,8 +49,10 @@ from torch.profiler import ProfilerActivity, profile
 from shardrl.algos import ClipRange
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.tensor_overlap import TPOverlap
 from shardrl.workers.actor import PolicyLossOptions, update_policy
 from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, UpdateOptions
 
@@ -53,6 +65,15 @@ SHAPES = {  # HF config.json dicts
                 num_key_value_heads=8, intermediate_size=1408, num_local_experts=16, num_experts_per_tok=4,
                 vocab_size=32000, rope_theta=1e6, rms_norm_eps=1e-5, max_position_embeddings=32768),
 }
+VARIANTS = {  # --variants: name -> speed options; "all" runs them in this order, the first is the baseline
+    "plain": FastPaths(TPOverlap(backward=False, chunks=1)),
+    "overlap": FastPaths(TPOverlap(backward=True, chunks=1)),
+    "chunks2": FastPaths(TPOverlap(backward=True, chunks=2)),
+    "chunks4": FastPaths(TPOverlap(backward=True, chunks=4)),
+    "compile": FastPaths(TPOverlap(backward=True, chunks=1), compile=True),
+    "chunks2+compile": FastPaths(TPOverlap(backward=True, chunks=2), compile=True),
+}
+PROBE_MIB = (1, 8, 32, 128)  # all-reduce probe sizes; 32 MiB is one micro batch's [8192, 2048] bf16 activations
 QUICK_SHAPES = {
     "dense": dict(SHAPES["dense"], hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                   intermediate_size=128, vocab_size=256),
@@ -73,6 +94,7 @@ class Setup:
     warmup: int
     steps: int
     recompute: tuple[bool, ...]
+    variants: tuple[tuple[str, FastPaths], ...]
     sequence_parallel: bool
     distributed_optimizer: bool
     profile: bool
@@ -93,8 +115,20 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--profile", action="store_true", help="profile one more step; print the top-10 kernels")
+    p.add_argument("--no-tp-overlap", action="store_true",
+                   help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")
+    p.add_argument("--tp-comm-chunks", type=int, default=1, help="row-parallel forward pipelines this many pieces")
+    p.add_argument("--compile", action="store_true", help="torch.compile the elementwise chains")
+    p.add_argument("--variants", default=None,
+                   help=f"comma-separated from {', '.join(VARIANTS)}, or 'all': one table, ratios to the first "
+                        f"(overrides the three flags above)")
+    p.add_argument("--no-probe", action="store_true", help="skip the all-reduce bandwidth probe")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="per-GPU peak for MFU")
     args = p.parse_args()
+    if args.variants is not None:
+        unknown = set(args.variants.split(",")) - set(VARIANTS) - {"all"}
+        if unknown:
+            p.error(f"--variants: unknown {sorted(unknown)}; choose from {', '.join(VARIANTS)} or 'all'")
     if args.quick:
         args.world, args.seq_len, args.seqs_per_micro, args.micro_batches = 2, 64, 2, 2
         args.warmup, args.steps = 1, 2
@@ -178,7 +212,8 @@ def top_ops_table(prof: profile, cuda: bool, rows: int = 10) -> str:
 
 
 def measure(setup: Setup) -> list[dict] | None:
-    """On every rank: build the engine for each recompute setting and time its steps; rank 0 returns the results."""
+    """On every rank: build the engine for each recompute setting and variant, time its steps; rank 0 returns the
+    results."""
     layout = Layout.create(LayoutSpec(world_size=dist.get_world_size(), **setup.sizes))  # NCCL: this rank's GPU
     cfg = ModelConfig.from_dict(setup.shape)
     dtype = torch.bfloat16 if layout.device.type == "cuda" else torch.float32
@@ -189,17 +224,46 @@ def measure(setup: Setup) -> list[dict] | None:
     update = UpdateOptions(mini_batch_size=num_seqs, micro_batch_size=setup.seqs_per_micro)
     results = []
     for recompute in setup.recompute:
-        options = EngineOptions(sequence_parallel=setup.sequence_parallel, recompute=recompute, dtype=dtype,
-                                optim=OptimOptions(lr=1e-6, distributed=setup.distributed_optimizer))
-        engine = ModelEngine(cfg, layout, options,
-                             weights_loader=lambda chunks: random_init(chunks, cfg.initializer_range))
-        result = time_steps(engine, lambda: update_policy(engine, batch, loss, update), setup)
-        results.append(dict(result, recompute=recompute, num_seqs=num_seqs * layout.dp_size))
-        del engine  # free it before the next setting's engine is built
-        gc.collect()
-        if layout.device.type == "cuda":
-            torch.cuda.empty_cache()
+        for variant, fast in setup.variants:
+            options = EngineOptions(sequence_parallel=setup.sequence_parallel, recompute=recompute, dtype=dtype,
+                                    optim=OptimOptions(lr=1e-6, distributed=setup.distributed_optimizer), fast=fast)
+            engine = ModelEngine(cfg, layout, options,
+                                 weights_loader=lambda chunks: random_init(chunks, cfg.initializer_range))
+            result = time_steps(engine, lambda: update_policy(engine, batch, loss, update), setup)
+            results.append(dict(result, recompute=recompute, variant=variant, num_seqs=num_seqs * layout.dp_size))
+            del engine  # free it before the next setting's engine is built
+            gc.collect()
+            if layout.device.type == "cuda":
+                torch.cuda.empty_cache()
     return results if dist.get_rank() == 0 else None
+
+
+def probe_all_reduce(sizes: dict, mib: tuple[float, ...], iters: int) -> list[tuple[float, float]] | None:
+    """On every rank: seconds of one bf16 all-reduce of each size over the TP group (mean of `iters` after 3
+    warm-ups), with nothing else running; rank 0 returns (MiB, seconds) pairs."""
+    layout = Layout.create(LayoutSpec(world_size=dist.get_world_size(), **sizes))
+    results = []
+    for size in mib:
+        x = torch.ones(int(size * 2**20) // 2, dtype=torch.bfloat16, device=layout.device)
+        for step in range(3 + iters):
+            if step == 3:
+                sync(layout.device)
+                start = time.perf_counter()
+            dist.all_reduce(x, group=layout.tp_group)
+        sync(layout.device)
+        results.append((size, (time.perf_counter() - start) / iters))
+    return results if dist.get_rank() == 0 else None
+
+
+def nccl_environment() -> str:
+    """The NCCL settings of this environment (the variables the bench's processes inherit) and the peer access."""
+    keys = ("NCCL_PROTO", "NCCL_ALGO", "NCCL_NVLS_ENABLE", "NCCL_P2P_DISABLE", "NCCL_P2P_LEVEL", "NCCL_SHM_DISABLE",
+            "NCCL_MIN_NCHANNELS", "NCCL_MAX_NCHANNELS", "NCCL_BUFFSIZE", "CUDA_DEVICE_MAX_CONNECTIONS")
+    settings = ", ".join(f"{k}={os.environ.get(k, 'unset')}" for k in keys)
+    if torch.cuda.device_count() > 1:
+        settings += (f"; NCCL {'.'.join(map(str, torch.cuda.nccl.version()))}, GPU 0 -> 1 peer access "
+                     f"{torch.cuda.can_device_access_peer(0, 1)}")
+    return settings
 
 
 def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Setup) -> dict:
@@ -232,18 +296,42 @@ def layouts(args: argparse.Namespace) -> dict[str, dict]:
     return {"dense": dict(tp=tp), "moe": dict(ep=args.world)}
 
 
-def report(name: str, cfg: ModelConfig, setup: Setup, world: int, result: dict, peak: float) -> None:
+def report(name: str, cfg: ModelConfig, setup: Setup, world: int, result: dict, peak: float) -> dict:
+    """Print one run's line (and profile); return its step seconds, tokens/s and MFU for the table."""
     seconds = sum(result["times"]) / len(result["times"])
     tokens = result["num_seqs"] * setup.seq_len
     flops, flops_palm = step_flops(cfg, result["num_seqs"], setup.seq_len)
     mfu, mfu_palm = (f / (seconds * world * peak * 1e12) for f in (flops, flops_palm))
-    print(f"{name:5s} recompute {'on ' if result['recompute'] else 'off'}: step {seconds:.3f} s "
+    recompute = "on " if result["recompute"] else "off"
+    print(f"{name:5s} [{result['variant']}] recompute {recompute}: step {seconds:.3f} s "
           f"(min {min(result['times']):.3f}), {tokens / seconds:,.0f} tok/s ({tokens / seconds / world:,.0f} per "
           f"rank), {flops / seconds / world / 1e12:.1f} model TFLOP/s per rank, MFU {100 * mfu:.1f}% "
           f"(PaLM convention {100 * mfu_palm:.1f}%), peak memory {result['peak_gib']:.1f} GiB")
     if result["profile"] is not None:
-        print(f"top kernels of one {name} step (recompute {'on' if result['recompute'] else 'off'}), rank 0:\n"
+        print(f"top kernels of one {name} step [{result['variant']}] (recompute {recompute.strip()}), rank 0:\n"
               f"{result['profile']}")
+    return dict(variant=result["variant"], recompute=result["recompute"], seconds=seconds,
+                tokens_per_s=tokens / seconds, mfu=mfu)
+
+
+def variants_table(name: str, rows: list[dict]) -> str:
+    """One line per variant and recompute setting; the ratio is tokens/s against the first variant's run with the
+    same recompute setting in this process."""
+    lines = [f"{name}: {'variant':<18} {'recompute':>9} {'step s':>8} {'tok/s':>10} {'MFU %':>6} {'vs first':>8}"]
+    for row in rows:
+        base = next(r for r in rows if r["recompute"] == row["recompute"])
+        lines.append(f"{name}: {row['variant']:<18} {'on' if row['recompute'] else 'off':>9} {row['seconds']:8.3f} "
+                     f"{row['tokens_per_s']:10,.0f} {100 * row['mfu']:6.1f} "
+                     f"{row['tokens_per_s'] / base['tokens_per_s']:7.2f}x")
+    return "\n".join(lines)
+
+
+def chosen_variants(args: argparse.Namespace) -> tuple[tuple[str, FastPaths], ...]:
+    if args.variants is None:
+        fast = FastPaths(TPOverlap(backward=not args.no_tp_overlap, chunks=args.tp_comm_chunks), args.compile)
+        return (("flags", fast),)
+    names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
+    return tuple((n, VARIANTS[n]) for n in names)
 
 
 def main() -> None:
@@ -253,25 +341,39 @@ def main() -> None:
     recompute = {"off": (False,), "on": (True,), "both": (False, True)}[args.recompute]
     names = ["dense", "moe"] if args.model == "both" else [args.model]
     sizes = layouts(args)
+    variants = chosen_variants(args)
+    timeout = datetime.timedelta(minutes=4 + 2 * len(variants))
     print(f"train_mfu: {'QUICK smoke test on CPU (tiny shapes; MFU meaningless)' if args.quick else 'bf16 on GPU'}, "
           f"world {args.world}, {args.seq_len}-token sequences, {args.seqs_per_micro} per micro batch, "
           f"{args.micro_batches} micro batches per step per DP replica, {args.warmup} warm-up + {args.steps} timed "
           f"steps; MFU against {args.peak_tflops:g} TFLOP/s per rank"
           f"{' (H200 dense bf16 datasheet peak)' if args.peak_tflops == H200_BF16_DENSE_TFLOPS else ''}")
+    print("variants: " + "; ".join(f"{n} = {fast}" for n, fast in variants))
     if not args.quick and args.world < 4:
         tp = sizes["dense"]["tp"]
         print(f"HALF SCALE: world {args.world} < 4, so dense runs TP{tp} x DP{args.world // tp} and MoE "
               f"EP{args.world} instead of issue 10's TP2 x DP2 and EP4 on 4 GPUs (same per-GPU work, fewer replicas)")
+    print(f"NCCL environment: {nccl_environment()}")
+    if not args.no_probe and sizes["dense"]["tp"] > 1:
+        mib = (0.03, 0.25) if args.quick else PROBE_MIB
+        probe = run_distributed(args.world, probe_all_reduce, sizes["dense"], mib, 2 if args.quick else 20,
+                                backend=backend, timeout=timeout)[0]
+        for size, seconds in probe:  # bus bandwidth = algorithm bandwidth * 2 (n - 1) / n for a ring all-reduce
+            tp = sizes["dense"]["tp"]
+            algbw = size * 2**20 / seconds / 1e9
+            print(f"all-reduce probe over TP{tp}: {size:g} MiB bf16 in {seconds * 1e3:.3f} ms, algbw "
+                  f"{algbw:.1f} GB/s, busbw {algbw * 2 * (tp - 1) / tp:.1f} GB/s")
     for name in names:
         cfg = ModelConfig.from_dict(shapes[name])
         spec = LayoutSpec(world_size=args.world, **sizes[name])
         setup = Setup(shapes[name], sizes[name], args.seq_len, args.seqs_per_micro, args.micro_batches, args.warmup,
-                      args.steps, recompute, args.sequence_parallel, args.distributed_optimizer, args.profile)
+                      args.steps, recompute, variants, args.sequence_parallel, args.distributed_optimizer,
+                      args.profile)
         print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, layout TP{spec.tp} DP{spec.dp} EP{spec.ep}")
-        results = run_distributed(args.world, measure, setup, backend=backend,
-                                  timeout=datetime.timedelta(minutes=4))[0]
-        for result in results:
-            report(name, cfg, setup, args.world, result, args.peak_tflops)
+        results = run_distributed(args.world, measure, setup, backend=backend, timeout=timeout)[0]
+        rows = [report(name, cfg, setup, args.world, result, args.peak_tflops) for result in results]
+        if len(variants) > 1:
+            print(variants_table(name, rows))
 
 
 if __name__ == "__main__":
