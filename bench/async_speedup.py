@@ -1,27 +1,37 @@
 """Async speedup: training steps per hour of the synchronous, one-step-off and fully async trainers on the same model,
-data, batch and GPUs, from one run (issue 9 targets: one-step-off >= 1.35x and fully async >= 2x the synchronous).
+data, batch, engine settings and GPUs, from one run (issue 9 targets: one-step-off >= 1.35x and fully async >= 2x
+the synchronous).
 
-Default (4 GPUs): a random-weight Qwen2-shape model of ~0.3B parameters in bf16; every step trains on 64 prompts x 8
-samples of a rollout-heavy, long-tailed workload: the model stops on any of 16 of its 8192 tokens, so with its
-near-uniform random policy responses are geometric with mean ~512 tokens, capped at 2048 (a few percent hit the cap,
-which is what a synchronous step waits for). The synchronous trainer runs colocated on all GPUs; the async modes on
-a trainer pool and a rollout pool of half the GPUs each. All three anchor PPO on the rollout's logprobs (no
-old-logprob pass), so they do the same work per step. `--world 2` is the half-scale run (2 colocated vs 1 + 1).
+Workload (rollout-heavy, long-tailed): a random-weight Qwen2-shape model of ~0.3B parameters in bf16; every step
+trains on 64 prompts x 8 samples (`--world 2`: 32 x 8). The model stops on any of 16 of its 8192 tokens, so with its
+near-uniform random policy a response's length is geometric: P(longer than l tokens) = (1 - 16/8192)^l, mean ~512,
+median ~355, p90 ~1180, capped at `--response-length` (1024 at half scale: ~14% of responses hit the cap, which is
+what a synchronous step waits for while most sequences have finished). Generation is most of a synchronous step;
+the script prints the distribution it measured and the share of the synchronous step spent generating.
+
+Pools: the synchronous trainer runs colocated on all GPUs; the async modes on a trainer pool and a rollout pool of
+half the GPUs each. `--world 2` is the HALF-SCALE run (2 colocated vs 1 + 1). All three anchor PPO on the rollout's
+logprobs (no old-logprob pass) so they do the same work per step, and share the engine settings (max_num_seqs twice
+a step's samples: the synchronous engine never holds more than its batch, the async ones keep the next batch's
+requests in flight).
 
     python bench/async_speedup.py                  # 4 GPUs
-    python bench/async_speedup.py --world 2        # 2 GPUs
+    python bench/async_speedup.py --world 2        # 2 GPUs, half scale
     python bench/async_speedup.py --quick          # tiny model on CPU: a smoke test of this script
 
 On the GPU machine run it in the environment `make gpu-test` sets up (PYTHONPATH with the wheels and this
 checkout, NCCL_NVLS_ENABLE=0 ...). Each mode is one `python -m shardrl.trainer.main_ppo` run; steps/hour = 3600 /
-mean `timing_s/step_total` after `--warmup` steps (CUDA graph capture, allocator warm-up). Run directories and a
-JSON summary go to `--out`.
+mean `timing_s/step_total` after `--warmup` steps (CUDA graph capture, allocator warm-up). A second table splits
+the mean step into phases: the trainer pool waiting for samples, training, pausing the rollouter, syncing; the
+rollout pool in engine steps (prefill, re-prefill after partial-rollout syncs included), in call overhead (Ray,
+packing) and idle, and its mean decode batch against its slots. Run directories and a JSON summary go to `--out`.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -36,6 +46,9 @@ MODEL_300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24
 MODEL_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
 MODES = ("sync", "one_step_off", "fully_async")
+TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
+ROLLOUT_KEYS = ("rollout/engine_s", "rollout/prefill_s", "rollout/overhead_s", "rollout/idle_s",
+                "rollout/decode_batch", "rollout/occupancy")
 
 
 def parse_args() -> argparse.Namespace:
@@ -91,7 +104,9 @@ def overrides(args: argparse.Namespace, mode: str, model: Path, task: dict, run_
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max(16384, 2 * (args.response_length + 32))}",
         f"actor_rollout_ref.actor.megatron.dtype={dtype}", f"actor_rollout_ref.rollout.dtype={dtype}",
-        f"actor_rollout_ref.rollout.max_num_seqs={args.prompts * args.n}",
+        f"actor_rollout_ref.rollout.max_num_seqs={2 * args.prompts * args.n}",
+        # re-prefills after a partial-rollout sync go in few large steps
+        f"actor_rollout_ref.rollout.max_num_batched_tokens={max(32768, args.response_length + 32)}",
         "algorithm.rollout_correction.decoupled=false",
     ]
     if mode == "sync":
@@ -122,9 +137,48 @@ def run_mode(args: argparse.Namespace, mode: str, model: Path, task: dict, out: 
         values = [r[key] for r in timed if key in r]
         return sum(values) / len(values) if values else float("nan")
 
+    phases = {name: mean(f"timing_s/{name}") for name in ("gen", "wait_rollout", "pause_rollout", "sync")}
+    train = sum(mean(f"timing_s/{name}") for name in TRAIN_PHASES if any(f"timing_s/{name}" in r for r in timed))
     return {"mode": mode, "steps_timed": len(timed), "seconds_per_step": seconds, "steps_per_hour": 3600 / seconds,
-            "response_length_mean": mean("response_length/mean"), "staleness_mean": mean("async/staleness_mean"),
-            "rollout_overlap_s": mean("timing_s/rollout_overlap"), "sync_s": mean("timing_s/sync")}
+            "response_length_mean": mean("response_length/mean"),
+            "response_clip_ratio": mean("response_length/clip_ratio"), "staleness_mean": mean("async/staleness_mean"),
+            "rollout_overlap_s": mean("timing_s/rollout_overlap"), "train_s": train, **phases,
+            **{key.split("/")[1]: mean(key) for key in ROLLOUT_KEYS}}
+
+
+def print_tables(args: argparse.Namespace, results: dict[str, dict]) -> None:
+    half = args.world // 2
+    where = "CPU processes" if args.quick else "GPUs"
+    scale = " (HALF SCALE: the issue's setting is 4)" if args.world == 2 and not args.quick else ""
+    print(f"\n{args.prompts} prompts x {args.n} samples per step, responses <= {args.response_length} tokens, "
+          f"{where}: sync on {args.world} colocated, async on {half} trainer + {half} rollout{scale}")
+    sync = results.get("sync")
+    if sync:
+        print(f"responses: mean {sync['response_length_mean']:.0f} tokens, {100 * sync['response_clip_ratio']:.1f}% "
+              f"at the cap; sync step: {100 * sync['gen'] / sync['seconds_per_step']:.0f}% generating")
+    print(f"{'mode':<14}{'steps/hour':>12}{'s/step':>10}{'resp len':>10}{'staleness':>11}{'overlap s':>11}"
+          f"{'x sync':>8}")
+    base = sync["steps_per_hour"] if sync else None
+    for r in results.values():
+        ratio = f"{r['steps_per_hour'] / base:.2f}" if base else "-"
+        print(f"{r['mode']:<14}{r['steps_per_hour']:>12.1f}{r['seconds_per_step']:>10.2f}"
+              f"{r['response_length_mean']:>10.1f}{r['staleness_mean']:>11.2f}{r['rollout_overlap_s']:>11.2f}"
+              f"{ratio:>8}")
+    print("\nmean step, seconds. trainer pool: gen (sync: colocated generation), wait (for samples), train, pause "
+          "(the rollouter), sync.\nrollout pool: engine (of which prefill), overhead (calls: Ray, packing), idle; "
+          "mean decode batch (% of the engine's slots)")
+    print(f"{'mode':<14}{'gen':>7}{'wait':>7}{'train':>7}{'pause':>7}{'sync':>7} |{'engine':>8}{'prefill':>8}"
+          f"{'overhead':>9}{'idle':>7}{'decode batch':>14}")
+    for r in results.values():
+        cells = "".join(f"{_nan0(r[k]):>7.2f}" for k in ("gen", "wait_rollout", "train_s", "pause_rollout", "sync"))
+        rollout = (f"{r['engine_s']:>8.2f}{r['prefill_s']:>8.2f}{r['overhead_s']:>9.2f}{r['idle_s']:>7.2f}"
+                   f"{r['decode_batch']:>7.0f} ({100 * r['occupancy']:3.0f}%)"
+                   if r["mode"] != "sync" else f"{'(colocated: gen)':>46}")
+        print(f"{r['mode']:<14}{cells} |{rollout}")
+
+
+def _nan0(value: float) -> float:
+    return 0.0 if math.isnan(value) else value
 
 
 def main() -> None:
@@ -134,17 +188,7 @@ def main() -> None:
     task = builtin_task.prepare(out / "task")
     model = make_model(out / "model", MODEL_TINY if args.quick else MODEL_300M, args.stop_tokens)
     results = {mode: run_mode(args, mode, model, task, out) for mode in args.modes}
-    half = args.world // 2
-    print(f"\n{args.prompts} prompts x {args.n} samples per step, responses <= {args.response_length} tokens, "
-          f"{'CPU processes' if args.quick else 'GPUs'}: sync on {args.world} colocated, async on {half} + {half}")
-    print(f"{'mode':<14}{'steps/hour':>12}{'s/step':>10}{'resp len':>10}{'staleness':>11}{'overlap s':>11}"
-          f"{'x sync':>8}")
-    base = results.get("sync", {}).get("steps_per_hour")
-    for r in results.values():
-        ratio = f"{r['steps_per_hour'] / base:.2f}" if base else "-"
-        print(f"{r['mode']:<14}{r['steps_per_hour']:>12.1f}{r['seconds_per_step']:>10.2f}"
-              f"{r['response_length_mean']:>10.1f}{r['staleness_mean']:>11.2f}{r['rollout_overlap_s']:>11.2f}"
-              f"{ratio:>8}")
+    print_tables(args, results)
     summary = {"args": vars(args), "results": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"summary: {out / 'summary.json'}")

@@ -10,26 +10,29 @@ import math
 from collections.abc import Callable
 from types import SimpleNamespace
 
+import pytest
+
 import torch
 
 from shardrl.data.batch import Batch, as_object_array
-from shardrl.trainer.fully_async import Rollouter
+from shardrl.trainer.rollouter import ENGINE_KEYS, Rollouter
+from shardrl.trainer.staleness import Budget
 from shardrl.trainer.tracking import Timeline
 
-N, PROMPTS_PER_BATCH = 2, 3
+N, PROMPTS_PER_BATCH, RESPONSE_LEN = 2, 3, 16
 
 
 class FakeRollout:
     """`stream` as RolloutWorker's, per replica: queue the new rows, run `steps` steps, return what finished (a
-request is finished when `done(its token versions)`)."""
+request is finished when `done(its sample seed, its token versions)`)."""
 
-    def __init__(self, num_replicas: int, done: Callable[[list[int]], bool]) -> None:
+    def __init__(self, num_replicas: int, done: Callable[[int, list[int]], bool]) -> None:
         self.layout = SimpleNamespace(dp=num_replicas)
         self.done, self.version = done, 0
         self.running: list[list[tuple[Batch, list[int]]]] = [[] for _ in range(num_replicas)]
         self.new_rows_per_call: list[int] = []
 
-    def stream(self, prompts: list[Batch | None], steps: list[int]) -> list[Batch | None]:
+    def stream(self, prompts: list[Batch | None], steps: list[int]) -> list[tuple[Batch | None, dict]]:
         self.new_rows_per_call.append(sum(len(p) for p in prompts if p is not None))
         out = []
         for replica, (new, num_steps) in enumerate(zip(prompts, steps)):
@@ -37,23 +40,29 @@ request is finished when `done(its token versions)`)."""
             running += [(new.take([i]), []) for i in range(len(new))] if new is not None else []
             finished = []
             for _ in range(num_steps):
-                for request in running:
-                    request[1].append(self.version)
-                finished += [request for request in running if self.done(request[1])]
-                running = [request for request in running if not self.done(request[1])]
+                for request in running:  # a request at RESPONSE_LEN - 1 tokens stalls until the next sync
+                    if len(request[1]) < RESPONSE_LEN - 1 or request[1][-1] != self.version:
+                        request[1].append(self.version)
+                finished += [request for request in running if self._done(request)]
+                running = [request for request in running if not self._done(request)]
             self.running[replica] = running
-            out.append(Batch.concat([self._sample(row, v) for row, v in finished]) if finished else None)
+            samples = Batch.concat([self._sample(row, v) for row, v in finished]) if finished else None
+            out.append((samples, dict.fromkeys(ENGINE_KEYS, 0.0) | {"slots": 4}))
         return out
+
+    def _done(self, request: tuple[Batch, list[int]]) -> bool:
+        return self.done(int(request[0].tensors["sample_seed"]), request[1])
 
     def in_flight(self) -> int:
         return sum(len(r) for r in self.running)
 
     @staticmethod
     def _sample(row: Batch, versions: list[int]) -> Batch:
-        """A finished request (no padding: requests finishing together here have equal lengths)."""
-        stamped = torch.tensor([versions])  # [1, length]
+        """A finished request, padded to RESPONSE_LEN tokens (version -1 on padding)."""
+        stamped = torch.full((1, RESPONSE_LEN), -1)  # [1, R]
+        stamped[0, :len(versions)] = torch.tensor(versions)
         return Batch({"sample_seed": row.tensors["sample_seed"], "policy_versions": stamped,
-                      "response_mask": torch.ones_like(stamped, dtype=torch.float)}, {"uid": row.non_tensors["uid"]})
+                      "response_mask": (stamped >= 0).float()}, {"uid": row.non_tensors["uid"]})
 
 
 def sample_batches():
@@ -63,8 +72,9 @@ def sample_batches():
         yield k, Batch({"sample_seed": 100 * k + torch.arange(PROMPTS_PER_BATCH * N)}, {"uid": as_object_array(uids)})
 
 
-def rollouter(fake: FakeRollout, window: int, extra: int) -> Rollouter:
-    r = Rollouter(fake, fake.layout.dp, sample_batches(), N, window, extra, Timeline(), lambda: 0)
+def rollouter(fake: FakeRollout, window: int, extra: int, in_order: bool = False) -> Rollouter:
+    budget = Budget(per_step=0, trigger=0, window=window, extra=extra)  # the rollouter reads window and extra
+    r = Rollouter(fake, fake.layout.dp, sample_batches(), N, budget, Timeline(), lambda: 0, in_order)
     r.thread.start()
     return r
 
@@ -101,7 +111,7 @@ def test_budget_and_staleness_bound_without_partial_rollout():
     window = per_step * trigger
     extra = math.floor(threshold * window)  # 1
     bound = trigger - 1 + math.ceil(extra / per_step)  # staleness.max_staleness: 2
-    fake = FakeRollout(num_replicas=2, done=lambda versions: len(versions) == 3)
+    fake = FakeRollout(num_replicas=2, done=lambda seed, versions: len(versions) == 3)
     r = rollouter(fake, window, extra)
     try:
         lags = run_trainer(r, fake, steps=12, per_step=per_step, trigger=trigger, bound=bound, drain=True)
@@ -114,7 +124,7 @@ def test_budget_and_staleness_bound_without_partial_rollout():
 
 
 def test_pause_without_drain_leaves_requests_running_and_drain_finishes_them():
-    fake = FakeRollout(num_replicas=1, done=lambda versions: versions[-1] == 1)  # runs until the sync
+    fake = FakeRollout(num_replicas=1, done=lambda seed, versions: versions[-1] == 1)  # runs until the sync
     r = rollouter(fake, window=2, extra=0)
     try:
         wait_until(r, lambda: fake.new_rows_per_call)  # the requests have started
@@ -135,7 +145,7 @@ def test_pause_without_drain_leaves_requests_running_and_drain_finishes_them():
 
 
 def test_stale_groups_are_dropped_and_their_budget_returned():
-    fake = FakeRollout(num_replicas=2, done=lambda versions: len(versions) == 2)
+    fake = FakeRollout(num_replicas=2, done=lambda seed, versions: len(versions) == 2)
     r = rollouter(fake, window=2, extra=1)
     try:
         wait_until(r, lambda: len(r.queue) == 3)  # generated under version 0, the budget spent
@@ -149,3 +159,50 @@ def test_stale_groups_are_dropped_and_their_budget_returned():
     assert [g.oldest_version for g in groups] == [5, 5]
     assert metrics["async/dropped_samples"] == 3 * N
     assert [g.key for g in groups] == [(1, 0), (1, 1)]  # replacements, taken from the next loader batch
+
+
+def long_tailed(seed: int, versions: list[int]) -> bool:
+    """Response lengths 1..13 tokens by seed, a few long ones: groups finish out of start order."""
+    return len(versions) == (1, 1, 2, 3, 5, 8, 13)[seed % 7]
+
+
+@pytest.mark.parametrize("in_order, per_step, trigger, extra", [(False, 2, 2, 2), (False, 3, 1, 1), (True, 3, 1, 3)])
+def test_streaming_with_partial_rollout_keeps_the_bound_and_every_sample_once(in_order, per_step, trigger, extra):
+    """Long-tailed requests paused (not drained) at every sync: no taken token is past the bound, every started
+    group is taken, dropped or still outstanding exactly once, with its n samples; in order: whole loader batches."""
+    window = per_step * trigger
+    bound = trigger - 1 + math.ceil(extra / per_step)
+    fake = FakeRollout(num_replicas=2, done=long_tailed)
+    r = rollouter(fake, window, extra, in_order)
+    taken = []
+    try:
+        version = 0
+        for step in range(10):
+            groups, _ = r.take(per_step, version, bound)
+            for g in groups:
+                lags = version - g.samples.tensors["policy_versions"][g.samples.tensors["response_mask"].bool()]
+                assert 0 <= int(lags.min()) and int(lags.max()) <= bound
+                assert sorted(g.samples.tensors["sample_seed"].tolist()) == g.rows.tensors["sample_seed"].tolist()
+            taken += [g.key for g in groups]
+            if in_order:  # one-step-off: batch `step`, whole
+                assert [g.key for g in groups] == [(step, row) for row in range(PROMPTS_PER_BATCH)]
+            version = step + 1
+            if (step + 1) % trigger == 0:
+                r.pause(drain=False)
+                fake.version = version
+                r.resume(new_window=True)
+        r.pause(drain=False)
+        outstanding = [g.key for g in r.outstanding]
+        started = sorted(taken + outstanding)
+    finally:
+        r.close()
+    assert len(set(taken)) == len(taken) and not set(taken) & set(outstanding)
+    # started in loader order with none skipped: dropped groups are the gaps
+    assert started[0] == (0, 0) and r.dropped == N * (len(started) - len(set(started)) + _gaps(started))
+    assert len(outstanding) <= window + extra
+
+
+def _gaps(keys: list[tuple[int, int]]) -> int:
+    """Keys missing between the first and the last (loader batches of PROMPTS_PER_BATCH rows)."""
+    index = [k * PROMPTS_PER_BATCH + row for k, row in keys]
+    return index[-1] - index[0] + 1 - len(index)

@@ -107,14 +107,14 @@ def run_detached(model_path: str, batch: Batch, export_dir: str, prompts: list[l
         result["offloaded_after_update"] = offloaded(worker.actor)
     else:  # a request that the next sync will interrupt: 3 of its 6 tokens under version 0
         mine = prompt_row(prompts[plan.rollout_ranks.index(rank)])
-        result["before_sync"] = worker.stream(mine, 3)
+        result["before_sync"], result["before_stats"] = worker.stream(mine, 3)
     result["sync"] = worker.sync_weights(1)
     result["new_groups"] = sorted(k[1] for k in set(layout_module._SHARED_GROUPS) - known)
     if trainer:
         result["offloaded_after_sync"] = offloaded(worker.actor)
         worker.save_hf(export_dir)
     else:
-        result["after_sync"] = worker.stream(None, 10)
+        result["after_sync"], result["after_stats"] = worker.stream(None, 10)
     dist.barrier()  # the export is written
     if not trainer:
         engine, engine_config = worker.engine, roles.rollout_engine_config(config)
@@ -168,3 +168,9 @@ def test_detached_workers_normalise_like_colocated_build_no_trainer_groups_and_s
         first = greedy(model_path, prompt, 3)
         assert tokens == first + greedy(export, prompt + first, RESPONSE_LEN - 3)
         assert sample.tensors["policy_versions"][0].tolist() == [0, 0, 0, 1, 1, 1]
+        # what the engine did: prefill (token 1) + 2 decode steps; after the sync a re-prefill of prompt + 3 tokens
+        # (token 4) + 2 decode steps, one sequence each
+        before, after = r["before_stats"], r["after_stats"]
+        assert (before["prefill_tokens"], before["decode_steps"], before["decode_rows"]) == (len(prompt), 2, 2)
+        assert (after["prefill_tokens"], after["decode_steps"], after["decode_rows"]) == (len(prompt) + 3, 2, 2)
+        assert after["engine_s"] >= after["prefill_s"] > 0

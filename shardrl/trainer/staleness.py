@@ -8,7 +8,10 @@ holds when it trains on the token minus the token's version: 0 is on-policy.
 The bound per mode (`max_staleness`):
 
 * sync: 0. Each step generates with the weights it then updates.
-* one_step_off: 1. Batch k+1 is generated while step k updates, with the weights of step k-1's update.
+* one_step_off: 1. Batch k+1 starts once step k-1's update is synced and generates while step k trains; its
+  requests still running at the next sync (step k's update) continue under those weights (partial rollout), so its
+  tokens lag 1 or 0 when step k+1 trains on them: fully_async's rule with a batch per step, a sync every step and
+  one batch of run-ahead (`budget`).
 * fully_async: `trigger - 1 + ceil(extra / per_step)`. A sync window is `trigger = trigger_parameter_sync_step`
   steps of `per_step = require_batches x ppo_mini_batch_size` prompts, i.e. `window = trigger x per_step` prompts.
   After each sync the rollouter may start prompts until `window + extra` prompts, `extra = floor(staleness_threshold
@@ -24,29 +27,42 @@ The bound per mode (`max_staleness`):
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 
 from shardrl.trainer.config import PPOConfig
 
 
-def fully_async_window(config: PPOConfig) -> tuple[int, int]:
-    """(prompts between two syncs, prompts the rollouter may start beyond them) in fully async mode."""
+@dataclass(frozen=True)
+class Budget:
+    """The streaming rollouter's rule in both async modes: a step trains `per_step` prompts, a sync follows every
+    `trigger` steps, and after each sync the rollouter may have `window + extra` prompts outstanding."""
+
+    per_step: int
+    trigger: int
+    window: int  # trigger x per_step: the prompts the trainer takes between two syncs
+    extra: int  # how many it may start beyond them
+
+
+def budget(config: PPOConfig) -> Budget:
+    """fully_async: the flags above. one_step_off: a batch per step, a sync every step and one batch of run-ahead
+    (the next batch generates while the current one trains), which is a bound of 1."""
     a = config.async_training
-    window = a.trigger_parameter_sync_step * a.require_batches * config.actor_rollout_ref.actor.ppo_mini_batch_size
-    return window, math.floor(a.staleness_threshold * window)
+    if a.mode == "one_step_off":
+        per_step = config.data.train_batch_size
+        return Budget(per_step, 1, per_step, per_step)
+    per_step = a.require_batches * config.actor_rollout_ref.actor.ppo_mini_batch_size
+    window = a.trigger_parameter_sync_step * per_step
+    return Budget(per_step, a.trigger_parameter_sync_step, window, math.floor(a.staleness_threshold * window))
 
 
 def max_staleness(config: PPOConfig) -> int:
     """The largest lag (versions) a trained token can have under the config's schedule; see the module docstring."""
     if config.mode == "sync":
         return 0
-    if config.mode == "one_step_off":
-        return 1
-    a = config.async_training
-    _, extra = fully_async_window(config)
-    per_step = a.require_batches * config.actor_rollout_ref.actor.ppo_mini_batch_size
-    return a.trigger_parameter_sync_step - 1 + math.ceil(extra / per_step)
+    b = budget(config)
+    return b.trigger - 1 + math.ceil(b.extra / b.per_step)
 
 
 def describe(config: PPOConfig) -> str:

@@ -7,7 +7,7 @@ same log-prob and update code, the same offload handling) plus the sending end o
 `RolloutWorker` builds only its own layout and the weight-sync group, nothing of the trainer's TP x PP x EP, so a
 rollout pool need not fit the trainer's layout. Its engine serves in two ways: `generate_sequences` (a whole batch,
 as the colocated worker) and `stream` (requests added and finished samples returned over many short calls: the
-fully async rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
+async modes' rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
 replica stay in lockstep without coordinating among themselves.
 
 Both workers make the sync group before anything else: torch pairs the members of a locally synchronised group by
@@ -16,6 +16,8 @@ the number of groups each made before (see `parallel.layout.sync_group`).
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
@@ -23,13 +25,18 @@ from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.layout import Layout, sync_group
-from shardrl.rollout.engine import Engine
+from shardrl.rollout.engine import Engine, EngineStats
+from shardrl.rollout.request import SamplingParams
 from shardrl.sync.detached import DetachedSync
 from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.plan import Plan
 from shardrl.workers import roles
 from shardrl.workers.hybrid import ActorRefWorker
 from shardrl.workers.rollout import generate, prompt_ids_of, samples_batch
+
+
+REFILL_CHUNK = 8  # stream() admits new requests once 1/8 of the engine's slots are free
+Backlog = deque[tuple[list[int], SamplingParams, Batch]]  # (prompt ids, sampling params, prompt row) per request
 
 
 def _sync_group(plan: Plan):
@@ -63,6 +70,7 @@ class RolloutWorker:
         sync = config.actor_rollout_ref.rollout.weight_sync
         self.weight_sync = DetachedSync.receiver(self.engine, group, sync.bucket_size_mb << 20, sync.verify)
         self.prompts: dict[str, Batch] = {}  # request id -> its prompt row, while the request runs
+        self.backlog: Backlog = deque()  # streamed requests not yet in the engine
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
@@ -75,25 +83,34 @@ class RolloutWorker:
         return samples
 
     @dispatch_mode(Dispatch.PER_REPLICA)
-    def stream(self, prompts: Batch | None, max_steps: int) -> Batch | None:
-        """Queue one request per row of `prompts` (None: nothing new), run at most `max_steps` engine steps (fewer
+    def stream(self, prompts: Batch | None, max_steps: int) -> tuple[Batch | None, dict[str, float]]:
+        """Take one request per row of `prompts` (None: nothing new), run at most `max_steps` engine steps (fewer
         when the engine runs out of work) and return the samples that finished meanwhile, whichever call queued them
-        (None if none did). Samples keep their prompt row's columns, `sample_seed` included."""
+        (None if none did), with what the engine did (`rollouter.ENGINE_KEYS`, and its `slots`). Samples keep their
+        prompt row's columns, `sample_seed` included.
+
+        New requests wait in a backlog and enter the engine in refill chunks (`admit`)."""
         if prompts is not None:
             params = roles.sampling_params(self.config, prompts.tensors["sample_seed"])
-            for row, (ids, p) in enumerate(zip(prompt_ids_of(prompts), params)):
-                self.prompts[self.engine.submit(ids, p)[0]] = prompts.take([row])
+            self.backlog.extend((ids, p, prompts.take([row]))
+                                for row, (ids, p) in enumerate(zip(prompt_ids_of(prompts), params)))
+        self.engine.stats = EngineStats()
         finished = []
         for _ in range(max_steps):
+            admit(self.engine, self.backlog, self.prompts)
             if not self.engine.has_unfinished():
                 break
             finished += self.engine.step()
+        stats = self.engine.stats
+        report = {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
+                  "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
+                  "prefill_tokens": stats.prefill_tokens, "slots": self.engine.scheduler.max_running}
         if not finished:
-            return None
+            return None, report
         rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
         samples = samples_batch(rows, finished, self.response_length, self.pad_token_id)
         samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
-        return samples
+        return samples, report
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int) -> dict[str, float]:
@@ -105,3 +122,17 @@ class RolloutWorker:
         metrics = self.weight_sync.sync(version)
         self.engine.resume()
         return metrics
+
+
+def admit(engine: Engine, backlog: Backlog, prompts: dict[str, Batch]) -> None:
+    """Move requests from `backlog` into `engine` (recording each one's prompt row under its request id): as many as
+    have a free slot, once `slots / REFILL_CHUNK` slots are free or the whole backlog fits. Each admission is a
+    prefill step that stalls every running sequence's decode, so the slots that finishing sequences free are refilled
+    in batches rather than with one prefill per finished sequence; the engine stays at least 7/8 full meanwhile."""
+    scheduler = engine.scheduler
+    free = scheduler.max_running - len(scheduler.running) - len(scheduler.waiting)
+    if not backlog or free < min(-(-scheduler.max_running // REFILL_CHUNK), len(backlog)):
+        return
+    for _ in range(min(free, len(backlog))):
+        ids, params, row = backlog.popleft()
+        prompts[engine.submit(ids, params)[0]] = row
