@@ -2,15 +2,12 @@
 keeping its samples. Pure checks of the order and the batch reordering, then the trainer's step on gloo with it on
 and off: identical metrics at DP=1, equal losses and gradient norms at DP=2 with balanced per-rank tokens."""
 
-import os
-
 import pytest
 import torch
 import torch.distributed as dist
 from transformers import AutoTokenizer
+from trainer_in_gloo import colocated_trainer
 
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
-from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, plan as dispatch_plan
 from shardrl.data import builtin_task
 from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
@@ -18,8 +15,6 @@ from shardrl.data.rl_dataset import RLDataset
 from shardrl.parallel.launch import run_distributed
 from shardrl.trainer import batch_ops
 from shardrl.trainer.config import compose
-from shardrl.trainer.plan import build_plan
-from shardrl.trainer.ppo import PPOTrainer, Workers
 
 
 def rank_loads(order: list[int], lens: list[int], num_ranks: int) -> list[int]:
@@ -63,32 +58,6 @@ def test_balance_over_dp_permutes_whole_samples_and_reports_verl_seqlen_metrics(
                        "global_seqlen/mean": 10.5}
 
 
-class RankHandle:
-    """The controller's role handle inside a gloo world: each rank runs its dispatch payload on its own worker and
-    all ranks gather the results, so every rank's trainer sees what the controller would. Records the tokens of
-    this rank's share of every batch it was handed."""
-
-    def __init__(self, worker, plan) -> None:
-        self.worker, self.plan, self.layout = worker, plan, plan.roles["actor"].spec
-        self.tokens: dict[str, int] = {}
-
-    def __getattr__(self, name: str):
-        method = getattr(self.worker, name)
-        spec = self.plan.roles[getattr(method, DISPATCH_LAYOUT_ATTR) or "actor"].spec
-
-        def call(*args, **kwargs):
-            routing = dispatch_plan(getattr(method, DISPATCH_ATTR), spec, args, kwargs)
-            mine_args, mine_kwargs = routing.payloads[routing.payload_of_rank[dist.get_rank()]]
-            for value in (*mine_args, *mine_kwargs.values()):
-                if isinstance(value, Batch) and "attention_mask" in value.tensors.keys():
-                    self.tokens[name] = int(value.unpad().tensors["attention_mask"].sum())
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, method(*mine_args, **mine_kwargs))
-            return routing.collect({r: gathered[r] for r in routing.reporting_ranks})
-
-        return call
-
-
 def spread_score(data_source: str, text: str, ground_truth: str, extra_info: dict) -> float:
     """Scores that differ within a group, so advantages and gradients are not zero (the untrained policy almost
     never earns the task's reward)."""
@@ -96,16 +65,8 @@ def spread_score(data_source: str, text: str, ground_truth: str, extra_info: dic
 
 
 def one_step(paths: dict[str, str], prompt_rows: list[int], overrides: list[str]) -> tuple[dict, dict[str, int]]:
-    from shardrl.workers.hybrid import ActorRolloutRefWorker
-
-    os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
-    config = compose("ppo_trainer", overrides)
-    plan = build_plan(config)
-    tokenizer = AutoTokenizer.from_pretrained(paths["model"])
-    prompts = RLDataset(paths["val_files"], tokenizer, config.data.max_prompt_length).collate(prompt_rows)
-    worker = ActorRolloutRefWorker(config, plan, paths["model"], 1, tokenizer.pad_token_id)
-    handle = RankHandle(worker, plan)
-    trainer = PPOTrainer(config, Workers(handle, None), None, None, tokenizer, spread_score, None, None, 1)
+    trainer, handle, tokenizer = colocated_trainer(paths["model"], overrides, spread_score)
+    prompts = RLDataset(paths["val_files"], tokenizer, trainer.config.data.max_prompt_length).collate(prompt_rows)
     return trainer.step(prompts), handle.tokens
 
 

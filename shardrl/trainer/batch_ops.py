@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from typing import Any
 
 import numpy as np
 import torch
@@ -14,6 +15,10 @@ from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.rewards.manager import compute_token_level_scores
 from shardrl.trainer.config import PPOConfig
+
+# Which validation samples `trainer.log_val_generations` shows: a fixed seed, so every validation of every run shows
+# the answers to the same prompts and they can be compared.
+VAL_GENERATIONS_SEED = 42
 
 
 def assign_uids(prompts: Batch) -> Batch:
@@ -64,6 +69,20 @@ def score(batch: Batch, tokenizer, score_fn) -> tuple[Batch, dict[str, float]]:
         if numeric:
             metrics[f"reward_extra/{key}/mean"] = float(np.mean(numeric))
     return batch, metrics
+
+
+def val_generations(batch: Batch, tokenizer, scores: np.ndarray, num: int) -> list[dict[str, Any]]:
+    """`num` validation samples as {"input", "output", "score"}: sorted by input text, shuffled with a fixed seed,
+    the first `num` (the choice depends on the prompts only, not on the order generation returned them in)."""
+    t = batch.tensors
+    prompt_mask = t["attention_mask"][:, :t["prompts"].shape[1]].bool()  # [B, P]
+    inputs = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["prompts"], prompt_mask)],
+                                    skip_special_tokens=True)
+    outputs = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["responses"], t["response_mask"].bool())],
+                                     skip_special_tokens=True)
+    by_input = sorted(range(len(inputs)), key=lambda i: inputs[i])
+    chosen = np.random.default_rng(VAL_GENERATIONS_SEED).permutation(by_input)[:num]
+    return [{"input": inputs[i], "output": outputs[i], "score": float(scores[i])} for i in chosen]
 
 
 def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLController | None) -> dict[str, float]:

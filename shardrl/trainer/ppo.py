@@ -138,6 +138,9 @@ class PPOTrainer:
         batch = self.workers.generator.generate_sequences(samples, validate=True)
         batch, _ = batch_ops.score(batch, self.tokenizer, self.score_fn)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
+        if self.config.trainer.log_val_generations:
+            self.tracker.log_generations(self.global_step, batch_ops.val_generations(
+                batch, self.tokenizer, scores, self.config.trainer.log_val_generations))
         sources = batch.non_tensors["data_source"]
         metrics = {f"val-core/{s}/reward/mean@1": float(scores[sources == s].mean()) for s in set(sources)}
         metrics["val-core/reward/mean"] = float(np.mean(scores))

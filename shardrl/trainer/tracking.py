@@ -1,5 +1,7 @@
 """Where metrics go: a jsonl file in the run directory (always), the console (a rich table per step), and
-wandb / tensorboard / mlflow when `trainer.logger` asks for them. Plus the phase timeline the plots are drawn from.
+wandb / tensorboard / mlflow when `trainer.logger` asks for them. Validation generations (`trainer.log_val_generations`)
+go the same ways: `val_generations.jsonl`, a console table, a wandb table, tensorboard text, an mlflow artifact.
+Plus the phase timeline the plots are drawn from.
 """
 
 from __future__ import annotations
@@ -54,39 +56,78 @@ class Timeline:
         return timing
 
 
+@dataclass(frozen=True)
+class _Backend:
+    """One external logger: how it takes a step's scalars and a validation's generations."""
+
+    metrics: Callable[[int, dict[str, float]], Any]
+    generations: Callable[[int, list[dict[str, Any]]], Any]
+
+
+GENERATION_COLUMNS = ("step", "input", "output", "score")
+
+
+def _wandb(project: str, experiment: str, config: dict, run_dir: Path) -> _Backend:
+    import wandb
+
+    wandb.init(project=project, name=experiment, config=config, dir=str(run_dir))
+    return _Backend(lambda step, m: wandb.log(m, step=step), lambda step, rows: wandb.log(
+        {"val/generations": wandb.Table(columns=list(GENERATION_COLUMNS), data=_generation_rows(step, rows))},
+        step=step))
+
+
+def _tensorboard(run_dir: Path) -> _Backend:
+    from torch.utils.tensorboard import SummaryWriter
+
+    writer = SummaryWriter(str(run_dir / "tensorboard"))
+    header = " | ".join(GENERATION_COLUMNS) + "\n" + " | ".join("---" for _ in GENERATION_COLUMNS)
+    return _Backend(lambda step, m: [writer.add_scalar(k, v, step) for k, v in m.items()],
+                    lambda step, rows: writer.add_text("val/generations", "\n".join(
+                        [header] + [" | ".join(map(str, r)) for r in _generation_rows(step, rows)]), step))
+
+
+def _mlflow(project: str, experiment: str) -> _Backend:
+    import mlflow
+
+    mlflow.set_experiment(project)
+    mlflow.start_run(run_name=experiment)
+    return _Backend(lambda step, m: mlflow.log_metrics({k.replace("@", "_at_"): v for k, v in m.items()}, step=step),
+                    lambda step, rows: mlflow.log_dict({"step": step, "generations": rows},
+                                                       f"val_generations/step_{step}.json"))
+
+
 class Tracker:
     def __init__(self, loggers: list[str], run_dir: Path, project: str, experiment: str, config: dict) -> None:
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
         self.file = open(run_dir / "metrics.jsonl", "a")
         self.console = Console() if "console" in loggers else None
-        self.backends = []
+        self.backends: list[_Backend] = []
         if "wandb" in loggers:
-            import wandb
-
-            wandb.init(project=project, name=experiment, config=config, dir=str(run_dir))
-            self.backends.append(lambda step, m: wandb.log(m, step=step))
+            self.backends.append(_wandb(project, experiment, config, run_dir))
         if "tensorboard" in loggers:
-            from torch.utils.tensorboard import SummaryWriter
-
-            writer = SummaryWriter(str(run_dir / "tensorboard"))
-            self.backends.append(lambda step, m: [writer.add_scalar(k, v, step) for k, v in m.items()])
+            self.backends.append(_tensorboard(run_dir))
         if "mlflow" in loggers:
-            import mlflow
-
-            mlflow.set_experiment(project)
-            mlflow.start_run(run_name=experiment)
-            self.backends.append(lambda step, m: mlflow.log_metrics(
-                {k.replace("@", "_at_"): v for k, v in m.items()}, step=step))
+            self.backends.append(_mlflow(project, experiment))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         self.file.write(json.dumps({"step": step, **metrics}) + "\n")
         self.file.flush()
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # lists (histograms): file only
         for backend in self.backends:
-            backend(step, scalars)
+            backend.metrics(step, scalars)
         if self.console is not None:
             self.console.print(_table(step, scalars))
+
+    def log_generations(self, step: int, rows: list[dict[str, Any]]) -> None:
+        """Validation samples, each {"input", "output", "score"}: appended to `val_generations.jsonl` with the step
+        (a file per run, so generations of all validations can be read side by side), and to every logger."""
+        with open(self.run_dir / "val_generations.jsonl", "a") as f:
+            f.writelines(json.dumps({"step": step, **row}) + "\n" for row in rows)
+        for backend in self.backends:
+            backend.generations(step, rows)
+        if self.console is not None:
+            self.console.print(_generations_table(step, rows))
 
     @contextmanager
     def progress(self, total_steps: int, done: int, timeline: Timeline) -> Iterator[Callable[[], None]]:
@@ -120,4 +161,18 @@ def _table(step: int, metrics: dict[str, float]) -> Table:
     for key in SUMMARY_KEYS:
         if key in metrics:
             table.add_row(key, f"{metrics[key]:.4g}")
+    return table
+
+
+def _generation_rows(step: int, rows: list[dict[str, Any]]) -> list[list[Any]]:
+    return [[step, r["input"], r["output"], r["score"]] for r in rows]
+
+
+def _generations_table(step: int, rows: list[dict[str, Any]], max_chars: int = 80) -> Table:
+    """Inputs and outputs cut to their last `max_chars` characters: the end of a prompt is what the answer follows."""
+    table = Table(title=f"validation generations, step {step}", padding=(0, 1))
+    for column in GENERATION_COLUMNS[1:]:
+        table.add_column(column)
+    for r in rows:
+        table.add_row(r["input"][-max_chars:], r["output"][-max_chars:], f"{r['score']:.4g}")
     return table

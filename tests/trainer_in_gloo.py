@@ -1,0 +1,54 @@
+"""Shared by trainer tests that run `PPOTrainer` without Ray: on every rank of a gloo world (`run_distributed`),
+the trainer calls its colocated worker through `RankHandle`, which routes each call as the controller would."""
+
+import os
+
+import torch.distributed as dist
+from transformers import AutoTokenizer
+
+from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, plan as dispatch_plan
+from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.data.batch import Batch
+from shardrl.trainer.config import compose
+from shardrl.trainer.plan import build_plan
+from shardrl.trainer.ppo import PPOTrainer, Workers
+
+
+class RankHandle:
+    """The controller's role handle inside a gloo world: each rank runs its dispatch payload on its own worker and
+    all ranks gather the results, so every rank's trainer sees what the controller would. Records the tokens of
+    this rank's share of the last batch each method was handed."""
+
+    def __init__(self, worker, plan) -> None:
+        self.worker, self.plan, self.layout = worker, plan, plan.roles["actor"].spec
+        self.tokens: dict[str, int] = {}
+
+    def __getattr__(self, name: str):
+        method = getattr(self.worker, name)
+        spec = self.plan.roles[getattr(method, DISPATCH_LAYOUT_ATTR) or "actor"].spec
+
+        def call(*args, **kwargs):
+            routing = dispatch_plan(getattr(method, DISPATCH_ATTR), spec, args, kwargs)
+            mine_args, mine_kwargs = routing.payloads[routing.payload_of_rank[dist.get_rank()]]
+            for value in (*mine_args, *mine_kwargs.values()):
+                if isinstance(value, Batch) and "attention_mask" in value.tensors.keys():
+                    self.tokens[name] = int(value.unpad().tensors["attention_mask"].sum())
+            gathered = [None] * dist.get_world_size()
+            dist.all_gather_object(gathered, method(*mine_args, **mine_kwargs))
+            return routing.collect({r: gathered[r] for r in routing.reporting_ranks})
+
+        return call
+
+
+def colocated_trainer(model_path: str, overrides: list[str], score_fn, tracker=None, val_prompts=None):
+    """(PPOTrainer over a fresh colocated actor worker on this world's ranks, its RankHandle, its tokenizer)."""
+    from shardrl.workers.hybrid import ActorRolloutRefWorker
+
+    os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
+    config = compose("ppo_trainer", overrides)
+    plan = build_plan(config)
+    tokenizer = AutoTokenizer.from_pretrained(model_path)
+    worker = ActorRolloutRefWorker(config, plan, model_path, 1, tokenizer.pad_token_id)
+    handle = RankHandle(worker, plan)
+    trainer = PPOTrainer(config, Workers(handle, None), None, val_prompts, tokenizer, score_fn, tracker, None, 1)
+    return trainer, handle, tokenizer
