@@ -185,16 +185,3 @@ def test_padding_rows_leave_running_rows_unchanged(checkpoints):
                                              torch.cat([positions, torch.zeros(2, dtype=torch.long)]), length=48)
     assert_close(padded[:2], exact, atol=1e-6, rtol=0)
 
-
-def test_sampling_settings_are_rebuilt_only_when_the_batch_changes(checkpoints):
-    engine = _engine(checkpoints["llama"])
-    engine.submit(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.5, ignore_eos=True))
-    engine.submit(PROMPTS[1], SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.step()  # prefill of both: their first tokens
-    first = engine._sampling[1]
-    finished = engine.step()  # decode of both (slot order = arrival order): the first one finishes
-    assert [len(o.token_ids) for o in finished] == [2]
-    assert engine._sampling[1] is first and first.temperature.tolist() == [0.5, 1.0]
-    engine.step()  # only the second one is left
-    assert engine._sampling[1] is not first and engine._sampling[1].temperature.tolist() == [1.0]
-    assert engine._sampling[1].unit_temperature and not first.unit_temperature

@@ -1,21 +1,23 @@
-"""CUDA-graph replay of the decode forward (the GPU fast path; `ModelRunner.decode_hidden` is the portable reference).
+"""CUDA-graph replay of decode steps (the GPU fast path; `ModelRunner` runs the same step functions eagerly
+elsewhere, which is the reference).
 
 A decode step of a small model is hundreds of tiny kernels; launched from Python their overhead, not the GPU, sets
-the pace. Here the forward for a padded batch of `rows` slots attending to `length` cache positions is captured once
-per (rows, length) bucket, on first use, and afterwards replayed with one launch. Inputs are copied into static
-buffers first; the padding rows are free cache slots (their k/v writes land in unused rows). All graphs share one
-memory pool. The graphs hold the addresses of the weights and of the cache: replacing either (sleep/wake) needs a
-new `DecodeGraphs`; copying new weights into the same tensors (`update_weights`) does not.
+the pace. Here a step over a padded batch of `rows` slots attending to `length` cache positions (the forward, and for
+unseeded batches also the sampling and the update of the next step's inputs) is captured once per key, on first use,
+and afterwards replayed with one launch. The step reads and writes the runner's fixed device buffers; padding rows
+are free cache slots (their k/v writes land in unused rows). All graphs share one memory pool. The graphs hold the
+addresses of the weights, the cache and those buffers: replacing the weights or the cache (sleep/wake) needs a new
+`DecodeGraphs`; copying new weights into the same tensors (`update_weights`) does not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 
 import torch
 from torch import Tensor
 
-DecodeForward = Callable[[Tensor, Tensor, int], Tensor]  # (ids [B], positions [B], length) -> hidden [B, H]
+DecodeStep = Callable[[], Tensor | None]  # one captured step; its output (if any) stays valid until the next replay
 
 
 def row_buckets(max_rows: int) -> list[int]:
@@ -34,41 +36,42 @@ def length_bucket(length: int, max_len: int) -> int:
 
 
 class DecodeGraphs:
-    def __init__(self, forward: DecodeForward, max_rows: int, max_len: int, device: torch.device) -> None:
-        self.forward, self.max_len = forward, max_len
+    """Graphs by key. `state` are the buffers a step advances (its inputs for the next step), put back after the
+    eager warm-up run before each capture; `generator` is the one random stream captured steps may draw from."""
+
+    def __init__(self, max_rows: int, state: list[Tensor], generator: torch.Generator) -> None:
         self.buckets = row_buckets(max_rows)
-        self.ids = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.positions = torch.zeros(max_rows, dtype=torch.long, device=device)
-        self.graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, Tensor]] = {}
+        self.state, self.generator = state, generator
+        self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Tensor | None]] = {}
         self.pool = None
 
-    def run(self, ids: Tensor, positions: Tensor, length: int) -> Tensor:
-        """ids, positions [B] on the device (B <= max_rows) -> hidden [B, H] of the last replay (valid until the
-        next call)."""
-        num_rows = ids.shape[0]
-        rows = next(b for b in self.buckets if b >= num_rows)
-        self.ids[:num_rows].copy_(ids)
-        self.positions[:num_rows].copy_(positions)
-        self.ids[num_rows:rows].zero_()
-        self.positions[num_rows:rows].zero_()
-        key = (rows, length_bucket(length, self.max_len))
-        if key not in self.graphs:
-            self.graphs[key] = self._capture(*key)
-        graph, hidden = self.graphs[key]
-        graph.replay()
-        return hidden[:num_rows]
+    def rows_for(self, num_rows: int) -> int:
+        """The padded row count a batch of `num_rows` runs with."""
+        return next(b for b in self.buckets if b >= num_rows)
 
-    def _capture(self, rows: int, length: int) -> tuple[torch.cuda.CUDAGraph, Tensor]:
-        ids, positions = self.ids[:rows], self.positions[:rows]
-        # One eager run on a side stream first (lazy cuBLAS/allocator set-up must not happen inside the capture).
-        # It writes the same k/v the replay will write, so running it is harmless.
+    def replay(self, key: Hashable, step: DecodeStep) -> Tensor | None:
+        """Replay the graph of `key` (capturing `step` first when the key is new) -> the step's output."""
+        if key not in self.graphs:
+            self.graphs[key] = self._capture(step)
+        graph, out = self.graphs[key]
+        graph.replay()
+        return out
+
+    def _capture(self, step: DecodeStep) -> tuple[torch.cuda.CUDAGraph, Tensor | None]:
+        # One eager run on a side stream first (lazy cuBLAS/allocator set-up must not happen inside the capture). It
+        # writes the k/v the replay will write again; the inputs it advances are put back afterwards.
+        saved = [t.clone() for t in self.state]
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
-            self.forward(ids, positions, length)
+            step()
         torch.cuda.current_stream().wait_stream(side)
+        for tensor, value in zip(self.state, saved):
+            tensor.copy_(value)
         graph = torch.cuda.CUDAGraph()
+        # Each replay then draws fresh numbers: it advances the generator by what the captured kernels consumed.
+        graph.register_generator_state(self.generator)
         with torch.cuda.graph(graph, pool=self.pool):
-            hidden = self.forward(ids, positions, length)
+            out = step()
         self.pool = graph.pool()
-        return graph, hidden
+        return graph, out

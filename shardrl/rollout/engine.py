@@ -17,7 +17,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -26,16 +26,19 @@ from torch import Tensor
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import hf_name_index, load_hf_tensor, load_hf_weights
 from shardrl.parallel.layout import Layout
+from shardrl.rollout.host_copy import HostCopies, HostCopy
 from shardrl.rollout.request import Request, RequestOutput, SamplingParams
 from shardrl.rollout.runner import EngineConfig, ModelRunner
 from shardrl.rollout.sampler import SamplingBatch, sample
-from shardrl.rollout.scheduler import Scheduler
+from shardrl.rollout.scheduler import Batch, Scheduler
 
 
 @dataclass
 class EngineStats:
     """Work done since the last reset (`engine.stats = EngineStats()`), for throughput metrics. Step times are
-    wall-clock; each step ends in a device-to-host copy, so they include the device work."""
+    wall-clock per `step()` call; `decode_wait_seconds` is the part spent waiting for the device, so the host's own
+    time per decode step is `(decode_seconds - decode_wait_seconds) / decode_steps`. `decode_host_launches` counts
+    decode steps whose inputs came from the host (the batch had changed) instead of the step before them."""
 
     prefill_steps: int = 0
     prefill_tokens: int = 0
@@ -43,6 +46,23 @@ class EngineStats:
     decode_steps: int = 0
     decode_tokens: int = 0
     decode_seconds: float = 0.0
+    decode_wait_seconds: float = 0.0
+    decode_host_launches: int = 0
+
+
+@dataclass(frozen=True)
+class _Launched:
+    """A decode step queued on the device, recorded by a later `step()` call: the running `requests` (slot order)
+    and their `slots` at launch, rows 0..num_rows-1 attending to `length` positions, and for a step launched ahead
+    the states its seeded generators had before it drew (to put back if it is dropped)."""
+
+    requests: list[Request]
+    slots: list[int]
+    num_rows: int
+    length: int
+    sampling: SamplingBatch
+    copy: HostCopy
+    restore: list[tuple[torch.Generator, Tensor]]
 
 
 class EngineError(ValueError):
@@ -60,11 +80,11 @@ class Engine:
         self.policy_version = 0
         self.eos_ids = frozenset(_eos_ids(model_config) if config.eos_token_ids is None else config.eos_token_ids)
         self.scheduler = Scheduler(self.runner.cache.num_slots, config.max_num_seqs, config.max_num_batched_tokens)
-        self.generator = torch.Generator(self.device).manual_seed(config.seed)
         self.stats = EngineStats()
         self._paused: dict[str, Request] = {}
         self._counter = itertools.count()
-        self._sampling: tuple[list[Request], SamplingBatch] | None = None  # the last batch's, see `_sampling_batch`
+        self._copies = HostCopies(self.runner.cache.num_slots, 3, self.device)
+        self._ahead: _Launched | None = None  # the decode step the next `step()` records, already on the device
 
     @classmethod
     def from_pretrained(cls, path: str | Path, layout: Layout, config: EngineConfig = EngineConfig()) -> Engine:
@@ -85,6 +105,7 @@ class Engine:
             if name not in self._names:
                 raise EngineError(f"update_weights: {name!r} is not a tensor of this {self.model_config.architecture}")
             load_hf_tensor(*self._names[name], full)
+        self._drop_ahead()  # its tokens would carry the new version but come from the old weights
         self.policy_version = self.policy_version + 1 if version is None else version
 
     def sleep(self, offload_weights: bool = False) -> None:
@@ -92,6 +113,7 @@ class Engine:
         use the GPU. Requests must be finished or aborted first."""
         if self.scheduler.has_work():
             raise EngineError("sleep: requests are still in flight; call abort() or run them to completion first")
+        self._drop_ahead()
         self.runner.release_memory(offload_weights)
 
     def wake_up(self, kv_cache: bool = True) -> None:
@@ -121,52 +143,98 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
-        """Run one prefill or decode batch; return the requests that finished in it."""
+        """Run one prefill or decode step; return the requests that finished in it.
+
+        Decode steps run one ahead on the device: before recording step k this launches step k+1, whose inputs
+        (the tokens step k samples, the next positions) step k writes on the device, so the GPU computes k+1 while
+        the host appends k's tokens. A request that stops at step k leaves one wasted row in step k+1, whose token
+        is never recorded. Only a step that changes nothing for the host runs ahead: no request reaching its token
+        limit in step k, none waiting that a free slot could take (a prefill comes first). Otherwise the batch
+        changes and its next step is launched from the host's view of the requests.
+        """
         if self.runner.cache.data is None:
             raise EngineError("step: the engine is asleep; call wake_up() first")
-        batch = self.scheduler.schedule()
-        if batch is None:
-            return []
-        start, prefill = time.perf_counter(), batch.kind == "prefill"
-        num_tokens = sum(r.num_tokens for r in batch.requests) if prefill else len(batch.requests)
-        logits = self.runner.prefill_logits(batch.requests) if prefill else self.runner.decode_logits(batch)
-        finished = self._sample_and_record(batch.requests, logits)
-        seconds = time.perf_counter() - start
-        if prefill:
-            self.stats.prefill_steps += 1
-            self.stats.prefill_tokens += num_tokens
-            self.stats.prefill_seconds += seconds
-        else:
-            self.stats.decode_steps += 1
-            self.stats.decode_tokens += num_tokens
-            self.stats.decode_seconds += seconds
+        start = time.perf_counter()
+        current = self._ahead
+        if current is None:
+            batch = self.scheduler.schedule()
+            if batch is None:
+                return []
+            if batch.kind == "prefill":
+                return self._prefill(batch.requests, start)
+            current = self._launch(batch)
+        self._ahead = self._launch_ahead(current) if self._may_run_ahead(current) else None
+        waited = time.perf_counter()
+        rows = current.copy.rows()
+        self.stats.decode_wait_seconds += time.perf_counter() - waited
+        live = [(r, rows[slot]) for r, slot in zip(current.requests, current.slots)
+                if r.finish_reason is None and r.slot == slot]
+        finished = self._record(live)
+        if self._ahead is not None and all(r.finish_reason is not None for r in self._ahead.requests):
+            self._drop_ahead()  # every row stopped: nothing of it will be recorded
+        self.stats.decode_steps += 1
+        self.stats.decode_tokens += len(live)
+        self.stats.decode_seconds += time.perf_counter() - start
         return finished
 
-    def _sample_and_record(self, requests: list[Request], logits: Tensor) -> list[RequestOutput]:
-        """logits [N, V] -> one new token per request; returns the requests this finished."""
-        drawn = sample(logits, self._sampling_batch(requests), self.generator)
-        columns = [drawn.token_ids.double(), drawn.logprobs.double()]
-        if drawn.raw_logprobs is not None:
-            columns.append(drawn.raw_logprobs.double())
-        rows = torch.stack(columns, dim=1).tolist()  # one device-to-host copy per step
+    def _prefill(self, requests: list[Request], start: float) -> list[RequestOutput]:
+        num_tokens = sum(r.num_tokens for r in requests)
+        logits = self.runner.prefill_logits(requests)
+        sampling = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests],
+                                       self.model_config.vocab_size, self.device)
+        drawn = sample(logits, sampling, self.runner.generator)
+        raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
+        rows = torch.stack([drawn.token_ids.double(), drawn.logprobs.double(), raw.double()], dim=1).tolist()
+        finished = self._record(list(zip(requests, rows)))
+        self.stats.prefill_steps += 1
+        self.stats.prefill_tokens += num_tokens
+        self.stats.prefill_seconds += time.perf_counter() - start
+        return finished
+
+    def _launch(self, batch: Batch) -> _Launched:
+        """A decode step whose inputs the host writes: the running requests' last tokens, by slot."""
+        rows: list[Request | None] = [None] * batch.num_rows
+        for request in batch.requests:
+            rows[request.slot] = request
+        # A free slot samples like a running one (unseeded): its row then never changes which ops `sample` runs.
+        params = [(r or batch.requests[0]).params for r in rows]
+        generators = [r.generator if r else None for r in rows]
+        sampling = SamplingBatch.build(params, generators, self.model_config.vocab_size, self.device)
+        self.runner.load_decode_inputs(rows, sampling)
+        length = max(r.num_tokens for r in batch.requests)
+        self.stats.decode_host_launches += 1
+        out = self.runner.decode(batch.num_rows, length, sampling)
+        return _Launched(batch.requests, [r.slot for r in batch.requests], batch.num_rows, length, sampling,
+                         self._copies.start(out), [])
+
+    def _may_run_ahead(self, step: _Launched) -> bool:
+        """Whether the step after `step` runs the same requests in the same slots, whatever `step` samples."""
+        return not self.scheduler.can_admit() and all(
+            r.finish_reason is None and not r.reaches_length(1) for r in step.requests)
+
+    def _launch_ahead(self, step: _Launched) -> _Launched:
+        """The step after `step`, from the inputs `step` leaves on the device."""
+        restore = [(g, g.get_state()) for g in step.sampling.generators if g is not None]
+        out = self.runner.decode(step.num_rows, step.length + 1, step.sampling)
+        return replace(step, length=step.length + 1, copy=self._copies.start(out), restore=restore)
+
+    def _drop_ahead(self) -> None:
+        """Forget the step launched ahead (the batch or the weights change first): its seeded requests' generators
+        go back to where they were, so their next draws are the ones the dropped step made."""
+        if self._ahead is not None:
+            for generator, state in self._ahead.restore:
+                generator.set_state(state)
+            self._ahead = None
+
+    def _record(self, rows: list[tuple[Request, list[float]]]) -> list[RequestOutput]:
+        """Append each request's (token, logprob, raw logprob) row; returns the requests this finished."""
         finished = []
-        for request, row in zip(requests, rows):
-            request.append(int(row[0]), row[1], row[2] if request.params.raw_logprobs else None,
-                           self.policy_version)
+        for request, (token, logprob, raw) in rows:
+            request.append(int(token), logprob, raw if request.params.raw_logprobs else None, self.policy_version)
             if request.finish_reason is not None:
                 self.scheduler.release(request)
                 finished.append(request.output())
         return finished
-
-    def _sampling_batch(self, requests: list[Request]) -> SamplingBatch:
-        """The requests' sampling settings as tensors, built again only when the batch holds other requests: decode
-        steps of an unchanged running set (most steps) reuse them and make no host-to-device copies for them."""
-        cached = self._sampling
-        if cached is None or len(cached[0]) != len(requests) or any(a is not b for a, b in zip(cached[0], requests)):
-            batch = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests],
-                                        self.model_config.vocab_size, self.device)
-            cached = self._sampling = (list(requests), batch)
-        return cached[1]
 
     def stream(self) -> Iterator[RequestOutput]:
         """Yield requests as they finish until none is left (requests submitted meanwhile are included)."""
@@ -185,6 +253,7 @@ class Engine:
     def abort(self, request_ids: Iterable[str] | None = None, keep: bool = True) -> list[RequestOutput]:
         """Stop requests (all when None), free their cache slots and return what they generated so far. With `keep`
         they wait for `resume()`, which continues them (under whatever weights are loaded by then)."""
+        self._drop_ahead()  # an aborted request must not keep a token it was never given
         taken = self.scheduler.remove(None if request_ids is None else set(request_ids))
         if keep:
             self._paused.update((r.request_id, r) for r in taken)

@@ -108,8 +108,12 @@ class Request:
         self.policy_versions.append(version)
         if token in self.stop_ids:
             self.finish_reason = "stop"
-        elif len(self.token_ids) >= self.params.max_tokens or self.num_tokens >= self.max_len:
+        elif self.reaches_length(0):
             self.finish_reason = "length"
+
+    def reaches_length(self, num_new: int) -> bool:
+        """Whether `num_new` more tokens would bring the request to `max_tokens` or to `max_len`."""
+        return len(self.token_ids) + num_new >= self.params.max_tokens or self.num_tokens + num_new >= self.max_len
 
     def output(self) -> RequestOutput:
         return RequestOutput(

@@ -1,8 +1,11 @@
-"""The engine's device side: the model, its KV cache and decode graphs, and the two forward passes.
+"""The engine's device side: the model, its KV cache and decode graphs, the two forward passes, decode sampling.
 
-`prefill_logits` runs whole sequences into their cache slots; `decode_logits` advances every running slot by one
-token, through CUDA graphs on GPU (`cuda_graphs.py`) and through `decode_hidden`, the portable reference, elsewhere.
-Both return full-vocabulary logits of the rows to sample, identical on every TP rank.
+`prefill_logits` runs whole sequences into their cache slots and returns full-vocabulary logits (identical on every
+TP rank) for the engine to sample. `decode` advances slots 0..num_rows-1 by one token, keeping the step's inputs on
+the device: each row's token and position live in fixed buffers, which the host writes only when the batch changes
+(`load_decode_inputs`); every step samples the next token of each row, writes it back as the next step's input and
+moves live rows one position on, so consecutive steps need nothing from the host. On GPU a whole step (forward,
+sampling, update) is one CUDA-graph replay (`cuda_graphs.py`); eagerly the same functions run as they are.
 """
 
 from __future__ import annotations
@@ -19,8 +22,7 @@ from shardrl.parallel.tensor import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket
 from shardrl.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, gpu_cache_budget, num_slots_for_budget
 from shardrl.rollout.request import Request, SamplingParams
-from shardrl.rollout.sampler import SamplingBatch, sample
-from shardrl.rollout.scheduler import Batch
+from shardrl.rollout.sampler import SamplingBatch, SamplingBuffers, sample
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,13 @@ class ModelRunner:
         self.model_config, self.layout, self.config, self.device = model_config, layout, config, layout.device
         self.model = Transformer(model_config, layout, dtype=config.dtype).eval().requires_grad_(False)
         self.cache = self._build_cache()
+        self.generator = torch.Generator(self.device).manual_seed(config.seed)  # unseeded rows' shared stream
+        num_slots = self.cache.num_slots
+        # Next decode step's inputs per slot: token [0], position [1], 1 if a request runs there else 0 [2].
+        self.inputs = torch.zeros(3, num_slots, dtype=torch.long, device=self.device)
+        self.ids, self.positions, self.live = self.inputs
+        self.sampling = SamplingBuffers(num_slots, model_config.vocab_size, self.device)
+        self.out = torch.zeros(num_slots, 3, dtype=torch.float64, device=self.device)  # a step's rows, see `decode`
         self.graphs: DecodeGraphs | None = None
         self.offloaded = False
 
@@ -69,25 +78,54 @@ class ModelRunner:
         hidden = self.model(ids, positions, cu_seqlens, PrefillAttention(self.cache, slots, positions), max(lengths))
         return self.logits(hidden[cu_seqlens[1:] - 1])
 
-    def decode_logits(self, batch: Batch) -> Tensor:
-        """One token for every slot 0..num_rows-1 (free slots ride along) -> logits [N, V] of the running ones."""
-        ids, positions = [0] * batch.num_rows, [0] * batch.num_rows
-        for r in batch.requests:
-            ids[r.slot], positions[r.slot] = r.token_ids[-1], r.num_tokens - 1
-        length = max(positions) + 1
-        host = torch.tensor(ids + positions + [r.slot for r in batch.requests])
-        ids_t, positions_t, active = host.to(self.device, non_blocking=True).split(
-            [batch.num_rows, batch.num_rows, len(batch.requests)])
-        if self._use_graphs(batch.num_rows):
-            if self.graphs is None:
-                self.graphs = DecodeGraphs(self.decode_hidden, min(self.cache.num_slots, self.config.max_graph_rows),
-                                           self.cache.max_len, self.device)
-            hidden = self.graphs.run(ids_t, positions_t, length)
+    def load_decode_inputs(self, rows: list[Request | None], sampling: SamplingBatch) -> None:
+        """Inputs of the next decode steps for slots 0..len(rows)-1: per running request its last token and that
+        token's position; a free slot (None) rides along at position 0 and stays there. `sampling` are the rows'
+        settings."""
+        padding = [0] * (self.cache.num_slots - len(rows))
+        host = torch.tensor([[r.token_ids[-1] if r else 0 for r in rows] + padding,
+                             [r.num_tokens - 1 if r else 0 for r in rows] + padding,
+                             [int(r is not None) for r in rows] + padding])  # [3, S]
+        self.inputs.copy_(host, non_blocking=True)
+        self.sampling.load(sampling)
+
+    def decode(self, num_rows: int, length: int, sampling: SamplingBatch) -> Tensor:
+        """One decode step of slots 0..num_rows-1 from the input buffers, attending to `length` cache positions.
+
+        Samples each row's next token with `sampling` (its rows: the same slots), writes it into the buffers as the
+        next step's input and moves live rows one position on. Returns the step's rows [num_rows, 3] fp64 (token,
+        logprob, raw logprob, the last equal to the logprob unless the batch asked for raw ones), on the device;
+        valid until the next step.
+        """
+        length = length_bucket(length, self.cache.max_len)
+        if not self._use_graphs(num_rows):
+            self._sample_step(self._decode_logits(num_rows, length), sampling)
+            return self.out[:num_rows]
+        if self.graphs is None:
+            self.graphs = DecodeGraphs(min(self.cache.num_slots, self.config.max_graph_rows), [self.inputs],
+                                       self.generator)
+        rows = self.graphs.rows_for(num_rows)
+        if sampling.seeded:  # the graph holds the forward; per-request generators draw outside it
+            logits = self.graphs.replay((rows, length), lambda: self._decode_logits(rows, length))
+            self._sample_step(logits[:num_rows], sampling)
         else:
-            hidden = self.decode_hidden(ids_t, positions_t, length_bucket(length, self.cache.max_len))
-        if len(batch.requests) < batch.num_rows:  # else every row is a running request, in slot order
-            hidden = hidden.index_select(0, active)
-        return self.logits(hidden)
+            fixed = self.sampling.view(sampling, rows)
+            self.graphs.replay((rows, length, fixed.mode),
+                               lambda: self._sample_step(self._decode_logits(rows, length), fixed))
+        return self.out[:num_rows]
+
+    def _decode_logits(self, num_rows: int, length: int) -> Tensor:
+        return self.logits(self.decode_hidden(self.ids[:num_rows], self.positions[:num_rows], length))
+
+    def _sample_step(self, logits: Tensor, sampling: SamplingBatch) -> None:
+        """logits [N, V] of rows 0..N-1 -> their tokens into the input buffers and `out`."""
+        num_rows = logits.shape[0]
+        drawn = sample(logits, sampling, self.generator)
+        self.ids[:num_rows].copy_(drawn.token_ids)
+        self.positions[:num_rows].add_(self.live[:num_rows])
+        raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
+        torch.stack([drawn.token_ids.double(), drawn.logprobs.double(), raw.double()], dim=1,
+                    out=self.out[:num_rows])
 
     def decode_hidden(self, ids: Tensor, positions: Tensor, length: int) -> Tensor:
         """The portable decode forward (and what the CUDA graphs capture): ids, positions [B] -> hidden [B, H]."""

@@ -14,7 +14,7 @@ full logits with identically seeded generators, so all ranks pick the same token
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -36,6 +36,17 @@ class SamplingBatch:
     unit_temperature: bool  # every row samples at temperature 1 (or is greedy): the logits need no division
     raw: bool  # some row asked for raw temperature-1 logprobs
 
+    @property
+    def seeded(self) -> bool:
+        """Some row draws from its own generator (which a CUDA graph cannot hold; see `SamplingBuffers`)."""
+        return any(g is not None for g in self.generators)
+
+    @property
+    def mode(self) -> tuple[bool, ...]:
+        """What decides which ops `sample` runs: batches of one mode run the same ops on tensors of the same
+        shapes, so one captured CUDA graph serves them all."""
+        return self.top_k is not None, self.all_greedy, self.any_greedy, self.unit_temperature, self.raw
+
     @classmethod
     def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
               device: torch.device) -> SamplingBatch:
@@ -53,6 +64,36 @@ class SamplingBatch:
             top_p=to_device([p.top_p for p in params], torch.float32) if filtered else None,
             generators=generators, any_greedy=any(p.greedy for p in params), all_greedy=all(p.greedy for p in params),
             unit_temperature=all(t == 1.0 for t in temperature), raw=any(p.raw_logprobs for p in params))
+
+
+class SamplingBuffers:
+    """Per-row settings at fixed device addresses, so that a CUDA graph can capture `sample` once and later
+    replays read whatever settings `load` wrote since. Only for unseeded batches: a graph replays one fixed
+    generator (the engine's shared one), not the per-request generators of seeded rows."""
+
+    def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
+        # Valid settings everywhere from the start: padding rows past a batch read whatever is left here.
+        self.temperature = torch.ones(max_rows, device=device)
+        self.greedy = torch.zeros(max_rows, dtype=torch.bool, device=device)
+        self.top_k = torch.full((max_rows,), vocab_size, dtype=torch.int64, device=device)
+        self.top_p = torch.ones(max_rows, device=device)
+
+    def load(self, batch: SamplingBatch) -> None:
+        rows = batch.temperature.shape[0]
+        self.temperature[:rows].copy_(batch.temperature)
+        self.greedy[:rows].copy_(batch.greedy)
+        if batch.top_k is not None:
+            self.top_k[:rows].copy_(batch.top_k)
+            self.top_p[:rows].copy_(batch.top_p)
+
+    def view(self, batch: SamplingBatch, rows: int) -> SamplingBatch:
+        """`batch`'s mode over the first `rows` rows of the buffers (rows past the batch's are padding)."""
+        if batch.seeded:
+            raise ValueError("SamplingBuffers.view: a seeded batch cannot be sampled from fixed buffers")
+        filtered = batch.top_k is not None
+        return replace(batch, temperature=self.temperature[:rows], greedy=self.greedy[:rows],
+                       top_k=self.top_k[:rows] if filtered else None, top_p=self.top_p[:rows] if filtered else None,
+                       generators=[None] * rows)
 
 
 @dataclass(frozen=True)
@@ -116,8 +157,8 @@ def sample(logits: Tensor, batch: SamplingBatch, shared: torch.Generator | None 
     chosen = token_ids.unsqueeze(1)
     logprobs = scaled.gather(1, chosen).squeeze(1).float() - log_normaliser(scaled)
     raw = None
-    if batch.raw:
-        raw = logits.gather(1, chosen).squeeze(1).float() - log_normaliser(logits)
+    if batch.raw:  # unscaled and unfiltered: the logprobs above are already the raw ones
+        raw = logprobs if scaled is logits else logits.gather(1, chosen).squeeze(1).float() - log_normaliser(logits)
     return Sampled(token_ids, logprobs, raw)
 
 

@@ -47,6 +47,10 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def can_admit(self) -> bool:
+        """Whether the next `schedule()` would prefill (a waiting request always fits the token budget alone)."""
+        return bool(self.waiting and self.free_slots)
+
     def schedule(self) -> Batch | None:
         prefill = self._take_prefill()
         if prefill:
