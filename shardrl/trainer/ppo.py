@@ -136,7 +136,7 @@ class PPOTrainer:
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.config, -1)
         batch = self.workers.generator.generate_sequences(samples, validate=True)
-        batch, _ = batch_ops.score(batch, self.tokenizer, self.score_fn)
+        batch, extra_metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
         if self.config.trainer.log_val_generations:
             self.tracker.log_generations(self.global_step, batch_ops.val_generations(
@@ -144,6 +144,8 @@ class PPOTrainer:
         sources = batch.non_tensors["data_source"]
         metrics = {f"val-core/{s}/reward/mean@1": float(scores[sources == s].mean()) for s in set(sources)}
         metrics["val-core/reward/mean"] = float(np.mean(scores))
+        # A reward function's extras (e.g. `acc` beside a shaped score) as verl's val-aux metrics.
+        metrics.update({f"val-aux/{key.removeprefix('reward_extra/')}": value for key, value in extra_metrics.items()})
         return metrics
 
     def save(self) -> None:
