@@ -140,7 +140,7 @@ def test_sleep_wake_round_trip(checkpoints):
     stats = engine.stats  # one prefill of 5 + 9 + 3 tokens, then 5 decode steps of 3 requests
     assert (stats.prefill_steps, stats.prefill_tokens, stats.decode_steps, stats.decode_tokens) == (1, 17, 5, 15)
     engine.sleep(offload_weights=True)
-    assert engine.runner.cache.data is None
+    assert not engine.runner.cache.allocated
     with pytest.raises(EngineError, match="asleep"):
         engine.submit(PROMPTS[0], params)
         engine.step()

@@ -1,5 +1,8 @@
-"""Rollout engine on CUDA: the CUDA-graph decode against the eager reference, bf16 logprobs against the trainer's
-forward, weight updates under captured graphs, sleep/wake with weight offload freeing the memory."""
+"""Rollout engine on CUDA: the CUDA-graph decode against the eager reference (seeded rows sampling outside the graphs,
+unseeded ones inside), bf16 logprobs against the trainer's forward, weight updates under captured graphs, sleep/wake
+with weight offload freeing the memory."""
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -67,6 +70,36 @@ def test_bf16_logprobs_close_to_trainer_forward(checkpoint):
         assert diff.max() < 0.1 and diff.mean() < 0.02, (diff.max(), diff.mean())
 
 
+def test_unseeded_sampling_runs_inside_the_graphs(checkpoint):
+    """Unseeded rows sample inside the captured step from the engine's generator: greedy rows equal the eager
+    engine's, sampled rows' raw logprobs are the trainer's, and every replay draws new numbers."""
+    params = [SamplingParams(max_tokens=m, temperature=t, raw_logprobs=True, ignore_eos=True)
+              for m, t in zip([30, 5, 60, 20, 45, 9], [0.0, 1.0, 0.0, 0.7, 1.0, 0.0])]
+    engine = _engine(checkpoint)
+    outputs = engine.generate(PROMPTS, params)
+    assert any(len(key) == 3 for key in engine.runner.graphs.graphs)  # (rows, length, sampling mode)
+    assert engine.stats.decode_host_launches < engine.stats.decode_steps
+    eager = _engine(checkpoint, eager=True).generate(PROMPTS, params)
+    for p, g, e in zip(params, outputs, eager):
+        if p.greedy:
+            assert g.token_ids == e.token_ids
+    for out, expected in zip(outputs, _trainer_raw_logprobs(checkpoint, outputs, torch.float32)):
+        assert_close(torch.tensor(out.raw_logprobs), expected, atol=1e-4, rtol=0)
+    again = engine.generate(PROMPTS, params)
+    sampled = [i for i, p in enumerate(params) if not p.greedy]
+    assert [outputs[i].token_ids for i in sampled] != [again[i].token_ids for i in sampled]
+
+
+def test_compiled_decode_equals_eager_decode(checkpoint):
+    params = SamplingParams(max_tokens=10, temperature=0.0, raw_logprobs=True, ignore_eos=True)
+    config = replace(_config(torch.float32), compile_decode=True)
+    compiled = Engine.from_pretrained(checkpoint, Layout.single("cuda"), config).generate(PROMPTS, params)
+    eager = _engine(checkpoint, eager=True).generate(PROMPTS, params)
+    for c, e in zip(compiled, eager):
+        assert c.token_ids == e.token_ids
+        assert_close(torch.tensor(c.raw_logprobs), torch.tensor(e.raw_logprobs), atol=1e-4, rtol=0)
+
+
 def test_update_weights_under_captured_graphs(checkpoint, tmp_path):
     other = make_tiny_checkpoint("qwen2", tmp_path / "other", seed=1)
     engine = _engine(checkpoint)
@@ -80,13 +113,13 @@ def test_update_weights_under_captured_graphs(checkpoint, tmp_path):
 def test_sleep_frees_memory_and_wake_restores_outputs(checkpoint):
     engine = _engine(checkpoint, torch.bfloat16)
     before = engine.generate(PROMPTS, PARAMS)
-    cache_bytes = engine.runner.cache.data.nbytes
+    cache_bytes = engine.runner.cache.nbytes
     allocated = torch.cuda.memory_allocated()
     engine.sleep(offload_weights=True)
     assert allocated - torch.cuda.memory_allocated() >= cache_bytes
     assert all(not p.is_cuda for p in engine.model.parameters())
     engine.wake_up(kv_cache=False)
-    assert all(p.is_cuda for p in engine.model.parameters()) and engine.runner.cache.data is None
+    assert all(p.is_cuda for p in engine.model.parameters()) and not engine.runner.cache.allocated
     engine.wake_up()
     after = engine.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in after] == [o.token_ids for o in before]

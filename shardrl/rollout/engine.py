@@ -152,7 +152,7 @@ class Engine:
         limit in step k, none waiting that a free slot could take (a prefill comes first). Otherwise the batch
         changes and its next step is launched from the host's view of the requests.
         """
-        if self.runner.cache.data is None:
+        if not self.runner.cache.allocated:
             raise EngineError("step: the engine is asleep; call wake_up() first")
         start = time.perf_counter()
         current = self._ahead

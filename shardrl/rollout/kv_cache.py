@@ -25,29 +25,43 @@ class KVCacheError(RuntimeError):
 
 
 class KVCache:
-    """Keys and values of every layer for `num_slots` sequences of up to `max_len` tokens."""
+    """Keys and values of every layer for `num_slots` sequences of up to `max_len` tokens.
+
+    Each layer's keys and values are tensors of their own, not views of one: a compiled decode forward
+    (`EngineConfig.compile_decode`) then writes the new tokens in place, where a write into a view of a larger
+    tensor would make it copy that whole tensor back every step.
+    """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.shape = (num_layers, 2, num_slots, num_kv_heads, max_len, head_dim)
+        self.num_layers, self.shape = num_layers, (num_slots, num_kv_heads, max_len, head_dim)
         self.num_slots, self.max_len, self.dtype, self.device = num_slots, max_len, dtype, device
-        self.data: Tensor | None = None
+        self.layers: list[tuple[Tensor, Tensor]] | None = None
         self.allocate()
 
     @staticmethod
     def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return num_layers * 2 * num_kv_heads * max_len * head_dim * dtype.itemsize
 
+    @property
+    def allocated(self) -> bool:
+        return self.layers is not None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.nbytes for pair in self.layers for t in pair) if self.allocated else 0
+
     def allocate(self) -> None:
         # Zeros, not empty: unwritten positions are masked, but masked NaN garbage would still poison softmax rows.
-        self.data = torch.zeros(self.shape, dtype=self.dtype, device=self.device)
+        self.layers = [tuple(torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
+                       for _ in range(self.num_layers)]
 
     def free(self) -> None:
-        self.data = None
+        self.layers = None
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """(keys, values) of one layer, each [S, nkv, L, D]."""
-        return self.data[layer_id, 0], self.data[layer_id, 1]
+        return self.layers[layer_id]
 
 
 def num_slots_for_budget(budget_bytes: int, bytes_per_slot: int, max_num_seqs: int, source: str) -> int:

@@ -136,39 +136,48 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
 def sample(logits: Tensor, batch: SamplingBatch, shared: torch.Generator | None = None) -> Sampled:
     """logits [B, V] (full vocab, any float dtype) -> one token per row with its logprobs.
 
-    Only per-row reductions touch the log-normaliser (logp = z - logsumexp(z) and the argmax of z - log E does not
-    need it), which saves full [B, V] passes on a 150k vocabulary. At temperature 1 the logits are used as they
-    are: every op below computes in fp32 (a bf16 logit converts to fp32 exactly), so skipping the division changes
-    no bit of the result and saves a full-size fp32 copy.
+    Each full [B, V] pass costs about as much as the decode forward of a small model on a 150k vocabulary, so
+    there are few: the unnormalised probabilities w = exp(z - max z) serve both the normaliser (logp = z -
+    log sum w - max z) and the race (argmax w / E needs no normalisation). At temperature 1 the logits are used as
+    they are: every op below computes in fp32 (a bf16 logit converts to fp32 exactly), so skipping the division
+    changes no bit of the result and saves a full-size fp32 copy.
     """
     scaled = logits  # [B, V]
     if not batch.unit_temperature:
         scaled = torch.div(logits, batch.temperature.unsqueeze(1))  # fp32 (promoted in the same pass)
     if batch.top_k is not None:
         scaled = filter_top_k_top_p(scaled.float(), batch.top_k, batch.top_p)  # -inf outside the kept set
+    weights, top = unnormalised_probs(scaled)  # [B, V], [B, 1] fp32
+    normaliser = weights.sum(dim=-1).log_() + top.squeeze(1)  # [B]
     if batch.all_greedy:
         token_ids = scaled.argmax(dim=-1)
     else:
         noise = exponential_noise(tuple(scaled.shape), batch.generators, shared, logits.device)
-        # argmax log(p / E), the exponential race; written over the noise, computed in fp32
-        token_ids = torch.sub(scaled, noise.log_(), out=noise).argmax(dim=-1)
+        token_ids = torch.div(weights, noise, out=noise).argmax(dim=-1)  # the exponential race, over the noise
         if batch.any_greedy:
             token_ids = torch.where(batch.greedy, scaled.argmax(dim=-1), token_ids)
     chosen = token_ids.unsqueeze(1)
-    logprobs = scaled.gather(1, chosen).squeeze(1).float() - log_normaliser(scaled)
+    logprobs = scaled.gather(1, chosen).squeeze(1).float() - normaliser
     raw = None
     if batch.raw:  # unscaled and unfiltered: the logprobs above are already the raw ones
         raw = logprobs if scaled is logits else logits.gather(1, chosen).squeeze(1).float() - log_normaliser(logits)
     return Sampled(token_ids, logprobs, raw)
 
 
-def log_normaliser(logits: Tensor) -> Tensor:
-    """logits [B, V] of any float dtype -> logsumexp over V in fp32, [B].
+def unnormalised_probs(logits: Tensor) -> tuple[Tensor, Tensor]:
+    """logits [B, V] of any float dtype -> (exp(logits - top) [B, V] fp32, top [B, 1] fp32), top the row max (0
+    for an all -inf row, which then stays -inf in the normaliser instead of becoming nan).
 
-    The same steps, in the same order, as `torch.logsumexp` of `logits.float()` (so the same bits), but the
-    max is taken over the logits as they are and the shifted copy is the only fp32 tensor, instead of converting
-    the whole input first.
+    The max is taken over the logits as they are and the shifted copy is the only fp32 tensor, instead of
+    converting the whole input first.
     """
     top = logits.amax(dim=-1, keepdim=True).float()  # [B, 1]
-    top.masked_fill_(top.abs() == torch.inf, 0.0)  # an all -inf row stays -inf instead of becoming nan
-    return torch.sub(logits, top).exp_().sum(dim=-1).log_() + top.squeeze(1)
+    top.masked_fill_(top.abs() == torch.inf, 0.0)
+    return torch.sub(logits, top).exp_(), top
+
+
+def log_normaliser(logits: Tensor) -> Tensor:
+    """logits [B, V] of any float dtype -> logsumexp over V in fp32, [B]: the same steps, in the same order, as
+    `torch.logsumexp` of `logits.float()`, so the same bits."""
+    weights, top = unnormalised_probs(logits)
+    return weights.sum(dim=-1).log_() + top.squeeze(1)
