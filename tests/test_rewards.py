@@ -1,5 +1,7 @@
 """GSM8K scorer on realistic model outputs, the data_source registry and custom reward loading."""
 
+from pathlib import Path
+
 import pytest
 
 from shardrl.rewards.gsm8k import TAIL_CHARS, compute_score, extract_answer
@@ -92,3 +94,11 @@ def test_load_custom_reward(tmp_path):
         load_custom_reward(file, "nope")
     with pytest.raises(TypeError, match="custom_reward_function.name: .*my_reward.py:LIMIT is a int, not callable"):
         load_custom_reward(file, "LIMIT")
+
+
+def test_format_bonus_reward_example_scores_and_extras():
+    """examples/gsm8k/format_bonus_reward.py: 1 correct, 0.1 formatted but wrong, 0 unformatted; extras say which."""
+    fn = load_custom_reward(Path(__file__).parents[1] / "examples/gsm8k/format_bonus_reward.py", "compute_score")
+    assert fn("openai/gsm8k", "so 3 + 4 = 7\n#### 7", "7", None) == {"score": 1.0, "acc": 1.0, "formatted": 1.0}
+    assert fn("openai/gsm8k", "#### 8", "7", None) == {"score": 0.1, "acc": 0.0, "formatted": 1.0}
+    assert fn("openai/gsm8k", "the answer is 7", "7", None) == {"score": 0.0, "acc": 0.0, "formatted": 0.0}
