@@ -50,7 +50,7 @@ class RotaryEmbedding(nn.Module):
 
 def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     """x [T, heads, D], cos and signed_sin [T, D] in x's dtype: rotate channel i with channel i + D/2 by the
-    position's angle, x * cos + [-x2, x1] * sin, written as x * cos + roll(x, D/2) * signed_sin (a roll, a
-    multiply and a fused multiply-add instead of a negation, a concatenation, two multiplies and an add)."""
+    position's angle, x * cos + [-x2, x1] * sin, written as x * cos + roll(x, D/2) * signed_sin: a roll instead of a
+    negation and a concatenation, and bit for bit the same (negating a factor is exact)."""
     cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [T, 1, D]
-    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
