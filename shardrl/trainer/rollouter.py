@@ -95,12 +95,7 @@ class Rollouter:
                     self.dropped += len(group.rows)
                     self.budget += 1
                     self.cond.notify_all()
-                if self.in_order and all(g.samples is not None for g in islice(self.outstanding, num_groups)) \
-                        and len(self.outstanding) >= num_groups:
-                    groups = list(islice(self.outstanding, num_groups))
-                    break
-                if not self.in_order and len(self.queue) >= num_groups:
-                    groups = list(islice(self.queue, num_groups))
+                if (groups := self._ready(num_groups)) is not None:
                     break
                 self.cond.wait()
             for group in groups:
@@ -148,6 +143,13 @@ class Rollouter:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join()
+
+    def _ready(self, num_groups: int) -> list[Group] | None:
+        """The groups `take` hands out, once they are all finished."""
+        candidates = list(islice(self.outstanding if self.in_order else self.queue, num_groups))
+        if len(candidates) < num_groups or any(g.samples is None for g in candidates):
+            return None
+        return candidates
 
     def _remove(self, group: Group) -> None:
         self.outstanding.remove(group)
