@@ -52,9 +52,10 @@ class EngineStats:
 
 @dataclass(frozen=True)
 class _Launched:
-    """A decode step queued on the device, recorded by a later `step()` call: the running `requests` (slot order)
-    and their `slots` at launch, rows 0..num_rows-1 attending to `length` positions, and for a step launched ahead
-    the states its seeded generators had before it drew (to put back if it is dropped)."""
+    """A decode step queued on the device, recorded by the `step()` call that launched it or, launched ahead, by
+    the next one: the running `requests` (slot order) and their `slots` at launch, rows 0..num_rows-1 attending to
+    `length` positions, and for a step launched ahead the states its seeded generators had before it drew (to put
+    back if it is dropped)."""
 
     requests: list[Request]
     slots: list[int]

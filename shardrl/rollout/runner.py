@@ -70,8 +70,8 @@ class ModelRunner:
         self.out = torch.zeros(num_slots, 3, dtype=torch.float64, device=self.device)  # a step's rows, see `decode`
         self.graphs: DecodeGraphs | None = None
         self.offloaded = False
-        self._decode_logits = torch.compile(self._decode_logits, dynamic=False) if config.compile_decode else (
-            self._decode_logits)
+        if config.compile_decode:  # the decode graphs, captured later, then record the compiled kernels
+            self._decode_logits = torch.compile(self._decode_logits, dynamic=False)
 
     def prefill_logits(self, requests: list[Request]) -> Tensor:
         """Run whole sequences (prompt plus tokens so far) into their cache slots -> next-token logits [N, V]."""
