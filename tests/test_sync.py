@@ -60,8 +60,8 @@ class Case:
 class CorruptingTransport(Transport):
     """Flips one byte of the second bucket it sends, after its checksum was taken: damage in transit."""
 
-    def pack(self, bucket, buf):
-        wire = super().pack(bucket, buf)
+    def pack(self, bucket, buf, compare=None):
+        wire = super().pack(bucket, buf, compare)
         if bucket is self.plan.sends[min(1, len(self.plan.sends) - 1)]:
             wire[3] ^= 0x10
         return wire

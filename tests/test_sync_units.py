@@ -23,7 +23,8 @@ from shardrl.sync.plan import (
     split_piece,
 )
 from shardrl.sync.shards import shard_box
-from shardrl.sync.transport import BufferInFlightError, HostStaging, Ring
+from shardrl.sync.copies import HostStaging
+from shardrl.sync.transport import BufferInFlightError, Ring
 from shardrl.sync.verify import checksum
 
 F32 = torch.float32

@@ -87,6 +87,10 @@ class Shards:
         host = _host_view(param)
         return box_view(param.detach() if host is None else host, get_spec(param), box)
 
+    def offloaded(self, hf_name: str) -> bool:
+        """Whether `view` of this tensor reads the pinned host copy (the param is offloaded)."""
+        return _host_view(self.params[hf_name]) is not None
+
     def padding(self) -> Iterator[Tensor]:
         """Views of the padded rows past the real vocabulary (kept zero, as the checkpoint loader leaves them)."""
         for param in self.params.values():

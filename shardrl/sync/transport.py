@@ -20,7 +20,6 @@ to the size of the largest one (`HostStaging`).
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardrl.sync.copies import CopyBatch, HostStaging
 from shardrl.sync.plan import CHECKSUM_WORDS, TRAILER_BYTES, Bucket, Piece, RankPlan
 from shardrl.sync.shards import Shards
 from shardrl.sync.verify import check_checksums, check_full, checksum
@@ -41,43 +41,7 @@ class TransferStats:
     buckets: int = 0
     buffer_bytes: int = 0
     host_read_bytes: int = 0  # crossed from pinned host memory (offloaded params), staged params counted whole
-
-
-class HostStaging:
-    """Device copies of offloaded params, least recently used first out within `budget` bytes.
-
-    A piece that is contiguous in pinned host memory and already of the wire dtype is copied straight into its
-    bucket (one asynchronous DMA). Any other read of an offloaded param (a column block, a dtype change) stages the
-    whole param on the device once, and every piece cut from it while it stays staged is a device copy: an expert
-    matrix split by columns for two rollout ranks crosses PCIe once, not twice.
-    """
-
-    def __init__(self, device: torch.device, budget: int) -> None:
-        self.device, self.budget = device, budget
-        self.staged: OrderedDict[int, Tensor] = OrderedDict()  # host storage address -> its bytes on the device
-        self.read_bytes = 0  # host -> device bytes so far: what PCIe carried (0 on CPU: host and device are one)
-
-    def view(self, src: Tensor) -> Tensor:
-        """`src` (a view of an offloaded param's host copy) as the same view of its device copy."""
-        storage = src.untyped_storage()
-        staged = self.staged.pop(storage.data_ptr(), None)
-        if staged is None:
-            while self.staged and sum(t.numel() for t in self.staged.values()) + storage.nbytes() > self.budget:
-                # Freed on the current stream: the copies already queued from it run first.
-                self.staged.popitem(last=False)
-            host = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes] the whole pinned storage
-            staged = torch.empty_like(host, device=self.device).copy_(host, non_blocking=True)
-            self.read_bytes += host.numel()
-        self.staged[storage.data_ptr()] = staged
-        return staged.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
-
-    def copy(self, dst: Tensor, src: Tensor) -> None:
-        """`dst.copy_(src)`, staging a host `src` that cannot be DMA'd straight into `dst`."""
-        if src.device != dst.device and not (src.is_contiguous() and src.dtype == dst.dtype):
-            src = self.view(src)
-        elif src.device != dst.device:
-            self.read_bytes += src.numel() * src.element_size()
-        dst.copy_(src, non_blocking=True)
+    copy_launches: int = 0  # copy calls this rank issued (a multi-tensor copy counts once): the host's share of work
 
 
 class BufferInFlightError(RuntimeError):
@@ -122,6 +86,30 @@ class Transport:
         self.staging = HostStaging(device, source.largest_bytes() if source else 0)
         # Made once: the allocator keeps the side stream's blocks (staged params) for reuse by later syncs.
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.staged_names = self._staged_names()
+        self.kept_with, self.kept_apart = self._place_local()
+        self.launches = 0  # copy calls issued during the current run
+
+    def _staged_names(self) -> set[str]:
+        """Params this rank stages whole when offloaded: it reads some piece of them that is not a contiguous run
+        of the wire dtype (the host copy is laid out like the param, so its views are strided alike)."""
+        pieces = [p for b in self.plan.sends for p in b.pieces] + list(self.plan.local)
+        return {p.hf_name for p in pieces
+                if not ((view := self.source.view(p.hf_name, p.box)).is_contiguous() and view.dtype == p.dtype)}
+
+    def _place_local(self) -> tuple[dict[tuple[int, int], list[Piece]], list[Piece]]:
+        """Local pieces of a staged param that is also sent are copied right after its first piece is packed
+        (keyed by (step, index of that piece in its bucket)), while its staged copy is still there, so it is read
+        from host memory once; the other local pieces are spread over the steps."""
+        by_name: dict[str, list[Piece]] = {}
+        for piece in self.plan.local:
+            by_name.setdefault(piece.hf_name, []).append(piece)
+        kept_with: dict[tuple[int, int], list[Piece]] = {}
+        for bucket in self.plan.sends:
+            for i, piece in enumerate(bucket.pieces):
+                if piece.hf_name in self.staged_names and piece.hf_name in by_name:
+                    kept_with[bucket.step, i] = by_name.pop(piece.hf_name)
+        return kept_with, [p for p in self.plan.local if p.hf_name in by_name]
 
     def _buffers(self, buckets: Sequence[Bucket]) -> Ring:
         if not buckets:
@@ -141,10 +129,41 @@ class Transport:
         event.record()
         return event
 
-    def pack(self, bucket: Bucket, buf: Tensor) -> Tensor:
-        """Fill `buf` with the bucket's pieces and their checksum; returns the bytes to send."""
-        for piece in bucket.pieces:
-            self.staging.copy(piece_view(buf, piece), self.source.view(piece.hf_name, piece.box))
+    def _read(self, piece: Piece, batch: CopyBatch) -> Tensor:
+        """The source of `piece`: a device view, or for an offloaded param its host run (DMA'd straight into the
+        destination) or a view of its staged device copy (the batch is flushed before a new param is staged, so
+        no pending copy holds a staged param the staging evicts)."""
+        src = self.source.view(piece.hf_name, piece.box)
+        if not self.source.offloaded(piece.hf_name):
+            return src
+        if piece.hf_name not in self.staged_names:
+            return self.staging.direct(src)
+        if not self.staging.has(src):
+            batch.flush()
+        return self.staging.view(src)
+
+    def _flush(self, batch: CopyBatch) -> None:
+        batch.flush()
+        self.launches += batch.launches
+
+    def _keep(self, piece: Piece, batch: CopyBatch, compare: list | None) -> None:
+        """A local piece: copied in place (verify=full: compared with its source instead)."""
+        dst = self.target.view(piece.hf_name, piece.box)
+        if compare is None:
+            batch.add(dst, self._read(piece, batch))
+        else:
+            src = self.source.view(piece.hf_name, piece.box)
+            compare.append((piece.name, (dst != src.to(dst.device, dst.dtype)).any()))
+
+    def pack(self, bucket: Bucket, buf: Tensor, compare: list | None = None) -> Tensor:
+        """Fill `buf` with the bucket's pieces and their checksum, and copy the local pieces placed with them;
+        returns the bytes to send."""
+        batch = CopyBatch()
+        for i, piece in enumerate(bucket.pieces):
+            batch.add(piece_view(buf, piece), self._read(piece, batch))
+            for kept in self.kept_with.get((bucket.step, i), ()):
+                self._keep(kept, batch, compare)
+        self._flush(batch)
         n = bucket.nbytes
         buf[n:n + TRAILER_BYTES].view(torch.int64).copy_(checksum(buf[:n]))
         return buf[:n + TRAILER_BYTES]
@@ -155,27 +174,27 @@ class Transport:
         n = bucket.nbytes
         sums[0] = buf[n:n + TRAILER_BYTES].view(torch.int64)
         sums[1] = checksum(buf[:n])
+        batch = CopyBatch()
         for piece in bucket.pieces:
             dst = self.target.view(piece.hf_name, piece.box)
             if compare is None:
-                dst.copy_(piece_view(buf, piece), non_blocking=True)
+                batch.add(dst, piece_view(buf, piece))
             else:
                 compare.append((piece.name, (dst != piece_view(buf, piece)).any()))
+        self._flush(batch)
 
     def _copy_local(self, pieces: Sequence[Piece], compare: list | None) -> None:
+        batch = CopyBatch()
         for piece in pieces:
-            dst, src = self.target.view(piece.hf_name, piece.box), self.source.view(piece.hf_name, piece.box)
-            if compare is None:
-                self.staging.copy(dst, src)
-            else:
-                compare.append((piece.name, (dst != src.to(dst.device, dst.dtype)).any()))
+            self._keep(piece, batch, compare)
+        self._flush(batch)
 
-    def _pack_next(self, bucket: Bucket, ring: Ring) -> tuple[int, Tensor]:
+    def _pack_next(self, bucket: Bucket, ring: Ring, compare: list | None) -> tuple[int, Tensor]:
         """Pack `bucket` into the next free send buffer (on the side stream on GPU); the transfer, posted from the
         current stream, waits for it. Returns the buffer's slot and the bytes to send."""
         slot, buf = ring.acquire(self.side)
         with self._reading():
-            wire = self.pack(bucket, buf)
+            wire = self.pack(bucket, buf, compare)
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
         return slot, wire
@@ -189,14 +208,15 @@ class Transport:
         sends = {b.step: b for b in plan.sends}
         recvs = {b.step: (i, b) for i, b in enumerate(plan.recvs)}
         steps = sorted(sends.keys() | recvs.keys())
-        local = _spread(plan.local, len(steps) + 1)
+        local = _spread(self.kept_apart, len(steps) + 1)
+        self.launches = 0
         if self.side is not None:  # the trainer's last update and the rollout's padding zeroing come first
             self.side.wait_stream(torch.cuda.current_stream(self.device))
         in_flight = None
         for step in steps:
             ops, sent, received = [], None, None
             if step in sends:
-                sent, wire = self._pack_next(sends[step], send_ring)
+                sent, wire = self._pack_next(sends[step], send_ring, compared)
                 ops.append(dist.P2POp(dist.isend, wire, sends[step].dst, self.group))
             if step in recvs:
                 i, bucket = recvs[step]
@@ -223,7 +243,7 @@ class Transport:
             check_full([name for name, _ in compared], [flag for _, flag in compared], plan.rank)
         return TransferStats(sum(b.nbytes for b in plan.sends), sum(b.nbytes for b in plan.recvs),
                              sum(p.nbytes for p in plan.local), len(plan.sends) + len(plan.recvs),
-                             sum(b.numel() for b in send_ring.buffers + recv_ring.buffers), host_read)
+                             sum(b.numel() for b in send_ring.buffers + recv_ring.buffers), host_read, self.launches)
 
     def _finish(self, works: list, sent: int | None, received: tuple[int, int, Bucket] | None, send_ring: Ring,
                 recv_ring: Ring, sums: Tensor, compared: list | None) -> None:

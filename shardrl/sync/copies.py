@@ -1,0 +1,81 @@
+"""The copies of a weight sync, issued in as few launches as possible, and reads of offloaded params from host memory.
+
+A sync copies hundreds of small pieces (trainer shards -> buckets, buckets -> rollout shards, shards kept in place).
+One `copy_` each made the host, not the GPU or the link, the bottleneck (~12 us of launch per piece), so the copies
+are collected in a `CopyBatch` and issued together: pairs that are contiguous, of one dtype and on one device go
+through one multi-tensor copy per dtype (`torch._foreach_copy_`: a launch per few dozen tensors), the rest (column
+blocks, dtype changes, host -> device DMA) one `copy_` each.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+from torch import Tensor
+
+
+class CopyBatch:
+    """`dst.copy_(src)` for every added pair, issued at `flush` (stream order is that of the flush)."""
+
+    def __init__(self) -> None:
+        self.dsts: list[Tensor] = []
+        self.srcs: list[Tensor] = []
+        self.launches = 0  # copy calls issued so far (a foreach call counts once): what the host paid for
+
+    def add(self, dst: Tensor, src: Tensor) -> None:
+        self.dsts.append(dst)
+        self.srcs.append(src)
+
+    def flush(self) -> None:
+        groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
+        for dst, src in zip(self.dsts, self.srcs):
+            if dst.dtype == src.dtype and dst.device == src.device and dst.is_contiguous() and src.is_contiguous():
+                dsts, srcs = groups.setdefault(dst.dtype, ([], []))
+                dsts.append(dst.view(-1))
+                srcs.append(src.view(-1))
+            else:
+                dst.copy_(src, non_blocking=True)
+                self.launches += 1
+        for dsts, srcs in groups.values():
+            torch._foreach_copy_(dsts, srcs, non_blocking=True)
+            self.launches += 1
+        self.dsts, self.srcs = [], []
+
+
+class HostStaging:
+    """Device copies of whole offloaded params, least recently used first out within `budget` bytes.
+
+    A param of which this rank reads a column block or a converted dtype (anything not a contiguous run of the wire
+    dtype) is copied to the device whole, once, and every piece this rank needs of it (sent or kept) is cut from
+    that copy: an expert matrix split by columns between two rollout ranks crosses PCIe once, not twice. On CPU the
+    "device" is host memory too, yet the staging copy is still made, so the CPU tests run (and count) the GPU's path.
+    """
+
+    def __init__(self, device: torch.device, budget: int) -> None:
+        self.device, self.budget = device, budget
+        self.staged: OrderedDict[int, Tensor] = OrderedDict()  # host storage address -> its bytes on the device
+        self.read_bytes = 0  # bytes read from host copies of offloaded params so far (what PCIe carried on GPU)
+
+    def has(self, src: Tensor) -> bool:
+        return src.untyped_storage().data_ptr() in self.staged
+
+    def view(self, src: Tensor) -> Tensor:
+        """`src` (a view of an offloaded param's host copy) as the same view of its device copy, staged on a miss.
+        The caller flushes pending copies before a miss, so an evicted copy is no longer referenced."""
+        storage = src.untyped_storage()
+        staged = self.staged.pop(storage.data_ptr(), None)
+        if staged is None:
+            while self.staged and sum(t.numel() for t in self.staged.values()) + storage.nbytes() > self.budget:
+                # Freed on the current stream: the copies already queued from it run first.
+                self.staged.popitem(last=False)
+            host = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes] the whole host storage
+            staged = torch.empty_like(host, device=self.device).copy_(host, non_blocking=True)
+            self.read_bytes += host.numel()
+        self.staged[storage.data_ptr()] = staged
+        return staged.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+
+    def direct(self, src: Tensor) -> Tensor:
+        """A contiguous host run of the wire dtype, DMA'd straight into its destination: counted, not staged."""
+        self.read_bytes += src.numel() * src.element_size()
+        return src
