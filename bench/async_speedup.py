@@ -62,7 +62,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stop-tokens", type=int, default=16, help="tokens that end a response (of the vocab)")
     parser.add_argument("--trigger", type=int, default=2, help="fully async: trigger_parameter_sync_step")
     parser.add_argument("--staleness", type=float, default=0.5, help="fully async: staleness_threshold")
-    parser.add_argument("--no-partial", action="store_true", help="fully async: partial_rollout=false")
+    parser.add_argument("--no-partial", action="store_true",
+                        help="both async modes: partial_rollout=false (the one_step_off config's default)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--out", default="/tmp/shardrl_async_speedup")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
@@ -112,13 +113,13 @@ def overrides(args: argparse.Namespace, mode: str, model: Path, task: dict, run_
     if mode == "sync":
         return ["--config-name=ppo_trainer", *common, f"trainer.n_gpus_per_node={args.world}"]
     pools = [f"trainer.n_gpus_per_node={half}", f"rollout.n_gpus_per_node={half}",
-             "async_training.use_rollout_log_probs=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.85"]
+             "async_training.use_rollout_log_probs=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
+             f"async_training.partial_rollout={str(not args.no_partial).lower()}"]
     if mode == "one_step_off":
         return ["--config-name=one_step_off_ppo_trainer", *common, *pools]
     return ["--config-name=fully_async_ppo_trainer", *common, *pools, "async_training.require_batches=2",
             f"async_training.trigger_parameter_sync_step={args.trigger}",
-            f"async_training.staleness_threshold={args.staleness}",
-            f"async_training.partial_rollout={str(not args.no_partial).lower()}"]
+            f"async_training.staleness_threshold={args.staleness}"]
 
 
 def run_mode(args: argparse.Namespace, mode: str, model: Path, task: dict, out: Path) -> dict:

@@ -118,8 +118,11 @@ def test_cross_key_rules(overrides, key):
 def test_async_rules():
     assert error_key(["actor_rollout_ref.hybrid_engine=true"], "fully_async_ppo_trainer") == \
         "actor_rollout_ref.hybrid_engine"
-    assert error_key(["+async_training.partial_rollout=true"], "one_step_off_ppo_trainer") == \
+    assert error_key(["+async_training.staleness_threshold=0.5"], "one_step_off_ppo_trainer") == \
+        "async_training.staleness_threshold"
+    assert error_key(["async_training.partial_rollout=null"], "fully_async_ppo_trainer") == \
         "async_training.partial_rollout"
+    compose("one_step_off_ppo_trainer", ["async_training.partial_rollout=true"])  # optional there
     # verl's use_rollout_log_probs and our decoupled flag name the same choice and must agree
     assert error_key(["algorithm.rollout_correction.decoupled=true"], "fully_async_ppo_trainer") == \
         "async_training.use_rollout_log_probs"

@@ -388,6 +388,7 @@ class AsyncTrainingConfig:
     staleness_threshold: NonNegFloat | None = None
     trigger_parameter_sync_step: PosInt | None = None
     require_batches: PosInt | None = None
+    # both modes (required in fully_async; one_step_off: unset means false, verl's schedule):
     partial_rollout: bool | None = None
 
 

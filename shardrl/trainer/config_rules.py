@@ -21,7 +21,7 @@ _MICRO_BATCH_PAIRS = (
     ("critic", "ppo_micro_batch_size"),
     ("critic", "forward_micro_batch_size"),
 )
-_FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches", "partial_rollout")
+_FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches")
 
 
 def validate(config: PPOConfig) -> None:
@@ -69,6 +69,8 @@ def _validate_async(config: PPOConfig) -> None:
             raise ConfigError(f"async_training.{key}", "is required in fully_async mode")
         if not fully and value is not None:
             raise ConfigError(f"async_training.{key}", "is only used in fully_async mode")
+    if fully and async_cfg.partial_rollout is None:  # optional in one_step_off (default false)
+        raise ConfigError("async_training.partial_rollout", "is required in fully_async mode")
     if not fully and pool.total_rollout_steps is not None:
         raise ConfigError("rollout.total_rollout_steps", "is only used in fully_async mode")
 

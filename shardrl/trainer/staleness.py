@@ -8,10 +8,11 @@ holds when it trains on the token minus the token's version: 0 is on-policy.
 The bound per mode (`max_staleness`):
 
 * sync: 0. Each step generates with the weights it then updates.
-* one_step_off: 1. Batch k+1 starts once step k-1's update is synced and generates while step k trains; its
-  requests still running at the next sync (step k's update) continue under those weights (partial rollout), so its
-  tokens lag 1 or 0 when step k+1 trains on them: fully_async's rule with a batch per step, a sync every step and
-  one batch of run-ahead (`budget`).
+* one_step_off: 1. Batch k+1 starts once step k-1's update is synced and generates while step k trains. Without
+  partial rollout the next sync (step k's update) waits for it to finish, so its tokens lag exactly 1 when step k+1
+  trains on them; with partial rollout its requests still running at that sync continue under the new weights, so
+  they lag 1 or 0: fully_async's rule with a batch per step, a sync every step and one batch of run-ahead
+  (`budget`).
 * fully_async: `trigger - 1 + ceil(extra / per_step)`. A sync window is `trigger = trigger_parameter_sync_step`
   steps of `per_step = require_batches x ppo_mini_batch_size` prompts, i.e. `window = trigger x per_step` prompts.
   After each sync the rollouter may start prompts until `window + extra` prompts, `extra = floor(staleness_threshold
