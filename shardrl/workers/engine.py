@@ -59,11 +59,14 @@ class EngineOptions:
 
 @dataclass
 class MicroBatch:
-    """A packed micro batch plus the per-sample tensors its loss reads ([b, R] each) and its rows in the batch."""
+    """A packed micro batch plus the per-sample tensors its loss reads ([b, R] each) and its rows in the batch.
+
+    `max_seqlen` is known on the host when packing; passing it on spares the model a device read per forward."""
 
     packed: Packed
     data: dict[str, Tensor]
     rows: list[int] = field(default_factory=list)
+    max_seqlen: int | None = None
 
 
 class ModelEngine:
@@ -107,7 +110,7 @@ class ModelEngine:
 
         def forward_step(chunk: Transformer, mb: MicroBatch, x: Tensor | None) -> Tensor:
             p = mb.packed
-            return chunk(p.input_ids if x is None else x, p.position_ids, p.cu_seqlens)
+            return chunk(p.input_ids if x is None else x, p.position_ids, p.cu_seqlens, max_seqlen=mb.max_seqlen)
 
         return forward_backward(self.chunks, micro_batches, self.layout, forward_step,
                                 lambda hidden, mb: loss_fn(last, hidden, mb), forward_only=forward_only,
@@ -142,7 +145,7 @@ def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, 
     for rows in groups:
         t = batch.tensors[rows]
         packed = pack(t["input_ids"], t["attention_mask"], t["position_ids"], response_length).to(device)
-        out.append(MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows))
+        out.append(MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows, max(lengths[r] for r in rows)))
     return out, restore
 
 
@@ -168,20 +171,41 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
                  make_loss_fn: Callable[[LossScale], LossFn], max_response_length: int) -> dict[str, list[float]]:
     """PPO epochs over mini batches of `batch`, one optimizer step each. The loss of every micro batch is built
     with the mini batch's global counts (`LossScale`, summed over micro batches and DP), so the gradient does not
-    depend on the cut. Metrics per step are exact mini-batch values (micro-batch shares summed, then over DP)."""
+    depend on the cut. Metrics per step are exact mini-batch values (micro-batch shares summed, then over DP).
+
+    Host reads of device values: the counts once before the first forward (host data unless DP > 1), the
+    optimizer's grad norm once per step, and every step's metrics once at the end; nothing per micro batch."""
+    minis = [mini for epoch in range(update.ppo_epochs)
+             for mini in mini_batches(batch, update.mini_batch_size, update.shuffle, update.seed + epoch)]
+    if not minis:
+        return {}
+    counts = global_counts(minis, engine.layout)
+    names: list[str] = []
+    step_sums: list[Tensor] = []  # [num metrics] float64 on the device, per step
+    step_metrics: list[dict[str, float]] = []
+    for mini, (num_tokens, num_seqs) in zip(minis, counts):
+        micro, _ = make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size,
+                                      update.max_token_len)
+        scale = LossScale(num_tokens, num_seqs, max_response_length)
+        outputs = engine.run(micro, make_loss_fn(scale), forward_only=False)
+        names = names or [k for k, v in outputs[0].items() if v.dim() == 0]  # scalars are metrics, the rest outputs
+        step_sums.append(torch.stack([sum(o[k] for o in outputs).double() for k in names]))
+        step_metrics.append(engine.step())
+    sums = all_reduce_sum(torch.stack(step_sums), engine.layout).tolist()  # [steps][metrics]
     metrics: dict[str, list[float]] = {}
-    for epoch in range(update.ppo_epochs):
-        for mini in mini_batches(batch, update.mini_batch_size, update.shuffle, update.seed + epoch):
-            micro, _ = make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size,
-                                          update.max_token_len)
-            counts = all_reduce_sum(sum(loss_counts(mb.data["response_mask"]) for mb in micro), engine.layout)
-            scale = LossScale(counts[0].item(), counts[1].item(), max_response_length)
-            outputs = engine.run(micro, make_loss_fn(scale), forward_only=False)
-            names = [k for k, v in outputs[0].items() if v.dim() == 0]  # scalars are metrics, the rest outputs
-            sums = all_reduce_sum(torch.stack([sum(o[k] for o in outputs).double() for k in names]), engine.layout)
-            for k, v in (dict(zip(names, sums.tolist())) | engine.step()).items():
-                metrics.setdefault(k, []).append(v)
+    for values, host in zip(sums, step_metrics):
+        for k, v in (dict(zip(names, values)) | host).items():
+            metrics.setdefault(k, []).append(v)
     return metrics
+
+
+def global_counts(minis: list[Batch], layout: Layout) -> list[list[float]]:
+    """(num_tokens, num_seqs) of each mini batch over all DP replicas: counted on the host from the response masks,
+    then one all-reduce (and one read back) for the whole update when there are DP replicas."""
+    counts = torch.stack([loss_counts(mini.tensors["response_mask"]) for mini in minis])  # [steps, 2] float64
+    if layout.dp_cp_group is not None:
+        counts = all_reduce_sum(counts.to(layout.device), layout)
+    return counts.tolist()
 
 
 def all_reduce_sum(values: Tensor, layout: Layout) -> Tensor:
