@@ -123,8 +123,8 @@ def _all_reduce_coalesced(tensors: list[Tensor], group: dist.ProcessGroup | None
         return
     flat = torch.cat([t.reshape(-1) for t in tensors])
     dist.all_reduce(flat, group=group)
-    for t, piece in zip(tensors, flat.split([t.numel() for t in tensors])):
-        t.copy_(piece.view_as(t))
+    pieces = flat.split([t.numel() for t in tensors])
+    torch._foreach_copy_(tensors, [piece.view_as(t) for t, piece in zip(tensors, pieces)])
 
 
 def _sum_over_replicas(params: list[nn.Parameter], group: dist.ProcessGroup | None) -> None:
@@ -139,11 +139,10 @@ def _sum_over_replicas(params: list[nn.Parameter], group: dist.ProcessGroup | No
     sizes = [p.numel() * s.num_shards for p, s in zip(params, specs)]
     flat = torch.zeros(sum(sizes), dtype=torch.float32, device=params[0].main_grad.device)
     slots = [piece.view(s.num_shards, -1)[s.index] for piece, s in zip(flat.split(sizes), specs)]
-    for param, slot in zip(params, slots):
-        slot.copy_(param.main_grad.reshape(-1))
+    torch._foreach_copy_(slots, [param.main_grad.reshape(-1) for param in params])
     dist.all_reduce(flat, group=group)
-    for param, slot in zip(params, slots):
-        param.main_grad.copy_(slot.view_as(param.main_grad))
+    torch._foreach_copy_([param.main_grad for param in params], [slot.view_as(param.main_grad)
+                                                                  for param, slot in zip(params, slots)])
 
 
 class GradBuffers:

@@ -28,6 +28,18 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import get_spec
 
 
+# fp32 elements per multi-tensor group of the update (Adam's denominator is a temporary of that size: 512 MiB).
+FOREACH_ELEMENTS = 2**27
+
+
+def _copy_all(params: list[Tensor], sources: list[Tensor]) -> None:
+    """params[i] <- sources[i] (cast to the param's dtype) in one multi-tensor copy; empties both lists."""
+    if params:
+        torch._foreach_copy_(params, sources)
+    params.clear()
+    sources.clear()
+
+
 @dataclass
 class _State:
     """Owned fp32 state of one gradient buffer: its owned chunks of every bucket, back to back."""
@@ -66,51 +78,79 @@ class AdamW:
     def step(self) -> tuple[float, bool]:
         """Finalise, clip and apply one update. Returns (global grad norm before clipping, skipped)."""
         self.grads.finalize()
-        grad_norm = self.grads.global_norm().item()
+        grad_norm = self.grads.global_norm().item()  # the step's one host read: a non-finite norm skips the update
         if not math.isfinite(grad_norm):
             return grad_norm, True
         scale = 1.0
         if self.clip_grad is not None and self.clip_grad > 0:
             scale = min(1.0, self.clip_grad / (grad_norm + 1e-6))
         self.num_steps += 1
+        for group in self._owned_groups():
+            if scale < 1.0:
+                torch._foreach_mul_(group[0], scale)
+            self._update(*group)
+        for buf, state in zip(self.grads.buffers, self.states):
+            self._publish(buf, state)
+        return grad_norm, False
+
+    def _owned_groups(self) -> list[tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[bool]]]:
+        """(grads, masters, exp_avgs, exp_avg_sqs, decays): this rank's chunk of every bucket, in groups of at most
+        FOREACH_ELEMENTS, so each multi-tensor op launches a few kernels per step (not one per bucket) while its
+        temporaries (Adam's denominator) stay bounded. Views are taken afresh: offloading may move the tensors."""
+        groups: list = []
+        numel = 0
         for buf, state in zip(self.grads.buffers, self.states):
             rank, count = self.grads.owner(buf)
             for bucket in range(len(buf.buckets)):
                 lo, hi = buf.chunk(bucket, rank, count)
                 pos = buf.buckets[bucket][0] // count
-                grad = buf.data[lo:hi]
-                if scale < 1.0:
-                    grad.mul_(scale)
-                self._update(buf.decay, grad, *(t[pos:pos + hi - lo] for t in
-                                                (state.master, state.exp_avg, state.exp_avg_sq)))
-            self._publish(buf, state)
-        return grad_norm, False
+                if not groups or numel + hi - lo > FOREACH_ELEMENTS:
+                    groups.append(([], [], [], [], []))
+                    numel = 0
+                numel += hi - lo
+                pieces = (buf.data[lo:hi], *(t[pos:pos + hi - lo] for t in
+                                             (state.master, state.exp_avg, state.exp_avg_sq)), buf.decay)
+                for items, piece in zip(groups[-1], pieces):
+                    items.append(piece)
+        return groups
 
-    def _update(self, decay: bool, grad: Tensor, master: Tensor, exp_avg: Tensor, exp_avg_sq: Tensor) -> None:
+    def _update(self, grads: list[Tensor], masters: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
+                decays: list[bool]) -> None:
+        """torch's AdamW maths, elementwise over each list (bit for bit the per-tensor ops)."""
         beta1, beta2 = self.betas
-        if decay and self.weight_decay:
-            master.mul_(1 - self.lr * self.weight_decay)
-        exp_avg.lerp_(grad, 1 - beta1)
-        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        decayed = [master for master, decay in zip(masters, decays) if decay]
+        if decayed and self.weight_decay:
+            torch._foreach_mul_(decayed, 1 - self.lr * self.weight_decay)
+        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
+        torch._foreach_mul_(exp_avg_sqs, beta2)
+        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
         bias_correction1 = 1 - beta1**self.num_steps
         bias_correction2 = 1 - beta2**self.num_steps
-        denom = (exp_avg_sq.sqrt() / math.sqrt(bias_correction2)).add_(self.eps)
-        master.addcdiv_(exp_avg, denom, value=-self.lr / bias_correction1)
+        denom = torch._foreach_sqrt(exp_avg_sqs)
+        torch._foreach_div_(denom, math.sqrt(bias_correction2))
+        torch._foreach_add_(denom, self.eps)
+        torch._foreach_addcdiv_(masters, exp_avgs, denom, value=-self.lr / bias_correction1)
 
     def _publish(self, buf: GradBuffer, state: _State) -> None:
-        """Write the updated master values into the model's params (all-gathered over DP when sharded)."""
+        """Write the updated master values into the model's params (all-gathered over DP when sharded): one
+        multi-tensor copy per bucket when sharded (the gathered bucket is then freed), else one for the buffer."""
         rank, count = self.grads.owner(buf)
         group = self.layout.group(buf.group_name) if count > 1 else None
         current, values = -1, state.master
+        params: list[Tensor] = []
+        sources: list[Tensor] = []
         for param, offset, bucket in zip(buf.params, buf.offsets, buf.param_bucket):  # params in bucket order
             start, end = buf.buckets[bucket]
             if group is not None and bucket != current:
+                _copy_all(params, sources)
                 current, pos = bucket, start // count
                 owned = state.master[pos:pos + (end - start) // count].to(buf.dtype)  # [bucket numel / dp]
                 values = torch.empty(end - start, dtype=buf.dtype, device=owned.device)  # [bucket numel]
                 dist.all_gather_into_tensor(values, owned, group=group)
             base = start if group is not None else 0  # `values` is this bucket, or the whole unsharded master
-            param.copy_(values[offset - base:offset - base + param.numel()].view_as(param))
+            params.append(param)
+            sources.append(values[offset - base:offset - base + param.numel()].view_as(param))
+        _copy_all(params, sources)
 
     def state_tensors(self) -> list[Tensor]:
         """Every optimizer-state tensor (what offloading the optimizer state moves)."""
