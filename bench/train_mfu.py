@@ -114,7 +114,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--distributed-optimizer", action="store_true")
-    p.add_argument("--profile", action="store_true", help="profile one more step; print the top-10 kernels")
+    p.add_argument("--profile", action="store_true", help="profile one more step; print the top-10 kernels and its host-sync count")
     p.add_argument("--no-tp-overlap", action="store_true",
                    help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")
     p.add_argument("--tp-comm-chunks", type=int, default=1, help="row-parallel forward pipelines this many pieces")
@@ -211,6 +211,24 @@ def top_ops_table(prof: profile, cuda: bool, rows: int = 10) -> str:
     return "\n".join(lines)
 
 
+# CUDA runtime calls that make the host wait for the GPU: every .item()/.tolist()/float() of a CUDA tensor, each
+# data-dependent shape (nonzero, boolean masks) and each blocking host-to-device copy ends in one of them.
+SYNC_EVENTS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize")
+
+
+def host_syncs_line(prof: profile, seconds: float, cuda: bool) -> str:
+    """How often the profiled step made the host wait for the GPU (the bench's own end-of-step sync included), and
+    how busy the GPU was: summed kernel time over the step's wall time (NCCL kernels on their own stream overlap
+    compute, so this can exceed 100%)."""
+    if not cuda:
+        return "host syncs: only measured on GPU"
+    events = {e.key: e for e in prof.key_averages()}
+    counts = ", ".join(f"{key} x{events[key].count}" for key in SYNC_EVENTS if key in events) or "none"
+    kernels = sum(e.device_time_total for e in events.values() if e.device_type == DeviceType.CUDA) / 1e6
+    return (f"host syncs in the profiled step: {counts}; kernel time {kernels:.3f} s of {seconds:.3f} s wall "
+            f"({100 * kernels / seconds:.0f}%)")
+
+
 def measure(setup: Setup) -> list[dict] | None:
     """On every rank: build the engine for each recompute setting and variant, time its steps; rank 0 returns the
     results."""
@@ -284,9 +302,10 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
     table = None
     if setup.profile:
         with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+            start = time.perf_counter()
             train_step()
             sync(device)
-        table = top_ops_table(prof, cuda)
+        table = top_ops_table(prof, cuda) + "\n" + host_syncs_line(prof, time.perf_counter() - start, cuda)
     return dict(times=times, peak_gib=peak_gib, profile=table)
 
 

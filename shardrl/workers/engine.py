@@ -173,19 +173,21 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
     with the mini batch's global counts (`LossScale`, summed over micro batches and DP), so the gradient does not
     depend on the cut. Metrics per step are exact mini-batch values (micro-batch shares summed, then over DP).
 
-    Host reads of device values: the counts once before the first forward (host data unless DP > 1), the
+    Host reads of device values: the counts and the data's copies to the device before the first forward, the
     optimizer's grad norm once per step, and every step's metrics once at the end; nothing per micro batch."""
     minis = [mini for epoch in range(update.ppo_epochs)
              for mini in mini_batches(batch, update.mini_batch_size, update.shuffle, update.seed + epoch)]
     if not minis:
         return {}
     counts = global_counts(minis, engine.layout)
+    # Every step's micro batches go to the device now: a blocking host-to-device copy waits for the queued kernels,
+    # which is free before the first forward and a stall between steps.
+    micros = [make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size, update.max_token_len)[0]
+              for mini in minis]
     names: list[str] = []
     step_sums: list[Tensor] = []  # [num metrics] float64 on the device, per step
     step_metrics: list[dict[str, float]] = []
-    for mini, (num_tokens, num_seqs) in zip(minis, counts):
-        micro, _ = make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size,
-                                      update.max_token_len)
+    for micro, (num_tokens, num_seqs) in zip(micros, counts):
         scale = LossScale(num_tokens, num_seqs, max_response_length)
         outputs = engine.run(micro, make_loss_fn(scale), forward_only=False)
         names = names or [k for k, v in outputs[0].items() if v.dim() == 0]  # scalars are metrics, the rest outputs
