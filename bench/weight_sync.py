@@ -156,7 +156,7 @@ def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.devic
         engine = Engine(config, layout, EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
                                                      cpu_kv_cache_tokens=1024, dtype=dtype, enforce_eager=True,
                                                      gpu_memory_utilization=0.9))
-    bucket = 16 << 10 if args.quick else args.bucket_mb << 20  # --quick: tiny models still cross many buckets
+    bucket = int(args.bucket_mb * (1 << 20))
     if args.placement == "colocated":
         sync = ColocatedSync(actor, engine, bucket)
     elif actor is not None:
@@ -177,6 +177,23 @@ def profiled(fn, device: torch.device) -> str:
             torch.cuda.synchronize(device)
     return prof.key_averages().table(sort_by="self_device_time_total" if cuda else "self_cpu_time_total",
                                      row_limit=12)
+
+
+def copy_calls(fn) -> int:
+    """Copy operators `fn()` issues on this thread, counted by the CPU profiler: `aten::copy_` and
+    `aten::_foreach_copy_` calls not nested in another copy (a multi-tensor copy counts once, as it launches once
+    per few dozen tensors on GPU). The host pays ~10 us for each: the number to compare between versions."""
+    names = ("aten::copy_", "aten::_foreach_copy_")
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+
+    def nested(event) -> bool:
+        parent = event.cpu_parent
+        while parent is not None and parent.name not in names:
+            parent = parent.cpu_parent
+        return parent is not None
+
+    return sum(1 for event in prof.events() if event.name in names and not nested(event))
 
 
 def sum_over_ranks(value: float, device: torch.device) -> float:
@@ -203,7 +220,11 @@ def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.dev
                          crossed=sum_over_ranks(metrics["sync/bytes_received"], device),
                          in_place=sum_over_ranks(metrics["sync/bytes_local"] if engine is not None else 0.0, device),
                          peak=max_over_ranks(metrics["sync/peak_extra_bytes"], device),
-                         buckets=max_over_ranks(metrics["sync/buckets"], device))
+                         buckets=max_over_ranks(metrics["sync/buckets"], device),
+                         launches=max_over_ranks(metrics["sync/copy_launches"], device),
+                         pieces=max_over_ranks(_num_pieces(sync.weights.transport.plan), device))
+        if args.quick:
+            out[mode]["copy_calls"] = max_over_ranks(copy_calls(sync.sync), device)
         if args.profile:
             out[mode]["profile"] = profiled(sync.sync, device)
         if mode == "resident" and group is not None:
@@ -220,6 +241,11 @@ def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.dev
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return out
+
+
+def _num_pieces(plan) -> int:
+    """Pieces this rank copies per sync: packed, unpacked and kept in place (one copy_ each before batching)."""
+    return sum(len(b.pieces) for b in plan.sends + plan.recvs) + len(plan.local)
 
 
 def rank_main(args: argparse.Namespace) -> list[tuple[str, dict]]:
@@ -239,7 +265,7 @@ def report(kind: str, results: list[dict], args: argparse.Namespace) -> None:
     params = sum(torch.Size([b - a for a, b in box]).numel() for _, box in boxes)
     r = results[0]
     print(f"\n{kind}: {_size(params, '')} parameters ({'tiny --quick shape, fp32' if args.quick else 'random bf16'}), "
-          f"{r['setup']}, {args.placement}, bucket {'16 KB' if args.quick else f'{args.bucket_mb} MB'}")
+          f"{r['setup']}, {args.placement}, bucket {_size(args.bucket_mb * (1 << 20))}")
     backend = "gloo" if args.quick else "NCCL"
     for mode, reference, target in (("resident", f"{backend} broadcast of the bytes one rollout rank receives", 0.70),
                                     ("offloaded", "pinned H2D of the bytes each trainer rank reads", 0.70)):
@@ -248,12 +274,16 @@ def report(kind: str, results: list[dict], args: argparse.Namespace) -> None:
               f"{m['total'] / m['seconds'] / 1e9:.2f} GB/s total, {m['per_rank'] / m['seconds'] / 1e9:.2f} GB/s per "
               f"rollout rank; peak extra {_size(m['peak'])} (max over ranks); {m['buckets']:.0f} buckets/rank")
         print(f"             moved: {_size(m['crossed'])} between ranks, {_size(m['in_place'])} copied in place")
+        print(f"             copy launches per sync: {m['launches']:.0f} for {m['pieces']:.0f} pieces (max over ranks)"
+              + (f"; profiler: {m['copy_calls']:.0f} top-level copy ops incl. checksums" if "copy_calls" in m
+                 else ""))
         if m.get("reference"):
             print(f"             {reference}: {m['reference'] * 1e3:.2f} ms -> ratio "
                   f"{m['reference'] / m['seconds']:.2f} (target >= {target:.2f})")
         if mode == "offloaded":
             print(f"             read from pinned host memory: {_size(m['host_read'])} (max over ranks; the H2D "
-                  f"reference copies {_size(m['reads'])}; more means params staged twice; 0 on CPU)")
+                  f"reference copies {_size(m['reads'])}; more means params staged twice, or column blocks of params "
+                  f"this rank only partly needs)")
             print(f"             params still offloaded after the sync: {'yes' if m['still_offloaded'] else 'NO'}")
         if "profile" in m:
             print(f"             profile of one more {mode} sync, rank {r['rank']}:\n{m['profile']}")
@@ -263,14 +293,19 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--world", type=int, default=4, help="processes, one GPU each (the issue's setup: 4)")
     parser.add_argument("--placement", choices=("colocated", "detached"), default="colocated")
-    parser.add_argument("--bucket-mb", type=int, default=512,
-                        help="actor_rollout_ref.rollout.weight_sync.bucket_size_mb")
+    parser.add_argument("--bucket-mb", type=float, default=None,
+                        help="actor_rollout_ref.rollout.weight_sync.bucket_size_mb (default 512; --quick: 1/64, i.e. "
+                             "16 KB, so tiny models still cross many buckets)")
     parser.add_argument("--repeats", type=int, default=3, help="timed syncs per mode (median reported)")
     parser.add_argument("--models", nargs="+", choices=tuple(SHAPES), default=list(SHAPES))
-    parser.add_argument("--quick", action="store_true", help="tiny shapes on CPU (gloo), 16 KB buckets")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny shapes on CPU (gloo), 16 KB buckets; prints copy launches per sync (also counted "
+                             "by the CPU profiler), the host-side cost to compare between versions")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed syncs, profile one more per mode and print rank 0's top operators")
     args = parser.parse_args()
+    if args.bucket_mb is None:
+        args.bucket_mb = 1 / 64 if args.quick else 512
     cuda = torch.cuda.is_available() and not args.quick
     if cuda and torch.cuda.device_count() < args.world:
         raise SystemExit(f"--world {args.world} needs {args.world} GPUs, this machine has {torch.cuda.device_count()}")

@@ -1,11 +1,12 @@
 """Weight-sync units without processes: the resharding plan by hand (sources, buckets, steps, errors), the
 bucket checksum against a pure-Python reference (and that it catches a flipped bit anywhere), the buffer ring's
-rotation (no buffer reused while in flight) and host staging."""
+rotation (no buffer reused while in flight), batched copies and host staging."""
 
 import struct
 
 import pytest
 import torch
+from torch.profiler import ProfilerActivity, profile
 
 from shardrl.parallel.spec import ShardSpec
 from shardrl.sync.plan import (
@@ -23,7 +24,7 @@ from shardrl.sync.plan import (
     split_piece,
 )
 from shardrl.sync.shards import shard_box
-from shardrl.sync.copies import HostStaging
+from shardrl.sync.copies import CopyBatch, HostStaging
 from shardrl.sync.transport import BufferInFlightError, Ring
 from shardrl.sync.verify import checksum
 
@@ -201,3 +202,24 @@ def test_host_staging_stages_a_param_once_within_its_budget():
     assert left.untyped_storage().data_ptr() == right.untyped_storage().data_ptr() != a.untyped_storage().data_ptr()
     assert torch.equal(staging.view(b[1:]), b[1:])
     assert list(staging.staged) == [b.untyped_storage().data_ptr()]  # `a` was evicted to stay within the budget
+
+
+def test_copy_batch_issues_one_multi_tensor_copy_per_dtype_and_copies_the_rest_one_by_one():
+    gen = torch.Generator().manual_seed(0)
+    bucket = torch.zeros(64)
+    full = torch.randn(4, 6, generator=gen)
+    pairs = [(bucket[0:6], torch.randn(6, generator=gen)), (bucket[8:20].view(3, 4), torch.randn(3, 4, generator=gen)),
+             (torch.zeros(5, dtype=torch.bfloat16), torch.randn(5, generator=gen).bfloat16()),
+             (bucket[24:32].view(4, 2), full[:, 2:4]),  # a column block: strided source
+             (bucket[32:38], torch.randn(6, generator=gen, dtype=torch.float64))]  # a dtype change
+    batch = CopyBatch()
+    for dst, src in pairs:
+        batch.add(dst, src)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        batch.flush()
+    for dst, src in pairs:
+        assert torch.equal(dst, src.to(dst.dtype)), (dst, src)
+    top = [e.name for e in prof.events() if e.cpu_parent is None and "copy" in e.name]
+    # float32 and bfloat16 contiguous pairs: one multi-tensor copy each; the strided and the converted pair alone.
+    assert sorted(top) == ["aten::_foreach_copy_"] * 2 + ["aten::copy_"] * 2, top
+    assert batch.launches == 4 and batch.dsts == [] and batch.srcs == []

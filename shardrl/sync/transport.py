@@ -15,6 +15,10 @@ in turn (`Ring`); a buffer is written again only after the step that used it fin
 stream waits for the event marking that). Peak extra memory: the buffers (a bucket each, half a bucket each for a
 rank that both sends and receives) and, for offloaded params read in strided or converted pieces, staged params up
 to the size of the largest one (`HostStaging`).
+
+The copies of a bucket or of a share of local copies go out as one `CopyBatch` (a few launches, not one per piece).
+An offloaded param that is staged is read from host memory once per sync: its local pieces are copied right after
+its first piece is packed, while its staged copy is still there (`_place_local`).
 """
 
 from __future__ import annotations
@@ -82,11 +86,11 @@ class Transport:
                  source: Shards | None, target: Shards | None) -> None:
         self.plan, self.group, self.device = plan, group, device
         self.source, self.target = source, target
-        # Staging for offloaded params: at most the largest one (the "+ largest tensor" of the memory bound).
-        self.staging = HostStaging(device, source.largest_bytes() if source else 0)
+        self.staged_names = self._staged_names()
+        # Staging for offloaded params: at most the largest staged one (the "+ largest tensor" of the memory bound).
+        self.staging = HostStaging(device, source.largest_bytes(self.staged_names) if source else 0)
         # Made once: the allocator keeps the side stream's blocks (staged params) for reuse by later syncs.
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self.staged_names = self._staged_names()
         self.kept_with, self.kept_apart = self._place_local()
         self.launches = 0  # copy calls issued during the current run
 
@@ -140,6 +144,7 @@ class Transport:
             return self.staging.direct(src)
         if not self.staging.has(src):
             batch.flush()
+            self.launches += 1  # the staging copy
         return self.staging.view(src)
 
     def _flush(self, batch: CopyBatch) -> None:

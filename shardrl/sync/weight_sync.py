@@ -67,4 +67,5 @@ class WeightSync:
         return {"sync/bytes": float(moved), "sync/seconds": seconds, "sync/gbps": moved / max(seconds, 1e-9) / 1e9,
                 "sync/buckets": float(stats.buckets), "sync/peak_extra_bytes": float(peak),
                 "sync/bytes_sent": float(stats.bytes_sent), "sync/bytes_received": float(stats.bytes_received),
-                "sync/bytes_local": float(stats.bytes_local), "sync/bytes_host_read": float(stats.host_read_bytes)}
+                "sync/bytes_local": float(stats.bytes_local), "sync/bytes_host_read": float(stats.host_read_bytes),
+                "sync/copy_launches": float(stats.copy_launches)}
