@@ -25,6 +25,7 @@ from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.rollout.request import SamplingParams
 from shardrl.sync.colocated import ColocatedSync
 from shardrl.sync.detached import DetachedSync
+from shardrl.sync.plan import TRAILER_BYTES
 from shardrl.sync.transport import Transport
 from shardrl.sync.verify import SyncVerifyError
 from shardrl.sync.weight_sync import WeightSync
@@ -178,9 +179,10 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 
 def check_synced(case: Case, results: list[dict], allocator_slack: int = 0) -> None:
     """Rollout shards and generation equal the export's; memory within 2 buckets + the largest tensor (a rollout
-    tensor, or a trainer param the offloaded path stages), measured by the CPU profiler or, on GPU, the allocator
-    (`allocator_slack`: its rounding of every block); offloaded params stay offloaded; detached rollout ranks
-    built no trainer groups."""
+    tensor, or the trainer params the offloaded path stages, on CPU too) + the checksums (the sender's and the
+    receiver's per received bucket, and one being computed), measured by the CPU profiler or, on GPU, the
+    allocator (`allocator_slack`: its rounding of every block); offloaded params stay offloaded; detached rollout
+    ranks built no trainer groups."""
     trainer_ranks, rollout_ranks = case.ranks()
     by_rank = {r["rank"]: r for r in results}
     for rank in rollout_ranks:
@@ -192,7 +194,8 @@ def check_synced(case: Case, results: list[dict], allocator_slack: int = 0) -> N
     for rank in set(trainer_ranks) | set(rollout_ranks):
         r = by_rank[rank]
         peak = r["metrics"]["sync/peak_extra_bytes"] if allocator_slack else r["peak"]
-        assert peak <= 2 * case.bucket + largest + allocator_slack, (case, rank, peak)
+        checksums = 2 * TRAILER_BYTES * (1 + sum(1 for _, dst, _, _ in r["buckets"] if dst == rank))
+        assert peak <= 2 * case.bucket + largest + checksums + allocator_slack, (case, rank, peak)
         if case.offload and rank in trainer_ranks:
             assert r["still_offloaded"], case
     if case.placement == "detached":  # rollout ranks joined their own layout's groups (and the sync group) only

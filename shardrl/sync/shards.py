@@ -7,7 +7,7 @@ pinned host copy); their boxes are then views of that host copy, read in place: 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from torch import Tensor, nn
 
@@ -102,6 +102,5 @@ class Shards:
             if stop - start < param.shape[dim]:
                 yield param.detach().narrow(dim, stop - start, param.shape[dim] - (stop - start))
 
-    def largest_bytes(self, names: Iterable[str]) -> int:
-        """Bytes of the largest of these tensors' local shards (0 for none)."""
-        return max((self.params[n].numel() * self.params[n].element_size() for n in names), default=0)
+    def largest_bytes(self) -> int:
+        return max((param.numel() * param.element_size() for param in self.params.values()), default=0)

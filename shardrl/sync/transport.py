@@ -87,8 +87,10 @@ class Transport:
         self.plan, self.group, self.device = plan, group, device
         self.source, self.target = source, target
         self.staged_names = self._staged_names()
-        # Staging for offloaded params: at most the largest staged one (the "+ largest tensor" of the memory bound).
-        self.staging = HostStaging(device, source.largest_bytes(self.staged_names) if source else 0)
+        # Staging for offloaded params: the largest param's bytes (the "+ largest tensor" of the memory bound). When
+        # smaller params are staged it holds several, so a param sent to several ranks in consecutive steps is
+        # often still there for the next one.
+        self.staging = HostStaging(device, source.largest_bytes() if source else 0)
         # Made once: the allocator keeps the side stream's blocks (staged params) for reuse by later syncs.
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kept_with, self.kept_apart = self._place_local()
