@@ -114,7 +114,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--steps", type=int, default=5, help="timed steps")
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--distributed-optimizer", action="store_true")
-    p.add_argument("--profile", action="store_true", help="profile one more step; print the top-10 kernels and its host-sync count")
+    p.add_argument("--profile", action="store_true",
+                   help="profile one more step; print the top-10 kernels and its host-sync count")
     p.add_argument("--no-tp-overlap", action="store_true",
                    help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")
     p.add_argument("--tp-comm-chunks", type=int, default=1, help="row-parallel forward pipelines this many pieces")
