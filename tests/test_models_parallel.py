@@ -17,7 +17,8 @@ from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout, LayoutSpec
 from shardrl.parallel.spec import get_spec
-from shardrl.parallel.tensor import gather_vocab, token_split_sizes
+from shardrl.parallel.tensor import token_split_sizes
+from shardrl.parallel.vocab import gather_vocab
 
 DENSE = ["llama", "qwen2", "qwen3"]
 MOE = ["mixtral", "qwen2_moe", "qwen3_moe"]

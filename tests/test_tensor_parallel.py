@@ -18,14 +18,12 @@ from shardrl.parallel.spec import get_spec
 from shardrl.parallel.tensor import (
     ColumnParallelLinear,
     RowParallelLinear,
-    VocabParallelEmbedding,
     enter_tp,
     gather_tokens,
-    gather_vocab,
     scatter_tokens,
     token_split_sizes,
-    vocab_parallel_logprobs,
 )
+from shardrl.parallel.vocab import VocabParallelEmbedding, gather_vocab, vocab_parallel_logprobs
 
 T, H, F_SIZE, VOCAB = 5, 8, 6, 11  # 5 tokens over TP2 and a vocab of 11 (padded to 12): uneven on purpose
 

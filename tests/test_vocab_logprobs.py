@@ -10,7 +10,7 @@ from torch.testing import assert_close
 
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout, LayoutSpec
-from shardrl.parallel.tensor import padded_vocab_size, vocab_parallel_logprobs
+from shardrl.parallel.vocab import padded_vocab_size, vocab_parallel_logprobs
 
 T = 9
 TOL = dict(atol=1e-6, rtol=1e-6)

@@ -26,15 +26,9 @@ from shardrl.models.mlp import MLP, MoEBlock
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import RotaryEmbedding
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.tensor import (
-    ReplicatedLinear,
-    VocabParallelEmbedding,
-    enter_tp,
-    gather_tokens,
-    vocab_parallel_logprobs,
-    vocab_spec,
-)
 from shardrl.parallel.spec import set_spec
+from shardrl.parallel.tensor import ReplicatedLinear, enter_tp, gather_tokens
+from shardrl.parallel.vocab import VocabParallelEmbedding, vocab_parallel_logprobs, vocab_spec
 
 VALUE_HEAD_NAME = "score.weight"
 

@@ -1,4 +1,5 @@
-"""Tensor parallelism (TP) and sequence parallelism (SP): the collectives, the sharded layers, vocab-parallel maths.
+"""Tensor parallelism (TP) and sequence parallelism (SP): the collectives and the sharded linear layers (the
+vocab-sharded embedding and logprob maths are in vocab.py).
 
 Conventions (the same on gloo and NCCL):
 
@@ -179,7 +180,7 @@ def shard_index(layout: Layout, num_shards: int) -> int:
     return layout.tp_rank // max(tp // num_shards, 1)
 
 
-def _sharded_param(spec: ShardSpec, layout: Layout, dtype: torch.dtype) -> nn.Parameter:
+def sharded_param(spec: ShardSpec, layout: Layout, dtype: torch.dtype) -> nn.Parameter:
     # Filled by the HF loader (or a test); allocation only, so huge models are never initialised twice.
     param = nn.Parameter(torch.empty(spec.local_shape(), device=layout.device, dtype=dtype))
     return set_spec(param, spec)
@@ -199,8 +200,8 @@ class ColumnParallelLinear(nn.Module):
         if out_size % num_shards:
             raise ValueError(f"{name}: output size {out_size} is not divisible by {num_shards} tensor-parallel shards")
         split = dict(dim=0, num_shards=num_shards, index=shard_index(layout, num_shards), group="tp")
-        self.weight = _sharded_param(ShardSpec(f"{name}.weight", (out_size, in_size), **split), layout, dtype)
-        self.bias = _sharded_param(ShardSpec(f"{name}.bias", (out_size,), **split), layout, dtype) if bias else None
+        self.weight = sharded_param(ShardSpec(f"{name}.weight", (out_size, in_size), **split), layout, dtype)
+        self.bias = sharded_param(ShardSpec(f"{name}.bias", (out_size,), **split), layout, dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
@@ -216,11 +217,11 @@ class RowParallelLinear(nn.Module):
         if in_size % tp:
             raise ValueError(f"{name}: input size {in_size} is not divisible by tensor parallel size {tp}")
         self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
-        self.weight = _sharded_param(ShardSpec(
+        self.weight = sharded_param(ShardSpec(
             f"{name}.weight", (out_size, in_size), dim=1, num_shards=tp, index=layout.tp_rank, group="tp"),
             layout, dtype)
         # Replicated; with SP each rank adds it to its own tokens only, so its gradient is summed over TP.
-        self.bias = _sharded_param(ShardSpec(
+        self.bias = sharded_param(ShardSpec(
             f"{name}.bias", (out_size,), sum_grad_over_tp=sequence_parallel and tp > 1),
             layout, dtype) if bias else None
 
@@ -236,134 +237,9 @@ class ReplicatedLinear(nn.Module):
                  dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         # With SP each rank sees only its own tokens, so the gradient is a partial sum over TP.
-        self.weight = _sharded_param(ShardSpec(
+        self.weight = sharded_param(ShardSpec(
             f"{name}.weight", (out_size, in_size), sum_grad_over_tp=sequence_parallel and layout.tp_size > 1),
             layout, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight)
-
-
-def padded_vocab_size(vocab_size: int, tp: int) -> int:
-    return -(-vocab_size // tp) * tp
-
-
-def vocab_spec(name: str, vocab_size: int, hidden_size: int, layout: Layout, tied_group: bool = False) -> ShardSpec:
-    """Rows of an embedding / LM head split over TP after padding the vocab to a multiple of TP."""
-    tp = layout.tp_size
-    padded = padded_vocab_size(vocab_size, tp)
-    return ShardSpec(name, (vocab_size, hidden_size), dim=0, num_shards=tp, index=layout.tp_rank,
-                     padded_dim_size=padded if padded != vocab_size else None, group="tp", tied_group=tied_group)
-
-
-class VocabParallelEmbedding(nn.Module):
-    """Each TP rank holds a block of vocab rows; the lookups of the other blocks are zeros until the reduce."""
-
-    def __init__(self, vocab_size: int, hidden_size: int, layout: Layout, name: str, sequence_parallel: bool = False,
-                 tied_group: bool = False, dtype: torch.dtype = torch.float32) -> None:
-        super().__init__()
-        spec = vocab_spec(name, vocab_size, hidden_size, layout, tied_group)
-        self.weight = _sharded_param(spec, layout, dtype)
-        self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
-        self.start = layout.tp_rank * self.weight.shape[0]
-
-    def forward(self, input_ids: Tensor) -> Tensor:
-        """input_ids [T] -> [T, H] (replicated) or this rank's token chunk [T_r, H] with sequence parallelism."""
-        if self.group is None:
-            return F.embedding(input_ids, self.weight)
-        local = input_ids - self.start  # [T]
-        outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
-        rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
-        return exit_tp(rows, self.group, self.sequence_parallel)
-
-
-# fp32 elements of one token chunk's temporaries in the logprob maths ([C, V/tp] each, two alive at once): bounds
-# memory for long packed micro batches (8192 tokens x 64k vocab columns would be 2 GiB per full-size temporary).
-LOGPROB_CHUNK_ELEMENTS = 2**26
-
-
-def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, group: Group, vocab_size: int,
-                            chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
-    """Log-probability of `targets` and entropy of softmax(logits), never gathering the vocab.
-
-    logits [T, Vp/tp]: this rank's block of the (padded) vocab columns; targets [T] global token ids.
-    Returns (logprobs [T], entropy [T]) in fp32, identical on every TP rank. Padded columns (id >= vocab_size)
-    are excluded. Differentiable in both outputs. Two passes over the logits (a max, then one exp pass that sums
-    exp, exp * logit and gathers the target), token chunks of `chunk_elements` at a time, two small collectives,
-    no host reads; backward keeps only `logits` and recomputes the softmax chunk by chunk.
-    """
-    return _VocabParallelLogProbs.apply(logits, targets, group, vocab_size, chunk_elements)
-
-
-def _token_chunks(num_tokens: int, num_cols: int, chunk_elements: int) -> list[tuple[int, int]]:
-    size = max(chunk_elements // max(num_cols, 1), 1)
-    return [(lo, min(lo + size, num_tokens)) for lo in range(0, num_tokens, size)]
-
-
-class _VocabParallelLogProbs(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, logits: Tensor, targets: Tensor, group: Group, vocab_size: int,
-                chunk_elements: int) -> tuple[Tensor, Tensor]:
-        num_tokens, num_local = logits.shape
-        start = group_rank(group) * num_local
-        num_valid = min(max(vocab_size - start, 0), num_local)  # vocab padding is the tail of the last blocks
-        z = logits[:, :num_valid]  # [T, V'/tp] this rank's real columns
-        local_target = targets - start  # [T]
-        mine = (local_target >= 0) & (local_target < num_valid)  # [T] this rank holds the target column
-        index = local_target.clamp(0, max(num_valid - 1, 0)).unsqueeze(-1)  # [T, 1]
-        z_max = logits.new_full((num_tokens,), float("-inf"), dtype=torch.float32)  # [T]
-        # sum exp(z - max), sum exp(z - max) * z, the target's z (held by one rank): one all-reduce for the three.
-        sums = logits.new_zeros(num_tokens, 3, dtype=torch.float32)  # [T, 3]
-        if num_valid:
-            z_max = z.amax(dim=-1).float()  # exact in any dtype
-        if group is not None:
-            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        if num_valid:
-            for lo, hi in _token_chunks(num_tokens, num_valid, chunk_elements):
-                exp = (z[lo:hi] - z_max[lo:hi, None]).exp_()  # [C, V'/tp] fp32
-                sums[lo:hi, 0] = exp.sum(-1)
-                sums[lo:hi, 1] = exp.mul_(z[lo:hi]).sum(-1)
-            sums[:, 2] = torch.where(mine, z.gather(-1, index).squeeze(-1).float(), 0.0)
-        if group is not None:
-            dist.all_reduce(sums, group=group)
-        sum_exp, sum_exp_z, target_z = sums.unbind(-1)  # [T] each
-        log_norm = z_max + sum_exp.log()  # [T]
-        mean_z = sum_exp_z / sum_exp  # [T] E_p[z]
-        ctx.save_for_backward(logits, log_norm, mean_z, index, mine)
-        ctx.num_valid, ctx.chunk_elements = num_valid, chunk_elements
-        ctx.set_materialize_grads(False)  # an unused output (entropy as a metric only) costs no backward work
-        return target_z - log_norm, log_norm - mean_z
-
-    @staticmethod
-    def backward(ctx, grad_logprob: Tensor | None, grad_entropy: Tensor | None):
-        if grad_logprob is None and grad_entropy is None:
-            return None, None, None, None, None
-        logits, log_norm, mean_z, index, mine = ctx.saved_tensors
-        num_valid = ctx.num_valid
-        grad = torch.zeros_like(logits) if num_valid < logits.shape[1] else torch.empty_like(logits)  # [T, V/tp]
-        # d logp / dz = onehot - p;  d entropy / dz = -p * (z - E_p[z])
-        for lo, hi in _token_chunks(logits.shape[0], num_valid, ctx.chunk_elements) if num_valid else []:
-            z = logits[lo:hi, :num_valid]  # [C, V'/tp]
-            probs = (z - log_norm[lo:hi, None]).exp_()  # [C, V'/tp] fp32
-            if grad_entropy is None:
-                g = probs.mul_(-grad_logprob[lo:hi, None])
-            else:
-                g = (z - mean_z[lo:hi, None]).mul_(grad_entropy[lo:hi, None])
-                if grad_logprob is not None:
-                    g.add_(grad_logprob[lo:hi, None])
-                g.mul_(probs).neg_()
-            if grad_logprob is not None:
-                g.scatter_add_(-1, index[lo:hi], torch.where(mine[lo:hi], grad_logprob[lo:hi], 0.0).unsqueeze(-1))
-            grad[lo:hi, :num_valid] = g
-        return grad, None, None, None, None
-
-
-@torch.no_grad()
-def gather_vocab(logits: Tensor, group: Group, vocab_size: int) -> Tensor:
-    """logits [T, Vp/tp] -> full [T, V] (no autograd; for sampling and tests, not for training losses)."""
-    if group is not None:
-        blocks = [torch.empty_like(logits) for _ in range(group_size(group))]
-        dist.all_gather(blocks, logits.contiguous(), group=group)
-        logits = torch.cat(blocks, dim=-1)
-    return logits[..., :vocab_size]

@@ -18,7 +18,7 @@ from torch import Tensor
 from shardrl.models.config import ModelConfig
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.tensor import gather_vocab
+from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket
 from shardrl.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, gpu_cache_budget, num_slots_for_budget
 from shardrl.rollout.request import Request, SamplingParams
