@@ -43,7 +43,8 @@ def test_admission_in_refill_chunks_loses_and_changes_nothing(model_path):
         before = (len(backlog), e.stats.prefill_steps)
         admit(e, backlog, rows)
         admitted = before[0] - len(backlog)
-        assert len(e.scheduler.running) + len(e.scheduler.waiting) <= SLOTS
+        assert len(e.scheduler.running) + len(e.scheduler.waiting) <= SLOTS  # the scheduler's own view
+        assert e.free_capacity() == SLOTS - len(e.scheduler.running) - len(e.scheduler.waiting)
         for out in e.step():
             assert out.request_id not in outputs
             outputs[out.request_id] = out

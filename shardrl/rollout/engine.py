@@ -142,6 +142,15 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
 
+    @property
+    def max_running(self) -> int:
+        """Sequences the engine runs at once: min(KV-cache slots, max_num_seqs)."""
+        return self.scheduler.max_running
+
+    def free_capacity(self) -> int:
+        """Requests that can be submitted now without waiting for a slot (running and queued ones take theirs)."""
+        return self.scheduler.max_running - len(self.scheduler.running) - len(self.scheduler.waiting)
+
     @torch.inference_mode()
     def step(self) -> list[RequestOutput]:
         """Run one prefill or decode step; return the requests that finished in it.

@@ -104,7 +104,7 @@ class RolloutWorker:
         stats = self.engine.stats
         report = {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
                   "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
-                  "prefill_tokens": stats.prefill_tokens, "slots": self.engine.scheduler.max_running}
+                  "prefill_tokens": stats.prefill_tokens, "slots": self.engine.max_running}
         if not finished:
             return None, report
         rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
@@ -129,9 +129,8 @@ def admit(engine: Engine, backlog: Backlog, prompts: dict[str, Batch]) -> None:
     have a free slot, once `slots / REFILL_CHUNK` slots are free or the whole backlog fits. Each admission is a
     prefill step that stalls every running sequence's decode, so the slots that finishing sequences free are refilled
     in batches rather than with one prefill per finished sequence; the engine stays at least 7/8 full meanwhile."""
-    scheduler = engine.scheduler
-    free = scheduler.max_running - len(scheduler.running) - len(scheduler.waiting)
-    if not backlog or free < min(-(-scheduler.max_running // REFILL_CHUNK), len(backlog)):
+    free = engine.free_capacity()
+    if not backlog or free < min(-(-engine.max_running // REFILL_CHUNK), len(backlog)):
         return
     for _ in range(min(free, len(backlog))):
         ids, params, row = backlog.popleft()
