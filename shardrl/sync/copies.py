@@ -55,6 +55,7 @@ class HostStaging:
     def __init__(self, device: torch.device, budget: int) -> None:
         self.device, self.budget = device, budget
         self.staged: OrderedDict[int, Tensor] = OrderedDict()  # host storage address -> its bytes on the device
+        self.staged_bytes = 0  # sum of the staged copies' sizes
         self.read_bytes = 0  # bytes read from host copies of offloaded params so far (what PCIe carried on GPU)
 
     def has(self, src: Tensor) -> bool:
@@ -66,14 +67,20 @@ class HostStaging:
         storage = src.untyped_storage()
         staged = self.staged.pop(storage.data_ptr(), None)
         if staged is None:
-            while self.staged and sum(t.numel() for t in self.staged.values()) + storage.nbytes() > self.budget:
+            while self.staged and self.staged_bytes + storage.nbytes() > self.budget:
                 # Freed on the current stream: the copies already queued from it run first.
-                self.staged.popitem(last=False)
+                self.staged_bytes -= self.staged.popitem(last=False)[1].numel()
             host = torch.empty(0, dtype=torch.uint8).set_(storage)  # [nbytes] the whole host storage
             staged = torch.empty_like(host, device=self.device).copy_(host, non_blocking=True)
             self.read_bytes += host.numel()
+            self.staged_bytes += staged.numel()
         self.staged[storage.data_ptr()] = staged
         return staged.view(src.dtype).as_strided(src.shape, src.stride(), src.storage_offset())
+
+    def clear(self) -> None:
+        """Drop every staged copy (at the end of a sync, once the copies cut from them are queued)."""
+        self.staged.clear()
+        self.staged_bytes = 0
 
     def direct(self, src: Tensor) -> Tensor:
         """A contiguous host run of the wire dtype, DMA'd straight into its destination: counted, not staged."""

@@ -243,7 +243,7 @@ class Transport:
             self._copy_local(next(local), compared)
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
-        self.staging.staged.clear()
+        self.staging.clear()
         host_read, self.staging.read_bytes = self.staging.read_bytes, 0
         check_checksums(plan.recvs, sums)
         if compared is not None:
