@@ -11,8 +11,7 @@ from shardrl.rollout.kv_cache import (
     DecodeAttention,
     KVCache,
     KVCacheError,
-    decode_attention,
-    grouped_decode_attention,
+    flash_decode_attention,
     num_slots_for_budget,
     reference_decode_attention,
 )
@@ -27,7 +26,7 @@ def test_decode_attention_matches_per_head_loop():
     keys, values = torch.randn(num_rows, num_kv, length, dim), torch.randn(num_rows, num_kv, length, dim)
     positions = torch.tensor([6, 0, 3])
     valid = torch.arange(length) <= positions.unsqueeze(1)
-    out = decode_attention(q, keys, values, valid, scale=0.5)
+    out = reference_decode_attention(q, keys, values, valid, scale=0.5)
     for b in range(num_rows):
         n = positions[b] + 1
         for h in range(num_heads):
@@ -36,54 +35,48 @@ def test_decode_attention_matches_per_head_loop():
             assert_close(out[b, h], weights @ values[b, kv, :n], atol=1e-6, rtol=1e-6)
 
 
-def _cache_views(num_rows, num_heads, num_kv, length, dim, dtype=torch.float32, device="cpu"):
-    """q, keys/values as strided views of a larger cache (as the engine passes them), additive mask."""
-    torch.manual_seed(1)
-    q = torch.randn(num_rows, num_heads, dim, device=device).to(dtype)
-    cache = torch.randn(2, num_rows + 2, num_kv, length + 5, dim, device=device).to(dtype)
-    keys, values = cache[0, :num_rows, :, :length], cache[1, :num_rows, :, :length]
-    positions = torch.randint(0, length, (num_rows,), device=device)
-    valid = torch.arange(length, device=device) <= positions.unsqueeze(1)  # [B, L]
-    mask = torch.zeros(valid.shape, dtype=dtype, device=device).masked_fill_(~valid, -torch.inf)
-    return q, keys, values, mask
-
-
-@pytest.mark.parametrize("num_heads, num_kv", [(6, 2), (4, 4), (7, 1)])
-def test_grouped_decode_attention_matches_reference(num_heads, num_kv):
-    q, keys, values, mask = _cache_views(5, num_heads, num_kv, 11, 8)
-    expected = reference_decode_attention(q, keys, values, mask, scale=0.3)
-    assert_close(grouped_decode_attention(q, keys, values, mask, scale=0.3), expected, atol=1e-6, rtol=1e-6)
-    assert torch.equal(decode_attention(q, keys, values, mask, scale=0.3), expected)  # CPU takes the reference
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_grouped_decode_attention_bf16_on_cuda_matches_fp32_reference():
-    q, keys, values, mask = _cache_views(64, 14, 2, 300, 64, torch.bfloat16, "cuda")
-    expected = reference_decode_attention(q.float(), keys.float(), values.float(), mask.float(), scale=0.125)
-    got = grouped_decode_attention(q, keys, values, mask, scale=0.125)
-    assert got.dtype == torch.bfloat16
+@pytest.mark.parametrize("num_heads, num_kv", [(14, 2), (8, 8)])
+def test_flash_decode_attention_reads_only_each_rows_tokens(num_heads, num_kv):
+    """Rows of very different lengths in one batch, the cache holding more slots than rows and garbage (NaN) past
+    each row's length: flash decode in bf16 matches the fp32 reference, so it reads exactly positions 0..p[b]."""
+    torch.manual_seed(1)
+    num_rows, slots, max_len, dim = 64, 70, 512, 64
+    q = torch.randn(num_rows, num_heads, dim, device="cuda").bfloat16()
+    keys = torch.randn(slots, max_len, num_kv, dim, device="cuda").bfloat16()
+    values = torch.randn(slots, max_len, num_kv, dim, device="cuda").bfloat16()
+    positions = torch.randint(0, max_len, (num_rows,), device="cuda")
+    positions[:4] = torch.tensor([0, 1, max_len - 1, 7])
+    past = torch.arange(max_len, device="cuda") > positions.unsqueeze(1)  # [B, L]
+    keys[:num_rows][past], values[:num_rows][past] = float("nan"), float("nan")
+    starts = torch.arange(num_rows + 1, dtype=torch.int32, device="cuda") * max_len
+    got = flash_decode_attention(q, keys, values, starts, (positions + 1).to(torch.int32), max_len, scale=0.125)
+    rows_k = keys[:num_rows].float().nan_to_num().transpose(1, 2)  # [B, nkv, L, D]
+    rows_v = values[:num_rows].float().nan_to_num().transpose(1, 2)
+    expected = reference_decode_attention(q.float(), rows_k, rows_v, ~past, scale=0.125)
+    assert got.dtype == torch.bfloat16 and got.shape == (num_rows, num_heads, dim)
     assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 probabilities and output
 
 
 def test_decode_hook_writes_the_new_token_and_attends_to_its_prefix():
     cache = KVCache(num_layers=2, num_slots=3, max_len=8, num_kv_heads=1, head_dim=2, dtype=torch.float32,
                     device=torch.device("cpu"))
-    keys, values = cache.layer(1)
-    keys[0, 0, :2] = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
-    values[0, 0, :2] = torch.tensor([[10.0, 0.0], [0.0, 10.0]])
+    keys, values = cache.layer(1)  # [slots, positions, kv heads, D]
+    keys[0, :2, 0] = torch.tensor([[1.0, 0.0], [0.0, 1.0]])
+    values[0, :2, 0] = torch.tensor([[10.0, 0.0], [0.0, 10.0]])
     hook = DecodeAttention(cache, positions=torch.tensor([2, 0]), length=4)
     q = torch.tensor([[[1.0, 0.0]], [[0.0, 0.0]]])  # [B=2, heads=1, D=2]
     k_new, v_new = torch.tensor([[[0.0, 0.0]], [[5.0, 5.0]]]), torch.tensor([[[4.0, 4.0]], [[7.0, 8.0]]])
     out = hook.attend(1, q, k_new, v_new, seqs=None, scale=1.0)
     assert torch.equal(keys[1, 0, 0], torch.tensor([5.0, 5.0]))
-    assert torch.equal(values[0, 0, 2], torch.tensor([4.0, 4.0]))
+    assert torch.equal(values[0, 2, 0], torch.tensor([4.0, 4.0]))
     # slot 0 attends to positions 0..2 with scores (1, 0, 0); slot 1 only to its own new token
     w = torch.tensor([math.e, 1.0, 1.0]) / (math.e + 2)
     expected0 = w @ torch.tensor([[10.0, 0.0], [0.0, 10.0], [4.0, 4.0]])
     assert_close(out[0, 0], expected0)
     assert_close(out[1, 0], torch.tensor([7.0, 8.0]))
-    assert torch.equal(cache.layer(0)[0], torch.zeros(3, 1, 8, 2))  # other layers untouched
+    assert torch.equal(cache.layer(0)[0], torch.zeros(3, 8, 1, 2))  # other layers untouched
 
 
 def _request(rid, num_prompt, max_tokens=4):

@@ -1,10 +1,14 @@
 """Per-slot KV cache and the two attention hooks (prefill, decode) the model calls through `PackedSeqs.kv_cache`.
 
 Layout (the design choice): the cache has `num_slots` rows; a running sequence owns one row and keeps the keys and
-values of its positions 0..max_model_len-1 there, per layer `[num_slots, kv_heads/tp, max_model_len, head_dim]`.
+values of its positions 0..max_model_len-1 there, per layer `[num_slots, max_model_len, kv_heads/tp, head_dim]`.
 Compared with paged blocks this wastes the unused tail of each row, but decode attention then needs no gather and
-no custom kernel: decode row b *is* slot b, so attention reads a plain view `cache[:B, :, :L]` (the scheduler hands
-out the lowest free slot, keeping running sequences packed at the front). Slot count comes from a byte budget:
+no custom kernel: decode row b *is* slot b (the scheduler hands out the lowest free slot, keeping running sequences
+packed at the front). On CUDA in bf16/fp16 decode attention is flash attention's variable-length kernel: the cache
+seen as one packed run of `num_slots * max_model_len` tokens, row b starting at b * max_model_len, with
+`seqused_k` = each row's real length, so a row reads only its own tokens; a batch mixing long and short sequences
+(the async rollouter's steady state) pays for the tokens it holds, not for the longest row times the rows. Elsewhere
+the reference reads the view `cache[:B, :L]` under a mask. Slot count comes from a byte budget:
 `gpu_memory_utilization` on GPU, a token budget on CPU (see `num_slots_for_budget`).
 
 Prefill never reads the cache: a (re)started sequence is prefilled whole (prompt plus any tokens generated before an
@@ -34,7 +38,7 @@ class KVCache:
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
                  dtype: torch.dtype, device: torch.device) -> None:
-        self.num_layers, self.shape = num_layers, (num_slots, num_kv_heads, max_len, head_dim)
+        self.num_layers, self.shape = num_layers, (num_slots, max_len, num_kv_heads, head_dim)
         self.num_slots, self.max_len, self.dtype, self.device = num_slots, max_len, dtype, device
         self.layers: list[tuple[Tensor, Tensor]] | None = None
         self.allocate()
@@ -60,7 +64,7 @@ class KVCache:
         self.layers = None
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
-        """(keys, values) of one layer, each [S, nkv, L, D]."""
+        """(keys, values) of one layer, each [S, L, nkv, D]."""
         return self.layers[layer_id]
 
 
@@ -89,45 +93,62 @@ class PrefillAttention:
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
         keys, values = self.cache.layer(layer_id)
-        keys[self.slots, :, self.positions] = k  # k [T, nkv, D]
-        values[self.slots, :, self.positions] = v
+        keys[self.slots, self.positions] = k  # k [T, nkv, D]
+        values[self.slots, self.positions] = v
         return packed_attention(q, k, v, seqs, scale)
 
 
 class DecodeAttention:
     """Hook for a decode forward over slots 0..B-1 (one new token each, at `positions[b]`), attending to the first
-    `length` cache positions. Only tensor ops with static shapes: the forward can be captured in a CUDA graph."""
+    `length` cache positions at most (each row to its positions 0..positions[b]). Only tensor ops with static
+    shapes: the forward can be captured in a CUDA graph."""
 
     def __init__(self, cache: KVCache, positions: Tensor, length: int) -> None:
         self.cache, self.positions, self.length = cache, positions, length  # positions [B]
-        self.rows = torch.arange(positions.shape[0], device=positions.device)
-        valid = torch.arange(length, device=positions.device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
-        # Additive mask built once per forward, in the cache dtype, so no layer converts a boolean one again.
-        self.mask = torch.zeros(valid.shape, dtype=cache.dtype, device=valid.device).masked_fill_(~valid, -torch.inf)
+        num_rows, device = positions.shape[0], positions.device
+        self.rows = torch.arange(num_rows, device=device)
+        self.flash = uses_flash_decode(cache.device, cache.dtype)
+        if self.flash:  # row b's keys start at b * max_len of the flattened cache; it uses positions[b] + 1
+            self.row_starts = torch.arange(num_rows + 1, dtype=torch.int32, device=device) * cache.max_len
+            self.used = (positions + 1).to(torch.int32)
+        else:  # additive mask built once per forward, in the cache dtype, so no layer converts a boolean one again
+            valid = torch.arange(length, device=device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
+            self.mask = torch.zeros(valid.shape, dtype=cache.dtype, device=device).masked_fill_(~valid, -torch.inf)
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
-        keys, values = self.cache.layer(layer_id)
-        keys[self.rows, :, self.positions] = k  # k [B, nkv, D]
-        values[self.rows, :, self.positions] = v
+        keys, values = self.cache.layer(layer_id)  # [S, L, nkv, D]
+        keys[self.rows, self.positions] = k  # k [B, nkv, D]
+        values[self.rows, self.positions] = v
+        if self.flash:
+            return flash_decode_attention(q, keys, values, self.row_starts, self.used, self.length, scale)
         num_rows = self.rows.shape[0]
-        return decode_attention(q, keys[:num_rows, :, :self.length], values[:num_rows, :, :self.length],
-                                self.mask, scale)
+        return reference_decode_attention(q, keys[:num_rows, :self.length].transpose(1, 2),
+                                          values[:num_rows, :self.length].transpose(1, 2), self.mask, scale)
 
 
-def decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """One query token per row against its cached keys: q [B, nq, D], keys/values [B, nkv, L, D] -> [B, nq, D];
-    mask [B, L] is 0.0 where a key may be attended to and -inf elsewhere (the reference also takes True/False).
+def uses_flash_decode(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention runs flash attention's kernel: CUDA in half precision (fp32 takes the reference)."""
+    return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
-    The one device-specific switch of decode attention: CUDA runs `grouped_decode_attention` (two batched GEMMs);
-    everything else runs `reference_decode_attention`, which the tests compare against.
+
+def flash_decode_attention(q: Tensor, keys: Tensor, values: Tensor, row_starts: Tensor, used: Tensor,
+                           max_length: int, scale: float) -> Tensor:
+    """One query token per row against its cached keys with flash attention's variable-length kernel.
+
+    q [B, nq, D]; keys/values: one layer's whole cache [S, L, nkv, D]; row_starts [B + 1] int32 = b * L (row b's
+    first key in the flattened [S * L, nkv, D] cache); used [B] int32 = how many keys row b attends to (its position
+    + 1); max_length bounds `used`. Grouped-query heads are handled by the kernel. -> [B, nq, D].
     """
-    if q.is_cuda:
-        return grouped_decode_attention(q, keys, values, mask, scale)
-    return reference_decode_attention(q, keys, values, mask, scale)
+    num_rows = q.shape[0]
+    query_starts = torch.arange(num_rows + 1, dtype=torch.int32, device=q.device)
+    return torch.ops.aten._flash_attention_forward(
+        q, keys.flatten(0, 1), values.flatten(0, 1), query_starts, row_starts, 1, max_length, 0.0, False, False,
+        scale=scale, seqused_k=used)[0]
 
 
 def reference_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """Portable decode attention through SDPA (fp32 scores).
+    """Portable decode attention through SDPA: q [B, nq, D], keys/values [B, nkv, L, D] (views of the cache are
+    fine), mask [B, L] 0.0 where a key may be attended to and -inf elsewhere (or True/False) -> [B, nq, D].
 
     The query heads sharing a KV head are stacked as that head's query rows ([B, nkv, nq/nkv, D]), so grouped-query
     attention needs no copies of the cache.
@@ -136,22 +157,3 @@ def reference_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Te
     grouped = q.view(num_rows, keys.shape[1], -1, head_dim)  # [B, nkv, nq/nkv, D]
     out = F.scaled_dot_product_attention(grouped, keys, values, attn_mask=mask[:, None, None, :], scale=scale)
     return out.reshape(num_rows, num_heads, head_dim)
-
-
-def grouped_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
-    """The GPU fast path of `decode_attention` (additive mask only; fp32 anywhere, bf16/fp16 on CUDA).
-
-    SDPA sends a one-token query to a prefill flash kernel, which pays for tiles the decode never fills. Here the
-    nq/nkv query heads of each KV head are the rows of one small GEMM against that head's cached keys, read in place
-    (a strided view of the cache, no copy); the scores come out in fp32 (as SDPA keeps them), are masked and
-    softmaxed in fp32, and the probabilities meet the values in the cache dtype (as flash kernels do).
-    """
-    num_rows, num_heads, head_dim = q.shape
-    num_kv, length = keys.shape[1], keys.shape[2]
-    grouped = q.reshape(num_rows * num_kv, num_heads // num_kv, head_dim)  # [B*nkv, nq/nkv, D]
-    fp32_out = {} if q.dtype == torch.float32 else {"out_dtype": torch.float32}
-    scores = torch.bmm(grouped, keys.flatten(0, 1).transpose(1, 2), **fp32_out)  # [B*nkv, nq/nkv, L] fp32
-    scores = torch.add(mask.unsqueeze(1), scores.view(num_rows, num_heads, length), alpha=scale)  # [B, nq, L] fp32
-    probs = scores.softmax(dim=-1).to(values.dtype).view(num_rows * num_kv, -1, length)
-    out = torch.bmm(probs, values.flatten(0, 1))  # [B*nkv, nq/nkv, D]
-    return out.view(num_rows, num_heads, head_dim)
