@@ -80,10 +80,25 @@ def test_stops_at_different_steps_are_returned_by_the_step_that_sampled_them(pat
         assert call == at + 1  # call 1 prefills (token 0); call c records token c-1
     stats = engine.stats
     assert stats.decode_tokens == sum(at for _, at in stops)  # no token of a stopped request is counted
-    # Stops at tokens 2, 3, 6, 9. The step after a stop is already on its way when the host sees the stop, so
-    # the host launches after the prefill, after the stops at 2 and 3 together (token 4), after the stop at 6
-    # (token 8); every other step ran ahead. The step launched ahead of the last stop was dropped, not recorded.
-    assert stats.decode_host_launches == 3 and stats.decode_steps == max(at for _, at in stops)
+    # Stops at tokens 2, 3, 6, 9. A stopped request's row rides along dead, so after the prefill's launch every
+    # step ran ahead; the step launched ahead of the last stop was dropped, not recorded.
+    assert stats.decode_host_launches == 1 and stats.decode_steps == max(at for _, at in stops)
+
+
+def test_a_dead_row_stays_inside_its_slot_while_the_others_run_ahead(path, hf):
+    """A long request stops early; the short one next to it runs ~27 more steps ahead of the host. Were the dead
+    row moved on each step it would write past the 40-token cache row (an index error on CPU); it stays put, and
+    the other request's tokens stay exact."""
+    long_prompt = list(range(50, 80))  # 30 tokens: stopping at generated token ~2 leaves ~8 positions
+    stop, at = _first_new(_reference(hf, long_prompt, 4)[0], 1)
+    engine = Engine.from_pretrained(path, Layout.single(), CONFIG)
+    engine.submit(long_prompt, SamplingParams(max_tokens=8, temperature=0.0, stop_token_ids=(stop,),
+                                              ignore_eos=True), request_id="long")
+    engine.submit(PROMPTS[2], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), request_id="short")
+    done = _run(engine)
+    assert len(done["long"][0].token_ids) == at + 1 and done["long"][0].finish_reason == "stop"
+    assert done["short"][0].token_ids == _reference(hf, PROMPTS[2], 30)[0]
+    assert engine.stats.decode_host_launches == 1  # everything after the prefill ran ahead
 
 
 def test_seeded_rows_next_to_unseeded_and_greedy_rows_follow_the_reference(path, hf):

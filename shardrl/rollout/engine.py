@@ -177,9 +177,11 @@ class Engine:
         waited = time.perf_counter()
         rows = current.copy.rows()
         self.stats.decode_wait_seconds += time.perf_counter() - waited
-        live = [(r, rows[slot]) for r, slot in zip(current.requests, current.slots)
+        live = [(r, slot) for r, slot in zip(current.requests, current.slots)
                 if r.finish_reason is None and r.slot == slot]
-        finished = self._record(live)
+        finished = self._record([(r, rows[slot]) for r, slot in live])
+        if self._ahead is not None:  # rows that stopped now ride along dead from the step after the one ahead
+            self.runner.retire([slot for r, slot in live if r.finish_reason is not None])
         if self._ahead is not None and all(r.finish_reason is not None for r in self._ahead.requests):
             self._drop_ahead()  # every row stopped: nothing of it will be recorded
         self.stats.decode_steps += 1
@@ -218,9 +220,15 @@ class Engine:
                          self._copies.start(out), [])
 
     def _may_run_ahead(self, step: _Launched) -> bool:
-        """Whether the step after `step` runs the same requests in the same slots, whatever `step` samples."""
+        """Whether the step after `step` may run the same slots, whatever `step` samples: no request waits for a free
+        slot, no running request reaches its token limit in `step` (its row would write past it), and every row of
+        a request that stopped (on a stop token, which no one can foresee) stays inside the cache as a dead row: it
+        advances one position in the step already launched when its stop was seen, then none (`retire`). A dead row
+        costs a wasted row per step until the batch is next launched from the host, where a stop used to force that
+        launch (and the GPU to wait for the host) every few steps of a large batch."""
         return not self.scheduler.can_admit() and all(
-            r.finish_reason is None and not r.reaches_length(1) for r in step.requests)
+            r.num_tokens < r.max_len if r.finish_reason is not None else not r.reaches_length(1)
+            for r in step.requests)
 
     def _launch_ahead(self, step: _Launched) -> _Launched:
         """The step after `step`, from the inputs `step` leaves on the device."""

@@ -121,6 +121,13 @@ class ModelRunner:
                                lambda: self._sample_step(self._decode_logits(rows, length), fixed))
         return self.out[:num_rows]
 
+    def retire(self, slots: list[int]) -> None:
+        """Stop moving the rows of `slots` on (their requests stopped while later steps run ahead): their positions
+        stay put from the next step queued on, so their k/v writes stay inside their slots. One fill per slot,
+        queued on the device, no host read."""
+        for slot in slots:
+            self.live[slot] = 0
+
     def _decode_logits(self, num_rows: int, length: int) -> Tensor:
         return self.logits(self.decode_hidden(self.ids[:num_rows], self.positions[:num_rows], length))
 
