@@ -98,7 +98,10 @@ class MoELayer(nn.Module):
         top_probs, top_experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
         if self.norm_topk_prob:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
-        counts = torch.bincount(top_experts.flatten(), minlength=self.num_experts)  # [E]
+        flat = top_experts.flatten()
+        # scatter_add, not bincount: bincount reads its input's max back to the host (a sync per layer on CUDA).
+        counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
+            0, flat, torch.ones_like(flat))  # [E]
         out = self._combine(x, top_experts, top_probs.to(x.dtype), counts)
         return self._attach_router_losses(out, logits, probs, counts)
 
@@ -151,7 +154,7 @@ class MoELayer(nn.Module):
         prob_sum = probs.sum(dim=0)  # [E]
         num_experts = self.num_experts
         totals = torch.cat([counts.to(probs.dtype), prob_sum.detach(), lse_sq.sum().detach().view(1),
-                            prob_sum.new_tensor([probs.shape[0]])])  # [2E + 2]
+                            torch.full((1,), probs.shape[0], dtype=probs.dtype, device=probs.device)])  # [2E + 2]
         if self.layout.tp_group is not None:
             dist.all_reduce(totals, group=self.layout.tp_group)
         group_counts, group_prob_sum = totals[:num_experts], totals[num_experts:2 * num_experts]
