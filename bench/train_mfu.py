@@ -38,6 +38,9 @@ import datetime
 import gc
 import os
 import time
+import traceback
+import warnings
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -115,7 +118,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--profile", action="store_true",
-                   help="profile one more step; print the top-10 kernels and its host-sync count")
+                   help="profile one more step; print the top-10 kernels, its host-sync count and (GPU) where they come from")
     p.add_argument("--no-tp-overlap", action="store_true",
                    help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")
     p.add_argument("--tp-comm-chunks", type=int, default=1, help="row-parallel forward pipelines this many pieces")
@@ -230,6 +233,68 @@ def host_syncs_line(prof: profile, seconds: float, cuda: bool) -> str:
             f"({100 * kernels / seconds:.0f}%)")
 
 
+def idle_gaps(train_step: Callable[[], object], device: torch.device, top: int = 10) -> str:
+    """Profile one more step with CUDA activity only (kernel and runtime-call times, little host overhead) and find
+    where the GPU stood idle: the union of kernel intervals over all streams against the step's wall time, and the
+    longest gaps with the kernels around them and the runtime calls the host made meanwhile (many launches: the
+    host was slower than the GPU; a synchronize: it waited for a value)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        start = time.perf_counter()
+        train_step()
+        sync(device)
+    wall = time.perf_counter() - start
+    events = list(prof.events())
+    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
+                     if e.device_type == DeviceType.CUDA)
+    calls = sorted((e.time_range.start, e.name) for e in events if e.device_type == DeviceType.CPU)
+    if not kernels:
+        return "idle gaps: no kernel events recorded"
+    merged: list[list] = []  # [start, end, first kernel, last kernel] of each busy run, microseconds
+    for begin, end, name in kernels:
+        if merged and begin <= merged[-1][1]:
+            if end > merged[-1][1]:
+                merged[-1][1], merged[-1][3] = end, name
+        else:
+            merged.append([begin, end, name, name])
+    busy = sum(end - begin for begin, end, _, _ in merged) / 1e6
+    gaps = sorted(((after[0] - before[1], before, after) for before, after in zip(merged, merged[1:])),
+                  key=lambda g: -g[0])[:top]
+    origin = merged[0][0]
+    lines = [f"GPU busy (any stream) {busy:.3f} s of a {wall:.3f} s step ({100 * busy / wall:.0f}%); first kernel "
+             f"{(merged[0][0] - calls[0][0]) / 1e3 if calls else 0:.1f} ms after the first runtime call; longest "
+             f"gaps between kernels:"]
+    for length, before, after in gaps:
+        inside = [name for t, name in calls if before[1] <= t < after[0]]
+        waits = sorted({n for n in inside if "Synchronize" in n})
+        lines.append(f"  {length / 1e3:7.2f} ms at {(before[1] - origin) / 1e3:7.1f} ms: {len(inside)} runtime calls"
+                     f"{' incl. ' + ', '.join(waits) if waits else ''}; after {before[3][:50]!r}, "
+                     f"before {after[2][:50]!r}")
+    return "\n".join(lines)
+
+
+def sync_sites(train_step: Callable[[], object], top: int = 12) -> str:
+    """Run one step under CUDA's sync debug mode and count where the host waited for the GPU: each synchronizing
+    call is keyed by the innermost two shardrl frames of its Python stack (the profile only counts them)."""
+    sites: Counter[str] = Counter()
+
+    def record(message, category, filename, lineno, file=None, line=None) -> None:
+        ours = [f for f in traceback.extract_stack()[:-1] if "/shardrl/" in f.filename]
+        sites[" <- ".join(f"{f.filename.split('/shardrl/')[-1]}:{f.lineno} {f.name}" for f in ours[::-1][:2])
+              or f"{filename}:{lineno}"] += 1
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = record
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train_step()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    lines = [f"host sync sites of one more step (sync debug mode): {sum(sites.values())} in all"]
+    lines += [f"  {count:4d}  {site}" for site, count in sites.most_common(top)]
+    return "\n".join(lines)
+
+
 def measure(setup: Setup) -> list[dict] | None:
     """On every rank: build the engine for each recompute setting and variant, time its steps; rank 0 returns the
     results."""
@@ -307,6 +372,8 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
             train_step()
             sync(device)
         table = top_ops_table(prof, cuda) + "\n" + host_syncs_line(prof, time.perf_counter() - start, cuda)
+        if cuda:
+            table += "\n" + idle_gaps(train_step, device) + "\n" + sync_sites(train_step)
     return dict(times=times, peak_gib=peak_gib, profile=table)
 
 
