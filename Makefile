@@ -16,7 +16,7 @@ $(STAMP): pyproject.toml
 
 venv: $(STAMP)
 
-# Until the PPO loop lands, the main job is the dry-run planner on the default config (ARGS may add overrides).
+# The main job: a real GRPO run on the embedded default (tiny model, built-in task; ARGS may add overrides).
 run: $(STAMP)
 	$(VPY) -m shardrl.trainer.main_ppo $(ARGS)
 
