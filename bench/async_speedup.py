@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -62,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--stop-tokens", type=int, default=16, help="tokens that end a response (of the vocab)")
     parser.add_argument("--trigger", type=int, default=2, help="fully async: trigger_parameter_sync_step")
     parser.add_argument("--staleness", type=float, default=0.5, help="fully async: staleness_threshold")
+    parser.add_argument("--slots", type=int, default=None,
+                        help="engine max_num_seqs in every mode (default: twice a step's samples); the async modes "
+                             "keep up to that many sequences in flight, the synchronous one never more than a step's")
     parser.add_argument("--no-partial", action="store_true",
                         help="both async modes: partial_rollout=false (the one_step_off config's default)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -105,7 +110,7 @@ def overrides(args: argparse.Namespace, mode: str, model: Path, task: dict, run_
         "actor_rollout_ref.actor.use_dynamic_bsz=true",
         f"actor_rollout_ref.actor.ppo_max_token_len_per_gpu={max(16384, 2 * (args.response_length + 32))}",
         f"actor_rollout_ref.actor.megatron.dtype={dtype}", f"actor_rollout_ref.rollout.dtype={dtype}",
-        f"actor_rollout_ref.rollout.max_num_seqs={2 * args.prompts * args.n}",
+        f"actor_rollout_ref.rollout.max_num_seqs={args.slots or 2 * args.prompts * args.n}",
         # re-prefills after a partial-rollout sync go in few large steps
         f"actor_rollout_ref.rollout.max_num_batched_tokens={max(32768, args.response_length + 32)}",
         "algorithm.rollout_correction.decoupled=false",
@@ -122,14 +127,26 @@ def overrides(args: argparse.Namespace, mode: str, model: Path, task: dict, run_
             f"async_training.staleness_threshold={args.staleness}"]
 
 
-def run_mode(args: argparse.Namespace, mode: str, model: Path, task: dict, out: Path) -> dict:
+def run_mode(args: argparse.Namespace, mode: str, model: Path, task: dict, out: Path) -> dict | None:
+    """One mode's run and its step statistics; None (and a line saying so) when it ran past `--timeout`, so the
+    other modes' results still print."""
     run_dir = out / mode
     cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", *overrides(args, mode, model, task, run_dir)]
     print(f"[{mode}] {' '.join(cmd)}", flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
-    (out / f"{mode}.log").write_text(done.stdout + done.stderr)
-    if done.returncode != 0:
-        raise SystemExit(f"[{mode}] failed (exit {done.returncode}); see {out / f'{mode}.log'}:\n{done.stderr[-2000:]}")
+    # Its own session, so a timeout can end the whole run (Ray's local processes included), not just the driver,
+    # and the next mode starts on free GPUs.
+    process = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        stdout, stderr = process.communicate(timeout=args.timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        stdout, stderr = process.communicate()
+        (out / f"{mode}.log").write_text(stdout + stderr)
+        print(f"[{mode}] ran past --timeout {args.timeout} s; left out (its log: {out / f'{mode}.log'})", flush=True)
+        return None
+    (out / f"{mode}.log").write_text(stdout + stderr)
+    if process.returncode != 0:
+        raise SystemExit(f"[{mode}] failed (exit {process.returncode}); see {out / f'{mode}.log'}:\n{stderr[-2000:]}")
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     timed = [r for r in rows if "timing_s/step_total" in r][args.warmup:]
     seconds = sum(r["timing_s/step_total"] for r in timed) / len(timed)
@@ -188,7 +205,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     task = builtin_task.prepare(out / "task")
     model = make_model(out / "model", MODEL_TINY if args.quick else MODEL_300M, args.stop_tokens)
-    results = {mode: run_mode(args, mode, model, task, out) for mode in args.modes}
+    results = {mode: result for mode in args.modes if (result := run_mode(args, mode, model, task, out))}
     print_tables(args, results)
     summary = {"args": vars(args), "results": results}
     (out / "summary.json").write_text(json.dumps(summary, indent=2))
