@@ -1,6 +1,6 @@
-"""Rollout engine on CUDA: the CUDA-graph decode against the eager reference (seeded rows sampling outside the graphs,
-unseeded ones inside), bf16 logprobs against the trainer's forward, weight updates under captured graphs, sleep/wake
-with weight offload freeing the memory."""
+"""Rollout engine on CUDA: the CUDA-graph decode against the eager reference (seeded and unseeded rows sampling inside
+the graphs), seeded draws equal on CUDA and CPU, bf16 logprobs against the trainer's forward, weight updates under
+captured graphs, sleep/wake with weight offload freeing the memory."""
 
 from dataclasses import replace
 
@@ -16,6 +16,7 @@ from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.rollout.request import SamplingParams
+from shardrl.rollout.sampler import SamplingBatch, counter_uniforms, sample, seed_keys
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -42,11 +43,28 @@ def _engine(path, dtype=torch.float32, eager=False):
 def test_graph_decode_equals_eager_decode(checkpoint):
     graphed_engine = _engine(checkpoint)
     graphed = graphed_engine.generate(PROMPTS, PARAMS)
-    assert graphed_engine.runner.graphs is not None and len(graphed_engine.runner.graphs.graphs) > 1
+    graphs = graphed_engine.runner.graphs
+    assert graphs is not None and len(graphs.graphs) > 1
+    assert all(len(key) == 3 for key in graphs.graphs)  # (rows, length, sampling mode): seeded rows sample inside
+    assert graphed_engine.stats.decode_host_launches < graphed_engine.stats.decode_steps
     eager = _engine(checkpoint, eager=True).generate(PROMPTS, PARAMS)
     for g, e in zip(graphed, eager):
         assert g.token_ids == e.token_ids
         assert_close(torch.tensor(g.logprobs), torch.tensor(e.logprobs), atol=1e-4, rtol=0)
+
+
+def test_seeded_draws_on_cuda_equal_cpu():
+    """The counter hash is exact integer arithmetic: the same uniforms on both devices, so the same tokens from the
+    same logits (the fp32 sums may differ in the last bit; a flip would need a threshold that close to a boundary)."""
+    seeds = list(range(2**31 - 64, 2**31 + 64))
+    counters = torch.arange(128) * 7
+    keys = seed_keys(seeds)
+    assert torch.equal(counter_uniforms(keys.cuda(), counters.cuda()).cpu(), counter_uniforms(keys, counters))
+    logits = torch.randn(128, 64, generator=torch.Generator().manual_seed(0)) * 2
+    params = [SamplingParams(temperature=0.9, top_p=0.95)] * 128
+    cpu = sample(logits, SamplingBatch.build(params, seeds, 64, torch.device("cpu")), counters)
+    gpu = sample(logits.cuda(), SamplingBatch.build(params, seeds, 64, torch.device("cuda")), counters.cuda())
+    assert torch.equal(gpu.token_ids.cpu(), cpu.token_ids)
 
 
 def _trainer_raw_logprobs(path, outputs, dtype):

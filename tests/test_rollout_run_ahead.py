@@ -1,11 +1,13 @@
 """Decode steps that run one ahead of the host's bookkeeping (CPU, fp32): requests stopping at different steps are
 returned by the step that sampled their last token and keep no token sampled after it; seeded rows next to unseeded
-and greedy ones follow a sampling loop written out here over HF's model; admission, partial abort and weight updates
-in the middle of a run."""
+and greedy ones, and seeded rows aborted while a step ran ahead, follow a sampling loop over HF's model with the
+uniforms computed on Python ints (`seeded_sampling.py`); admission, partial abort and weight updates in the middle of
+a run."""
 
 import pytest
 import torch
 from safetensors.torch import load_file
+from seeded_sampling import reference_draw, reference_uniform
 from torch.testing import assert_close
 from transformers import AutoModelForCausalLM
 
@@ -29,19 +31,18 @@ def hf(path):
 
 
 @torch.no_grad()
-def _reference(hf, prompt, max_tokens, seed=None, stop=None):
-    """HF's next-token logits, one full forward per token. Greedy without `seed`; with it, the exponential race
-    drawing one row of Exp(1) noise per token from `torch.Generator().manual_seed(seed)`. Returns tokens and raw
-    (temperature-1) logprobs, stopping after `stop`."""
-    generator = None if seed is None else torch.Generator().manual_seed(seed)
+def _reference(hf, prompt, max_tokens, seed=None, stop=None, temperature=1.0, top_k=0):
+    """HF's next-token logits, one full forward per token. Greedy without `seed`; with it, a plain inverse-CDF loop
+    over the temperature-scaled top-k softmax with the uniform of (seed, index of the token in the sequence).
+    Returns tokens and raw (temperature-1) logprobs, stopping after `stop`."""
     tokens, logprobs = [], []
     for _ in range(max_tokens):
         logits = hf(torch.tensor([prompt + tokens])).logits[0, -1]  # [V]
-        if generator is None:
+        if seed is None:
             token = int(logits.argmax())
         else:
-            noise = torch.empty_like(logits).exponential_(generator=generator)
-            token = int((logits - noise.clamp(min=torch.finfo(noise.dtype).tiny).log()).argmax())
+            u = reference_uniform(seed, len(prompt) + len(tokens))
+            token = reference_draw(logits.tolist(), u, temperature, top_k)
         tokens.append(token)
         logprobs.append(float(torch.log_softmax(logits, -1)[token]))
         if token == stop:
@@ -124,6 +125,28 @@ def test_seeded_rows_next_to_unseeded_and_greedy_rows_follow_the_reference(path,
     expected_raw = torch.log_softmax(logits, -1).gather(1, torch.tensor(unseeded.token_ids)[:, None]).squeeze(1)
     assert_close(torch.tensor(unseeded.raw_logprobs), expected_raw, atol=1e-5, rtol=0)
     assert engine.stats.decode_host_launches < engine.stats.decode_steps
+
+
+def test_seeded_requests_aborted_while_a_step_runs_ahead_follow_the_reference(path, hf):
+    """The step launched ahead is dropped by the abort and the requests are re-prefilled on resume (a new slot
+    order, a prefill instead of a decode step): each seeded request's tokens are still the reference loop's, which
+    knows nothing of batches, steps or aborts. Seed 3 twice, on different prompts."""
+    prompts = [PROMPTS[0], PROMPTS[1], PROMPTS[3]]
+    params = [SamplingParams(max_tokens=9, temperature=0.8, top_k=20, seed=seed, ignore_eos=True)
+              for seed in (3, 2**31 + 5, 3)]
+    engine = Engine.from_pretrained(path, Layout.single(), CONFIG)
+    ids = [engine.submit(prompt, p)[0] for prompt, p in zip(prompts, params)]
+    for _ in range(4):
+        engine.step()
+    assert engine._ahead is not None
+    partial = engine.abort()
+    assert [len(o.token_ids) for o in partial] == [4, 4, 4]
+    engine.resume(list(reversed(ids)))
+    done = {out.request_id: out for out in engine.stream()}
+    for rid, prompt, p in zip(ids, prompts, params):
+        expected, _ = _reference(hf, prompt, 9, seed=p.seed, temperature=0.8, top_k=20)
+        assert done[rid].token_ids == expected
+    assert done[ids[0]].token_ids != done[ids[2]].token_ids
 
 
 def test_admission_waits_for_a_free_slot_and_outputs_stay_exact(path, hf):

@@ -2,12 +2,12 @@
 elsewhere, which is the reference).
 
 A decode step of a small model is hundreds of tiny kernels; launched from Python their overhead, not the GPU, sets
-the pace. Here a step over a padded batch of `rows` slots attending to `length` cache positions (the forward, and for
-unseeded batches also the sampling and the update of the next step's inputs) is captured once per key, on first use,
-and afterwards replayed with one launch. The step reads and writes the runner's fixed device buffers; padding rows
-are free cache slots (their k/v writes land in unused rows). All graphs share one memory pool. The graphs hold the
-addresses of the weights, the cache and those buffers: replacing the weights or the cache (sleep/wake) needs a new
-`DecodeGraphs`; copying new weights into the same tensors (`update_weights`) does not.
+the pace. Here a step over a padded batch of `rows` slots attending to `length` cache positions (the forward, the
+sampling and the update of the next step's inputs) is captured once per key, on first use, and afterwards replayed
+with one launch. The step reads and writes the runner's fixed device buffers; padding rows are free cache slots
+(their k/v writes land in unused rows). All graphs share one memory pool. The graphs hold the addresses of the
+weights, the cache and those buffers: replacing the weights or the cache (sleep/wake) needs a new `DecodeGraphs`;
+copying new weights into the same tensors (`update_weights`) does not.
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ def length_bucket(length: int, max_len: int) -> int:
 
 class DecodeGraphs:
     """Graphs by key. `state` are the buffers a step advances (its inputs for the next step), put back after the
-    eager warm-up run before each capture; `generator` is the one random stream captured steps may draw from."""
+    eager warm-up run before each capture; `generator` is the one random stream captured steps may draw from (that of
+    unseeded rows: a seeded row's uniform is a hash of buffers the step reads, no stream)."""
 
     def __init__(self, max_rows: int, state: list[Tensor], generator: torch.Generator) -> None:
         self.buckets = row_buckets(max_rows)

@@ -54,8 +54,7 @@ class EngineStats:
 class _Launched:
     """A decode step queued on the device, recorded by the `step()` call that launched it or, launched ahead, by
     the next one: the running `requests` (slot order) and their `slots` at launch, rows 0..num_rows-1 attending to
-    `length` positions, and for a step launched ahead the states its seeded generators had before it drew (to put
-    back if it is dropped)."""
+    `length` positions."""
 
     requests: list[Request]
     slots: list[int]
@@ -63,7 +62,6 @@ class _Launched:
     length: int
     sampling: SamplingBatch
     copy: HostCopy
-    restore: list[tuple[torch.Generator, Tensor]]
 
 
 class EngineError(ValueError):
@@ -132,11 +130,9 @@ class Engine:
         base = str(next(self._counter)) if request_id is None else request_id
         ids = [base] if params.n == 1 else [f"{base}/{i}" for i in range(params.n)]
         for i, rid in enumerate(ids):
-            generator = None
-            if params.seed is not None:
-                generator = torch.Generator(self.device).manual_seed(params.seed + i)
+            seed = None if params.seed is None else params.seed + i
             stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-            self.scheduler.add(Request(rid, list(prompt_ids), params, stop, self.config.max_model_len, generator))
+            self.scheduler.add(Request(rid, list(prompt_ids), params, stop, self.config.max_model_len, seed))
         return ids
 
     def has_unfinished(self) -> bool:
@@ -192,9 +188,11 @@ class Engine:
     def _prefill(self, requests: list[Request], start: float) -> list[RequestOutput]:
         num_tokens = sum(r.num_tokens for r in requests)
         logits = self.runner.prefill_logits(requests)
-        sampling = SamplingBatch.build([r.params for r in requests], [r.generator for r in requests],
+        sampling = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
                                        self.model_config.vocab_size, self.device)
-        drawn = sample(logits, sampling, self.runner.generator)
+        # Each draws the token at index num_tokens of its sequence (the same counter a decode step would use).
+        counters = torch.tensor([r.num_tokens for r in requests]).to(self.device, non_blocking=True)
+        drawn = sample(logits, sampling, counters, self.runner.generator)
         raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
         rows = torch.stack([drawn.token_ids.double(), drawn.logprobs.double(), raw.double()], dim=1).tolist()
         finished = self._record(list(zip(requests, rows)))
@@ -210,14 +208,14 @@ class Engine:
             rows[request.slot] = request
         # A free slot samples like a running one (unseeded): its row then never changes which ops `sample` runs.
         params = [(r or batch.requests[0]).params for r in rows]
-        generators = [r.generator if r else None for r in rows]
-        sampling = SamplingBatch.build(params, generators, self.model_config.vocab_size, self.device)
+        seeds = [r.seed if r else None for r in rows]
+        sampling = SamplingBatch.build(params, seeds, self.model_config.vocab_size, self.device)
         self.runner.load_decode_inputs(rows, sampling)
         length = max(r.num_tokens for r in batch.requests)
         self.stats.decode_host_launches += 1
         out = self.runner.decode(batch.num_rows, length, sampling)
         return _Launched(batch.requests, [r.slot for r in batch.requests], batch.num_rows, length, sampling,
-                         self._copies.start(out), [])
+                         self._copies.start(out))
 
     def _may_run_ahead(self, step: _Launched) -> bool:
         """Whether the step after `step` may run the same slots, whatever `step` samples: no request waits for a free
@@ -232,17 +230,13 @@ class Engine:
 
     def _launch_ahead(self, step: _Launched) -> _Launched:
         """The step after `step`, from the inputs `step` leaves on the device."""
-        restore = [(g, g.get_state()) for g in step.sampling.generators if g is not None]
         out = self.runner.decode(step.num_rows, step.length + 1, step.sampling)
-        return replace(step, length=step.length + 1, copy=self._copies.start(out), restore=restore)
+        return replace(step, length=step.length + 1, copy=self._copies.start(out))
 
     def _drop_ahead(self) -> None:
-        """Forget the step launched ahead (the batch or the weights change first): its seeded requests' generators
-        go back to where they were, so their next draws are the ones the dropped step made."""
-        if self._ahead is not None:
-            for generator, state in self._ahead.restore:
-                generator.set_state(state)
-            self._ahead = None
+        """Forget the step launched ahead (the batch or the weights change first). Nothing to undo: a seeded row's
+        draw is a function of its seed and position, which the step that replaces it repeats."""
+        self._ahead = None
 
     def _record(self, rows: list[tuple[Request, list[float]]]) -> list[RequestOutput]:
         """Append each request's (token, logprob, raw logprob) row; returns the requests this finished."""

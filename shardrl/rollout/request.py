@@ -6,8 +6,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-import torch
-
 FinishReason = Literal["stop", "length"]
 
 
@@ -19,10 +17,11 @@ class SamplingParamsError(ValueError):
 class SamplingParams:
     """Per-request generation settings (verl's rollout key names where they exist).
 
-    `temperature=0` is greedy. `top_k` <= 0 and `top_p=1` switch those filters off. `seed` gives the request its
-    own random stream, so its samples do not depend on what else is in the batch; with `n > 1` sample i uses
-    `seed + i`. `raw_logprobs` also returns each sampled token's logprob under the unfiltered temperature-1
-    policy (what the trainer recomputes).
+    `temperature=0` is greedy. `top_k` <= 0 and `top_p=1` switch those filters off. With a `seed` the uniform
+    that draws each token is a hash of (seed, the token's index in the sequence), so the samples depend on nothing
+    but the seed, the weights and the tokens so far: not on the rest of the batch, an abort and resume, or the
+    replica (see `sampler.py`); with `n > 1` sample i uses `seed + i`. `raw_logprobs` also returns each sampled
+    token's logprob under the unfiltered temperature-1 policy (what the trainer recomputes).
     """
 
     max_tokens: int = 16
@@ -84,7 +83,7 @@ class Request:
     params: SamplingParams
     stop_ids: frozenset[int]
     max_len: int  # prompt + generated tokens may not exceed this (the engine's max_model_len)
-    generator: torch.Generator | None = None  # its own random stream when seeded
+    seed: int | None = None  # its draws' seed (`SamplingParams.seed`, plus i for the i-th of n samples)
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
     raw_logprobs: list[float] = field(default_factory=list)

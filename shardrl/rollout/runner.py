@@ -102,7 +102,8 @@ class ModelRunner:
         Samples each row's next token with `sampling` (its rows: the same slots), writes it into the buffers as the
         next step's input and moves live rows one position on. Returns the step's rows [num_rows, 3] fp64 (token,
         logprob, raw logprob, the last equal to the logprob unless the batch asked for raw ones), on the device;
-        valid until the next step.
+        valid until the next step. With graphs the whole step is one replay for any batch: seeded rows' uniforms are
+        hashes of the seed buffers and the positions, no per-request random stream.
         """
         length = length_bucket(length, self.cache.max_len)
         if not self._use_graphs(num_rows):
@@ -112,13 +113,9 @@ class ModelRunner:
             self.graphs = DecodeGraphs(min(self.cache.num_slots, self.config.max_graph_rows), [self.inputs],
                                        self.generator)
         rows = self.graphs.rows_for(num_rows)
-        if sampling.seeded:  # the graph holds the forward; per-request generators draw outside it
-            logits = self.graphs.replay((rows, length), lambda: self._decode_logits(rows, length))
-            self._sample_step(logits[:num_rows], sampling)
-        else:
-            fixed = self.sampling.view(sampling, rows)
-            self.graphs.replay((rows, length, fixed.mode),
-                               lambda: self._sample_step(self._decode_logits(rows, length), fixed))
+        fixed = self.sampling.view(sampling, rows)
+        self.graphs.replay((rows, length, fixed.mode),
+                           lambda: self._sample_step(self._decode_logits(rows, length), fixed))
         return self.out[:num_rows]
 
     def retire(self, slots: list[int]) -> None:
@@ -134,7 +131,8 @@ class ModelRunner:
     def _sample_step(self, logits: Tensor, sampling: SamplingBatch) -> None:
         """logits [N, V] of rows 0..N-1 -> their tokens into the input buffers and `out`."""
         num_rows = logits.shape[0]
-        drawn = sample(logits, sampling, self.generator)
+        counters = self.positions[:num_rows] + 1  # the index in its sequence of the token each row draws
+        drawn = sample(logits, sampling, counters, self.generator)
         self.ids[:num_rows].copy_(drawn.token_ids)
         self.positions[:num_rows].add_(self.live[:num_rows])
         raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
@@ -205,6 +203,7 @@ class ModelRunner:
         cu_seqlens = torch.tensor([*range(0, tokens, longest), tokens], dtype=torch.int32, device=self.device)
         logits = self.logits(self.model(ids, positions, cu_seqlens)[:rows])
         params = [SamplingParams(top_p=0.9)] * rows  # the sort makes this the costliest sampling path
-        sample(logits, SamplingBatch.build(params, [None] * rows, self.model_config.vocab_size, self.device))
+        sample(logits, SamplingBatch.build(params, [None] * rows, self.model_config.vocab_size, self.device),
+               positions[:rows])
         del logits
         return torch.cuda.max_memory_allocated(self.device) - base

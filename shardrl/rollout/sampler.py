@@ -6,10 +6,16 @@ logprob returned for each sampled token is taken from exactly that distribution,
 mismatch metric compares like with like. Greedy rows take the argmax and report the filtered temperature-1
 logprob (a point mass would always report 0).
 
-Drawing uses the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) picks i with probability p_i, from one
-batched noise tensor. Seeded requests draw their row of noise from their own `torch.Generator`, so their samples do
-not depend on the rest of the batch; unseeded rows share the engine's generator. Every TP rank runs this on the same
-full logits with identically seeded generators, so all ranks pick the same tokens without a broadcast.
+Drawing is by inverse CDF: one uniform u per row, and the token is the first whose cumulative weight exceeds u times
+the row's total weight. One number per row, instead of the [B, V] noise tensor an exponential race (argmax p / E)
+needs, is what makes seeds cheap: a seeded row's u is a hash of (seed, counter), a few integer ops on [B] tensors,
+where a per-request random stream meant one noise kernel per seeded row and step, and no CUDA graph (a graph
+replays one generator). The counter is the index in the whole sequence (prompt + generated) of the token being
+drawn, so a seeded request's tokens depend on nothing but its seed, the weights and its tokens so far: not on the
+rest of the batch, steps run ahead and dropped, abort and resume (the re-prefilled request draws its next token
+with the same counter), or which replica or TP rank runs it; the hash is exact integer arithmetic, identical on CPU
+and CUDA. Unseeded rows draw u from the engine's shared generator. Every TP rank runs this on the same full logits
+with identically seeded shared generators, so all ranks pick the same tokens without a broadcast.
 """
 
 from __future__ import annotations
@@ -21,6 +27,13 @@ from torch import Tensor
 
 from shardrl.rollout.request import SamplingParams
 
+_MASK = 0xFFFFFFFF
+# Odd multipliers below 2**31: a 32-bit value times one stays below 2**63, so no int64 product overflows on any
+# device. Chosen for avalanche: over 2**16 random inputs, flipping any one input bit flipped each output bit of `_mix`
+# in a fraction of them within 0.007 of 1/2 (the sampling noise of that test).
+_MULTIPLIERS = (0x51FB3371, 0x4744B533)
+_SALTS = (0x9E3779B9, 0x7F4A7C15)  # keep seed 0 off `_mix`'s fixed point 0
+
 
 @dataclass(frozen=True)
 class SamplingBatch:
@@ -30,46 +43,45 @@ class SamplingBatch:
     greedy: Tensor  # [B] bool
     top_k: Tensor | None  # [B] int64, vocab size where off; None when no row filters
     top_p: Tensor | None  # [B] fp32, 1.0 where off
-    generators: list[torch.Generator | None]  # a row's own generator, or None: the shared one
+    keys: Tensor  # [2, B] int64: each row's `seed_keys` (unused where `has_seed` is False)
+    has_seed: Tensor  # [B] bool
     any_greedy: bool
     all_greedy: bool
     unit_temperature: bool  # every row samples at temperature 1 (or is greedy): the logits need no division
     raw: bool  # some row asked for raw temperature-1 logprobs
 
     @property
-    def seeded(self) -> bool:
-        """Some row draws from its own generator (which a CUDA graph cannot hold; see `SamplingBuffers`)."""
-        return any(g is not None for g in self.generators)
-
-    @property
     def mode(self) -> tuple[bool, ...]:
         """What decides which ops `sample` runs: batches of one mode run the same ops on tensors of the same
-        shapes, so one captured CUDA graph serves them all."""
+        shapes, so one captured CUDA graph serves them all (seeded rows or not: every batch computes both kinds of
+        uniform)."""
         return self.top_k is not None, self.all_greedy, self.any_greedy, self.unit_temperature, self.raw
 
     @classmethod
-    def build(cls, params: list[SamplingParams], generators: list[torch.Generator | None], vocab_size: int,
+    def build(cls, params: list[SamplingParams], seeds: list[int | None], vocab_size: int,
               device: torch.device) -> SamplingBatch:
+        """`seeds[b]`: row b's seed (`SamplingParams.seed`, plus i for the i-th of n samples), or None."""
         filtered = any(p.filtered for p in params)
         temperature = [p.temperature or 1.0 for p in params]
         top_k = [p.top_k if p.top_k > 0 else vocab_size for p in params]
 
-        def to_device(values: list, dtype: torch.dtype) -> Tensor:
+        def to_device(values: list | Tensor, dtype: torch.dtype) -> Tensor:
             # Asynchronous: a blocking host-to-device copy would wait for the decode forward still running.
-            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+            return torch.as_tensor(values, dtype=dtype).to(device, non_blocking=True)
 
         return cls(
             temperature=to_device(temperature, torch.float32), greedy=to_device([p.greedy for p in params], torch.bool),
             top_k=to_device(top_k, torch.int64) if filtered else None,
             top_p=to_device([p.top_p for p in params], torch.float32) if filtered else None,
-            generators=generators, any_greedy=any(p.greedy for p in params), all_greedy=all(p.greedy for p in params),
+            keys=to_device(seed_keys(seeds), torch.int64),
+            has_seed=to_device([s is not None for s in seeds], torch.bool),
+            any_greedy=any(p.greedy for p in params), all_greedy=all(p.greedy for p in params),
             unit_temperature=all(t == 1.0 for t in temperature), raw=any(p.raw_logprobs for p in params))
 
 
 class SamplingBuffers:
     """Per-row settings at fixed device addresses, so that a CUDA graph can capture `sample` once and later
-    replays read whatever settings `load` wrote since. Only for unseeded batches: a graph replays one fixed
-    generator (the engine's shared one), not the per-request generators of seeded rows."""
+    replays read whatever settings `load` wrote since, seeds included."""
 
     def __init__(self, max_rows: int, vocab_size: int, device: torch.device) -> None:
         # Valid settings everywhere from the start: padding rows past a batch read whatever is left here.
@@ -77,23 +89,25 @@ class SamplingBuffers:
         self.greedy = torch.zeros(max_rows, dtype=torch.bool, device=device)
         self.top_k = torch.full((max_rows,), vocab_size, dtype=torch.int64, device=device)
         self.top_p = torch.ones(max_rows, device=device)
+        self.keys = torch.zeros(2, max_rows, dtype=torch.int64, device=device)
+        self.has_seed = torch.zeros(max_rows, dtype=torch.bool, device=device)
 
     def load(self, batch: SamplingBatch) -> None:
         rows = batch.temperature.shape[0]
         self.temperature[:rows].copy_(batch.temperature)
         self.greedy[:rows].copy_(batch.greedy)
+        self.keys[:, :rows].copy_(batch.keys)
+        self.has_seed[:rows].copy_(batch.has_seed)
         if batch.top_k is not None:
             self.top_k[:rows].copy_(batch.top_k)
             self.top_p[:rows].copy_(batch.top_p)
 
     def view(self, batch: SamplingBatch, rows: int) -> SamplingBatch:
         """`batch`'s mode over the first `rows` rows of the buffers (rows past the batch's are padding)."""
-        if batch.seeded:
-            raise ValueError("SamplingBuffers.view: a seeded batch cannot be sampled from fixed buffers")
         filtered = batch.top_k is not None
         return replace(batch, temperature=self.temperature[:rows], greedy=self.greedy[:rows],
                        top_k=self.top_k[:rows] if filtered else None, top_p=self.top_p[:rows] if filtered else None,
-                       generators=[None] * rows)
+                       keys=self.keys[:, :rows], has_seed=self.has_seed[:rows])
 
 
 @dataclass(frozen=True)
@@ -119,43 +133,92 @@ def filter_top_k_top_p(logits: Tensor, top_k: Tensor, top_p: Tensor) -> Tensor:
     return logits.masked_fill(drop, float("-inf"))
 
 
-def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
-                      shared: torch.Generator | None, device: torch.device) -> Tensor:
-    """[B, V] Exp(1) noise; row b from `generators[b]` when set, else from `shared`."""
-    noise = torch.empty(shape, device=device)
-    if any(g is None for g in generators):
-        noise.exponential_(generator=shared)
-    for row, generator in enumerate(generators):
-        if generator is not None:
-            noise[row].exponential_(generator=generator)
-    # An exact 0 (possible in float32) would turn p/E into inf or nan; the clamp changes no ordering otherwise.
-    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+def _mix(x: Tensor) -> Tensor:
+    """A bijection of 32-bit values (int64 tensors in [0, 2**32)) in which each input bit changes about half of the
+    output bits: xor-shift, multiply, xor-shift, multiply, xor-shift, every product masked back to 32 bits."""
+    x = x ^ (x >> 16)
+    x = (x * _MULTIPLIERS[0]) & _MASK
+    x = x ^ (x >> 15)
+    x = (x * _MULTIPLIERS[1]) & _MASK
+    return x ^ (x >> 16)
+
+
+def seed_keys(seeds: list[int | None]) -> Tensor:
+    """Each row's two 32-bit stream keys [2, B] int64 on the host, from its seed modulo 2**64 (None: seed 0's).
+
+    Derived once per batch, not per step: the low word goes through `_mix`, the high word is mixed in, and the
+    second key is a further `_mix` of the first, so neighbouring seeds get unrelated keys.
+    """
+    words = torch.tensor([[0, 0] if s is None else [(s % 2**64) & _MASK, (s % 2**64) >> 32] for s in seeds]).T
+    first = _mix(_mix(words[0] ^ _SALTS[0]) ^ words[1])  # [B]
+    return torch.stack([first, _mix(first ^ _SALTS[1])])
+
+
+def counter_uniforms(keys: Tensor, counters: Tensor) -> Tensor:
+    """keys [2, B] (`seed_keys`), counters [B] int64 in [0, 2**32) -> [B] fp32 uniforms in [0, 1).
+
+    u = the top 24 bits of _mix(_mix(counter ^ key0) ^ key1) / 2**24: exactly representable in fp32, the same bits
+    on every device. The counter enters through two rounds so that consecutive counters are unrelated, and the
+    second key keeps two rows whose first keys differ in a few bits from drawing shifted copies of each other.
+    """
+    hashed = _mix(_mix(counters ^ keys[0]) ^ keys[1])  # [B]
+    return (hashed >> 8).float() * 2.0**-24
+
+
+def row_uniforms(batch: SamplingBatch, counters: Tensor, shared: torch.Generator | None) -> Tensor:
+    """[B] fp32 in [0, 1): seeded rows' from `counter_uniforms`, the others' from the shared generator. Both are
+    computed whatever the rows, so one captured graph serves seeded, unseeded and mixed batches."""
+    drawn = torch.rand(counters.shape[0], generator=shared, device=counters.device)
+    return torch.where(batch.has_seed, counter_uniforms(batch.keys, counters), drawn)
+
+
+def inverse_cdf(weights: Tensor, uniforms: Tensor, fallback: Tensor) -> Tensor:
+    """weights [B, V] fp32 >= 0 (unnormalised), uniforms [B] in [0, 1), fallback [B] int64 (a token of positive
+    weight) -> [B] int64: per row the first token whose cumulative weight exceeds u * total, i.e. token i with
+    probability weights[i] / total.
+
+    A token of zero weight (filtered, or underflowed) adds nothing to a sequential sum, so it never is that first
+    token. A parallel scan (CUDA) may round neighbouring prefixes differently, though, which can leave a zero-weight
+    token a sliver of the range of the order of the rounding error: the index is clamped to the vocabulary (against a
+    threshold rounding up to the total) and a zero-weight pick becomes `fallback`, so neither can come out.
+    """
+    cdf = weights.cumsum(dim=-1)  # [B, V]
+    threshold = uniforms.unsqueeze(1) * cdf[:, -1:]  # [B, 1]
+    index = torch.searchsorted(cdf, threshold, right=True).clamp_(max=weights.shape[-1] - 1)  # [B, 1]
+    return torch.where(weights.gather(1, index) > 0, index, fallback.unsqueeze(1)).squeeze(1)
 
 
 @torch.no_grad()
-def sample(logits: Tensor, batch: SamplingBatch, shared: torch.Generator | None = None) -> Sampled:
-    """logits [B, V] (full vocab, any float dtype) -> one token per row with its logprobs.
+def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch.Generator | None = None) -> Sampled:
+    """logits [B, V] (full vocab, any float dtype), counters [B] int64 (the index in its sequence of the token each
+    row draws) -> one token per row with its logprobs.
 
     Each full [B, V] pass costs about as much as the decode forward of a small model on a 150k vocabulary, so
     there are few: the unnormalised probabilities w = exp(z - max z) serve both the normaliser (logp = z -
-    log sum w - max z) and the race (argmax w / E needs no normalisation). At temperature 1 the logits are used as
-    they are: every op below computes in fp32 (a bf16 logit converts to fp32 exactly), so skipping the division
-    changes no bit of the result and saves a full-size fp32 copy.
+    log sum w - max z) and the draw (the inverse CDF needs no normalisation), and the max pass gives the greedy
+    token. At temperature 1 the logits are used as they are: every op below computes in fp32 (a bf16 logit converts
+    to fp32 exactly), so skipping the division changes no bit of the result and saves a full-size fp32 copy.
+
+    The draw's cumulative sum is fp32 as well. Where it accumulates in fp32 (CUDA), a token whose weight is below
+    half an ulp of the running sum (a probability below ~2**-24) gets a range of 0 or 1 ulp instead of its own; but
+    a 24-bit u quantises the chances of such tokens the same way whatever the sum. On synthetic 150k-token rows with
+    1e-3 of their mass below 2**-24 the drawn distribution was ~1e-3 (total variation) from the exact one with an
+    fp64 sum and only ~10% further with fp32: an fp64 sum would need a 53-bit u to gain anything, and would double
+    the traffic of the largest tensor of the step.
     """
     scaled = logits  # [B, V]
     if not batch.unit_temperature:
         scaled = torch.div(logits, batch.temperature.unsqueeze(1))  # fp32 (promoted in the same pass)
     if batch.top_k is not None:
         scaled = filter_top_k_top_p(scaled.float(), batch.top_k, batch.top_p)  # -inf outside the kept set
-    weights, top = unnormalised_probs(scaled)  # [B, V], [B, 1] fp32
+    weights, top, best = unnormalised_probs(scaled)  # [B, V], [B, 1] fp32, [B] int64
     normaliser = weights.sum(dim=-1).log_() + top.squeeze(1)  # [B]
     if batch.all_greedy:
-        token_ids = scaled.argmax(dim=-1)
+        token_ids = best
     else:
-        noise = exponential_noise(tuple(scaled.shape), batch.generators, shared, logits.device)
-        token_ids = torch.div(weights, noise, out=noise).argmax(dim=-1)  # the exponential race, over the noise
+        token_ids = inverse_cdf(weights, row_uniforms(batch, counters, shared), best)
         if batch.any_greedy:
-            token_ids = torch.where(batch.greedy, scaled.argmax(dim=-1), token_ids)
+            token_ids = torch.where(batch.greedy, best, token_ids)
     chosen = token_ids.unsqueeze(1)
     logprobs = scaled.gather(1, chosen).squeeze(1).float() - normaliser
     raw = None
@@ -164,20 +227,22 @@ def sample(logits: Tensor, batch: SamplingBatch, shared: torch.Generator | None 
     return Sampled(token_ids, logprobs, raw)
 
 
-def unnormalised_probs(logits: Tensor) -> tuple[Tensor, Tensor]:
-    """logits [B, V] of any float dtype -> (exp(logits - top) [B, V] fp32, top [B, 1] fp32), top the row max (0
-    for an all -inf row, which then stays -inf in the normaliser instead of becoming nan).
+def unnormalised_probs(logits: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """logits [B, V] of any float dtype -> (exp(logits - top) [B, V] fp32, top [B, 1] fp32, argmax [B] int64), top
+    the row max (0 for an all -inf row, which then stays -inf in the normaliser instead of becoming nan) and argmax
+    the first index holding it.
 
     The max is taken over the logits as they are and the shifted copy is the only fp32 tensor, instead of
     converting the whole input first.
     """
-    top = logits.amax(dim=-1, keepdim=True).float()  # [B, 1]
+    top, best = logits.max(dim=-1, keepdim=True)  # [B, 1]
+    top = top.float()
     top.masked_fill_(top.abs() == torch.inf, 0.0)
-    return torch.sub(logits, top).exp_(), top
+    return torch.sub(logits, top).exp_(), top, best.squeeze(1)
 
 
 def log_normaliser(logits: Tensor) -> Tensor:
     """logits [B, V] of any float dtype -> logsumexp over V in fp32, [B]: the same steps, in the same order, as
     `torch.logsumexp` of `logits.float()`, so the same bits."""
-    weights, top = unnormalised_probs(logits)
+    weights, top, _ = unnormalised_probs(logits)
     return weights.sum(dim=-1).log_() + top.squeeze(1)
