@@ -30,7 +30,7 @@ from transformers import Qwen2Config, Qwen3MoeConfig
 
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec, sync_group
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.parallel.offload import offload
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.sync.colocated import ColocatedSync
@@ -140,19 +140,22 @@ def h2d_seconds(nbytes: int, device: torch.device, times: int) -> float:
     return repeat(lambda: dev.copy_(host, non_blocking=True), device, times)[0]
 
 
-def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.device, group):
-    """This rank's trainer engine (random weights) and/or rollout engine, and its end of the sync."""
+def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.device, group, registry: GroupRegistry):
+    """This rank's trainer engine (random weights) and/or rollout engine, and its end of the sync; the layouts' groups
+    come from the process's `registry`."""
     config, dtype = model_config(kind, args.quick), torch.bfloat16 if device.type == "cuda" else torch.float32
     rank, actor, engine = dist.get_rank(), None, None
     if rank in setup.trainer_ranks:
-        layout = Layout.create(LayoutSpec(len(setup.trainer_ranks), **setup.trainer), setup.trainer_ranks, device)
+        layout = Layout.create(LayoutSpec(len(setup.trainer_ranks), **setup.trainer), setup.trainer_ranks, device,
+                               registry=registry)
         actor = ModelEngine(config, layout, EngineOptions(dtype=dtype))
         with torch.no_grad():
             for chunk in actor.chunks:
                 for param in chunk.parameters():
                     param.normal_(0.0, 0.02)
     if rank in setup.rollout_ranks:
-        layout = Layout.create(LayoutSpec(len(setup.rollout_ranks), **setup.rollout), setup.rollout_ranks, device)
+        layout = Layout.create(LayoutSpec(len(setup.rollout_ranks), **setup.rollout), setup.rollout_ranks, device,
+                               registry=registry)
         engine = Engine(config, layout, EngineConfig(max_num_seqs=4, max_num_batched_tokens=256, max_model_len=256,
                                                      cpu_kv_cache_tokens=1024, dtype=dtype, enforce_eager=True,
                                                      gpu_memory_utilization=0.9))
@@ -202,10 +205,11 @@ def sum_over_ranks(value: float, device: torch.device) -> float:
     return t.item()
 
 
-def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.device, group) -> dict:
+def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.device, group,
+            registry: GroupRegistry) -> dict:
     """Both modes for one model and layout on this rank; every rank returns the same numbers except `rank` and
     `profile`."""
-    actor, engine, sync = build(kind, setup, args, device, group)
+    actor, engine, sync = build(kind, setup, args, device, group, registry)
     boxes = {(s.hf_name, s.box) for s in Shards(engine.model).slices()} if engine is not None else set()
     out: dict = {"setup": setup.describe(), "rank": dist.get_rank(), "boxes": boxes}
     for mode in ("resident", "offloaded"):
@@ -250,9 +254,11 @@ def _num_pieces(plan) -> int:
 
 def rank_main(args: argparse.Namespace) -> list[tuple[str, dict]]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    # Detached: the sync group before any Layout (its members must have made the same number of groups).
-    group = sync_group(list(range(args.world))) if args.placement == "detached" else None
-    return [(kind, measure(kind, setup, args, device, group)) for kind in args.models
+    # One registry for every layout this process builds. Detached: the sync group before any Layout (its members
+    # must have made the same number of groups).
+    registry = GroupRegistry()
+    group = registry.sync_group(list(range(args.world))) if args.placement == "detached" else None
+    return [(kind, measure(kind, setup, args, device, group, registry)) for kind in args.models
             for setup in make_setups(kind, args.world, args.placement)]
 
 

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from shardrl.controller import Dispatch, ResourcePool, Role, WorkerError, WorkerGroup, dispatch_mode, init_ray
 from shardrl.controller.dispatch import DispatchError, plan
 from shardrl.data.batch import Batch
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 
 pytestmark = pytest.mark.timeout(180)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import test modules
@@ -24,10 +24,11 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers
 class Probe:
     """Builds its layout over its own ranks; `world_sum` is a collective over every rank of both pools."""
 
-    def __init__(self, spec: LayoutSpec, ranks: list[int], fail_on_rank: int | None = None) -> None:
+    def __init__(self, spec: LayoutSpec, ranks: list[int], registry: GroupRegistry,
+                 fail_on_rank: int | None = None) -> None:
         if dist.get_rank() == fail_on_rank:
             raise ValueError(f"refusing to start on rank {fail_on_rank}")
-        self.layout = Layout.create(spec, ranks)
+        self.layout = Layout.create(spec, ranks, registry=registry)
         dist.barrier()  # the whole world: a rank that failed above leaves the others waiting here
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)

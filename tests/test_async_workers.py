@@ -4,7 +4,7 @@
 * a detached actor normalises mini batches exactly as the colocated one (ppo_mini_batch_size x n / DP samples per
   rank: the optimizer steps and their metrics equal the colocated worker's on the same batch);
 * a rollout-only worker creates no trainer group (only its own layout's and the sync group: asserted on the groups
-  it made);
+  its process's registry made);
 * weight sync with param_offload moves the updated weights (the rollout equals an engine built from the actor's HF
   export) and leaves the actor's params offloaded.
 
@@ -96,10 +96,10 @@ def run_detached(model_path: str, batch: Batch, export_dir: str, prompts: list[l
 
     config = compose("one_step_off_ppo_trainer", DETACHED)
     plan = build_plan(config)
-    rank, known = dist.get_rank(), set(layout_module._SHARED_GROUPS)
+    rank, registry = dist.get_rank(), layout_module.GroupRegistry()  # as the Ray rank host passes one
     trainer = rank in plan.trainer_ranks
-    worker = (DetachedActorWorker(config, plan, model_path, 4, 0) if trainer
-              else RolloutWorker(config, plan, model_path, 0))
+    worker = (DetachedActorWorker(config, plan, model_path, 4, 0, registry) if trainer
+              else RolloutWorker(config, plan, model_path, 0, registry))
     worker.sync_weights(0)
     result: dict = {}
     if trainer:
@@ -109,7 +109,7 @@ def run_detached(model_path: str, batch: Batch, export_dir: str, prompts: list[l
         mine = prompt_row(prompts[plan.rollout_ranks.index(rank)])
         result["before_sync"], result["before_stats"] = worker.stream(mine, 3)
     result["sync"] = worker.sync_weights(1)
-    result["new_groups"] = sorted(k[1] for k in set(layout_module._SHARED_GROUPS) - known)
+    result["new_groups"] = sorted(registry.rank_sets())
     if trainer:
         result["offloaded_after_sync"] = offloaded(worker.actor)
         worker.save_hf(export_dir)

@@ -6,13 +6,15 @@ from __future__ import annotations
 import torch
 
 from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import GroupRegistry
 from test_checkpoint_resume import SAVED_AT, assert_same_step, model, reference, session  # noqa: F401 (fixtures)
 
 
 def dp2_distributed_optimizer(hf: str, single_saved: str, save: str) -> dict:
     """On 2 ranks with the distributed optimizer: resume from the 1-process checkpoint; train afresh and save."""
-    return dict(resumed=session(hf, {}, True, single_saved, 0, None, 1),
-                saved=session(hf, {}, True, None, SAVED_AT, save, 0))
+    registry = GroupRegistry()  # both sessions' layouts in this process share their groups
+    return dict(resumed=session(hf, {}, True, single_saved, 0, None, 1, registry),
+                saved=session(hf, {}, True, None, SAVED_AT, save, 0, registry))
 
 
 def test_distributed_optimizer_checkpoints_load_without_it_and_back(model, reference, tmp_path):  # noqa: F811

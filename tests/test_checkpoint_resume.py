@@ -15,7 +15,7 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.workers.actor import UpdateOptions, update_policy
 from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions
 from test_parity_matrix import BATCH, LOSS, make_batch
@@ -37,12 +37,13 @@ def ppo_step(engine: ModelEngine, step: int) -> float:
 
 
 def session(hf: str, sizes: dict, distributed_optimizer: bool, load: str | None, first_steps: int,
-            save: str | None, more_steps: int) -> dict | None:
+            save: str | None, more_steps: int, registry: GroupRegistry | None = None) -> dict | None:
     """Build an engine at `sizes` (from `hf`, or uninitialised and then filled from checkpoint `load`), train
     `first_steps`, save to `save`, train `more_steps`. Returns losses, the final HF weights, the trainer state read
-    and the first random numbers drawn after the load or save, from the first rank."""
+    and the first random numbers drawn after the load or save, from the first rank. A process running several
+    sessions passes them one `registry`."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    layout = Layout.create(LayoutSpec(world_size=world, **sizes))
+    layout = Layout.create(LayoutSpec(world_size=world, **sizes), registry=registry)
     options = EngineOptions(optim=OptimOptions(**OPTIM, distributed=distributed_optimizer))
     engine = ModelEngine(ModelConfig.from_pretrained(hf), layout, options, hf_path=None if load else hf)
     result: dict = {"losses": [], "trainer": None, "draw": None}

@@ -25,7 +25,7 @@ from shardrl.controller import (
     init_ray,
 )
 from shardrl.data.batch import NUM_PAD_KEY, Batch
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,8 +37,8 @@ ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])
 class ProbeWorker:
     """A role that reports what its rank sees; its layout is handed in, as real workers get theirs from config."""
 
-    def __init__(self, layout: LayoutSpec) -> None:
-        self.layout = Layout.create(layout)
+    def __init__(self, layout: LayoutSpec, registry: GroupRegistry) -> None:
+        self.layout = Layout.create(layout, registry=registry)
         self.seen: list[int] = []
         self.seen_pad = 0
 
@@ -65,15 +65,17 @@ class ProbeWorker:
 
 
 class RefWorker:
-    """A second role colocated with ProbeWorker: same process, same default group, its own (pure DP) layout."""
+    """A second role colocated with ProbeWorker: same process, same default group, same registry, its own (pure DP)
+    layout."""
 
-    def __init__(self, layout: LayoutSpec) -> None:
-        self.layout = Layout.create(layout)
+    def __init__(self, layout: LayoutSpec, registry: GroupRegistry) -> None:
+        self.layout = Layout.create(layout, registry=registry)
 
     def dp_sum(self, value: float) -> dict:
         total = torch.tensor([value])
         dist.all_reduce(total, group=self.layout.dp_group)
-        return {"sum": total.item(), "pid": os.getpid(), "dp_size": self.layout.dp_size}
+        return {"sum": total.item(), "pid": os.getpid(), "dp_size": self.layout.dp_size,
+                "rank_sets": self.layout.registry.rank_sets()}
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def double(self, batch: Batch) -> Batch:
@@ -81,6 +83,9 @@ class RefWorker:
 
 
 class FailingWorker:
+    def __init__(self, registry: GroupRegistry) -> None:
+        """Builds no layout, so it has no use for the process's registry."""
+
     def crash(self, bad_rank: int) -> int:
         """`bad_rank` dies; the others wait in a collective that can never complete."""
         if dist.get_rank() == bad_rank:
@@ -138,6 +143,10 @@ def test_colocated_roles_share_process_and_group(world4):
     ref = world4.call("ref", "dp_sum", Dispatch.ONE_TO_ALL, 0.5)
     assert [r["pid"] for r in ref] == [a["pid"] for a in actor]
     assert [(r["sum"], r["dp_size"]) for r in ref] == [(2.0, 4)] * 4
+    # One registry per process: the ref role's DP4 group is the actor's world group (made once, by the actor), and
+    # the registry holds the actor's TP and DP groups too.
+    assert [r["rank_sets"] for r in ref] == [[(0, 1), (0, 2), (0, 1, 2, 3)], [(0, 1), (1, 3), (0, 1, 2, 3)],
+                                             [(2, 3), (0, 2), (0, 1, 2, 3)], [(2, 3), (1, 3), (0, 1, 2, 3)]]
     # Each role dispatches by its own layout: the ref role is DP4, so 5 rows pad to 8 and split 2 per rank.
     out = world4.role("ref").double(Batch({"x": torch.arange(5)}))
     assert out.tensors["y"].tolist() == [0, 2, 104, 106, 208]

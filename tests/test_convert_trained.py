@@ -20,7 +20,7 @@ from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.workers.actor import compute_log_prob
 from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions
 from test_checkpoint_resume import ppo_step
@@ -30,11 +30,11 @@ from test_parity_matrix import make_batch
 VOCAB = 131
 
 
-def inference_log_probs(hf: str, ckpt: str, pp: int) -> torch.Tensor:
+def inference_log_probs(hf: str, ckpt: str, pp: int, registry: GroupRegistry | None = None) -> torch.Tensor:
     """Log-probs of the parity batch from an inference engine at PP `pp` (DP the rest) filled by
     `load_model_from_dist`."""
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-    layout = Layout.create(LayoutSpec(world_size=world, pp=pp))
+    layout = Layout.create(LayoutSpec(world_size=world, pp=pp), registry=registry)
     engine = ModelEngine(ModelConfig.from_pretrained(hf), layout, EngineOptions(), hf_path=None)
     load_model_from_dist(engine.chunks, layout, ckpt)
     return compute_log_prob(engine, make_batch(), micro_batch_size=2, max_token_len=None)[0]
@@ -53,14 +53,15 @@ def _weights(engine: ModelEngine) -> dict[str, torch.Tensor]:
 def train_save_and_reload(hf: str, out: str) -> dict | None:
     """One PPO step at TP2xPP2, a full training checkpoint, then a second step three ways: continuing, resumed at
     TP2xDP2 with the distributed optimizer, and (log-probs only) an inference engine loaded at PP2xDP2."""
-    layout = Layout.create(LayoutSpec(world_size=4, tp=2, pp=2))
+    layout = Layout.create(LayoutSpec(world_size=4, tp=2, pp=2))  # its registry serves the two later layouts too
     engine = _engine(hf, layout, distributed_optimizer=False, load=False)
     ppo_step(engine, step=0)
     save_checkpoint(out, engine.chunks, layout, optimizer=engine.optimizer, scheduler=engine.scheduler,
                     trainer_state={"step": 1}, hf_dir=hf)
-    result = dict(weights=_weights(engine), pp2_log_probs=inference_log_probs(hf, out, pp=2))
+    result = dict(weights=_weights(engine), pp2_log_probs=inference_log_probs(hf, out, 2, layout.registry))
     result.update(continued_loss=ppo_step(engine, step=1), continued=_weights(engine))
-    resumed = _engine(hf, Layout.create(LayoutSpec(world_size=4, tp=2)), distributed_optimizer=True, load=True)
+    resumed = _engine(hf, Layout.create(LayoutSpec(world_size=4, tp=2), registry=layout.registry),
+                      distributed_optimizer=True, load=True)
     load_checkpoint(out, resumed.chunks, resumed.layout, optimizer=resumed.optimizer, scheduler=resumed.scheduler)
     result.update(resumed_loss=ppo_step(resumed, step=1), resumed=_weights(resumed))
     return result if layout.local_rank == 0 else None

@@ -9,7 +9,7 @@ import torch.distributed as dist
 
 from shardrl.parallel.expert import MoELayer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from test_expert import ATOL, NAMES, full_weights, load_full, reference_moe, reference_router_losses
 
 H, F_SIZE, E, K = 16, 8, 8, 2
@@ -27,9 +27,9 @@ def _run_layouts(layouts: dict[str, dict], tokens_per_rank: list[int]) -> dict[s
     rank = dist.get_rank()
     x_all, grad_all = global_batch(sum(tokens_per_rank))
     start, n = sum(tokens_per_rank[:rank]), tokens_per_rank[rank]
-    results = {}
+    results, registry = {}, GroupRegistry()  # one per process: every layout's groups from it
     for name, sizes in layouts.items():
-        layout = Layout.create(LayoutSpec(world_size=dist.get_world_size(), **sizes))
+        layout = Layout.create(LayoutSpec(world_size=dist.get_world_size(), **sizes), registry=registry)
         layer = MoELayer(H, F_SIZE, E, K, layout, NAMES, norm_topk_prob=True,
                          aux_loss_coef=AUX_COEF, z_loss_coef=Z_COEF)
         load_full(layer, full_weights(SEED, H, F_SIZE, E))

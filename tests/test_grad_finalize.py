@@ -18,7 +18,7 @@ from torch import Tensor, nn
 
 from shardrl.parallel.data import GradBuffers
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
 
 H, F, HEADS, V, E, N = 6, 12, 4, 12, 4, 16  # hidden, ffn (HEADS heads of 3), vocab, experts, global tokens
@@ -196,19 +196,19 @@ class ToyModel(nn.Module):
         return (_collective(_ReduceScatter, out, group) * target).sum()
 
 
-def create_layout(spec: LayoutSpec) -> Layout:
+def create_layout(spec: LayoutSpec, registry: GroupRegistry) -> Layout:
     """Over all 4 ranks, or for a 2-rank layout two instances side by side (ranks 0,1 and 2,3)."""
     if spec.world_size == dist.get_world_size():
-        return Layout.create(spec)
-    return Layout.create(spec, ranks=[0, 1] if dist.get_rank() < 2 else [2, 3])
+        return Layout.create(spec, registry=registry)
+    return Layout.create(spec, ranks=[0, 1] if dist.get_rank() < 2 else [2, 3], registry=registry)
 
 
 def finalize_layouts(names: list[str]) -> dict[str, dict]:
     """On every rank: the finalised grads (on CPU) and the global norm of the toy model for each named layout."""
-    out = {}
+    out, registry = {}, GroupRegistry()  # one per process: every layout's groups from it
     for name in names:
         spec, kv_heads = LAYOUTS[name]
-        layout = create_layout(spec)
+        layout = create_layout(spec, registry)
         model = ToyModel(layout, full_params(kv_heads))
         grads = GradBuffers(model.parameters(), layout, bucket_mb=SMALL_BUCKET_MB)
         for step in range(2):  # two micro batches, accumulated

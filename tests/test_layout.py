@@ -1,11 +1,14 @@
-"""Layout: rank tables against hand-written expectations, impossible layouts, and real groups on gloo."""
+"""Layout: rank tables against hand-written expectations, impossible layouts, and real groups on gloo; the group
+registry that a process's layouts and sync groups share."""
+
+import datetime
 
 import pytest
 import torch
 import torch.distributed as dist
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutError, LayoutSpec, rank_tables
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutError, LayoutSpec, rank_tables
 
 
 def test_rank_tables_tp2_pp2_dp2_hand_written():
@@ -54,15 +57,21 @@ def test_impossible_layouts(kwargs, message):
 
 
 def _two_layouts() -> dict:
-    actor = Layout.create(LayoutSpec(world_size=4, tp=2, ep=2))
-    critic = Layout.create(LayoutSpec(world_size=4, pp=2))
+    registry = GroupRegistry()  # one process, two layouts: one registry
+    actor = Layout.create(LayoutSpec(world_size=4, tp=2, ep=2), registry=registry)
+    critic = Layout.create(LayoutSpec(world_size=4, pp=2), registry=registry)
     # The groups really connect the ranks the tables promise.
     t = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(t, group=actor.tp_group)
     c = torch.tensor([float(dist.get_rank())])
     dist.all_reduce(c, group=critic.pp_group)
     return dict(tp=t.item(), pp=c.item(), tp_rank=actor.tp_rank, ep_rank=actor.ep_rank, pp_rank=critic.pp_rank,
-                dp_size=actor.dp_size, edp_size=actor.edp_size, first=critic.is_first_stage)
+                dp_size=actor.dp_size, edp_size=actor.edp_size, first=critic.is_first_stage,
+                # Equal rank sets, one group object: the critic's DP pairs are the actor's TP pairs, its PP pairs
+                # the actor's DP pairs.
+                shared=[critic.dp_group is actor.tp_group, critic.pp_group is actor.dp_group,
+                        critic.world_group is actor.world_group],
+                rank_sets=registry.rank_sets())
 
 
 def test_layouts_coexist_on_gloo():
@@ -74,6 +83,10 @@ def test_layouts_coexist_on_gloo():
     assert [o["pp_rank"] for o in out] == [0, 0, 1, 1]
     assert all(o["dp_size"] == 2 and o["edp_size"] == 2 for o in out)
     assert [o["first"] for o in out] == [True, True, False, False]
+    assert all(o["shared"] == [True, True, True] for o in out)
+    # The actor's TP (= mp = ep) pairs, DP (= edp) pairs and world; the critic makes no group of its own.
+    assert [o["rank_sets"] for o in out] == [[(0, 1), (0, 2), (0, 1, 2, 3)], [(0, 1), (1, 3), (0, 1, 2, 3)],
+                                             [(2, 3), (0, 2), (0, 1, 2, 3)], [(2, 3), (1, 3), (0, 1, 2, 3)]]
 
 
 def _sub_layout_only_on_members() -> list[str]:
@@ -89,3 +102,43 @@ def test_disjoint_layouts_build_only_their_groups():
     out = run_distributed(4, _sub_layout_only_on_members)
     assert out[0] == out[1] == ["edp", "mp", "tp", "world"]  # EP=ETP=1: experts data-parallel over both
     assert out[2] == out[3] == ["dp", "dp_cp", "edp", "world"]
+
+
+def _registry_sharing() -> dict:
+    """A layout without a registry, then (detached style) a sync group before the layouts that share its registry."""
+    timeout = datetime.timedelta(seconds=30)  # a rendezvous that cannot complete fails the test instead of hanging
+    registry = GroupRegistry()
+    alone = Layout.create(LayoutSpec(world_size=4, tp=2), timeout=timeout)  # registry of its own
+    leaked = registry.rank_sets()
+    sync = registry.sync_group([3, 2, 1, 0], timeout)
+    # PP4: the middle stages make no embedding group, so from here the ranks have made different numbers of groups
+    # and a group over a rank set made again would never rendezvous: the second layout must take the first's.
+    first = Layout.create(LayoutSpec(world_size=4, pp=4), timeout=timeout, registry=registry)
+    second = Layout.create(LayoutSpec(world_size=4, pp=4, vpp=2), timeout=timeout, registry=registry)
+    total = torch.tensor([float(dist.get_rank())])
+    dist.all_reduce(total, group=second.pp_group)
+    return dict(leaked=leaked, own_registry=alone.registry is not registry, own_world=alone.world_group is not sync,
+                sync_is_layout_group=[first.pp_group is sync, second.world_group is sync,
+                                      registry.sync_group(first.ranks + second.ranks, timeout) is sync],
+                layouts_share=all(second.group(n) is first.group(n) for n in first.groups),
+                embedding=first.embedding_group is not None, total=total.item(), rank_sets=registry.rank_sets())
+
+
+def test_registry_shares_groups_between_layouts_and_sync_group():
+    out = run_distributed(4, _registry_sharing)
+    for o in out:
+        assert o["leaked"] == [] and o["own_registry"] and o["own_world"]
+        assert o["sync_is_layout_group"] == [True, True, True] and o["layouts_share"]
+        assert o["total"] == 6.0
+    assert [o["embedding"] for o in out] == [True, False, False, True]
+    assert [o["rank_sets"] for o in out] == [[(0, 1, 2, 3), (0, 3)], [(0, 1, 2, 3)], [(0, 1, 2, 3)],
+                                             [(0, 1, 2, 3), (0, 3)]]
+
+
+def test_registry_without_torch_distributed():
+    registry = GroupRegistry()
+    assert Layout.create(LayoutSpec(world_size=1), registry=registry).registry is registry
+    assert Layout.single().registry is not registry
+    assert registry.sync_group([0]) is None and registry.rank_sets() == []
+    with pytest.raises(LayoutError, match=r"sync group over ranks \[0, 1\]: this process is not one of them"):
+        registry.sync_group([1, 0])

@@ -15,7 +15,7 @@ from shardrl.models.hf_bridge import HFCheckpointReader, export_hf_weights, load
 from shardrl.models.tiny import TINY_CONFIGS, hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.parallel.spec import get_spec
 from shardrl.parallel.tensor import token_split_sizes
 from shardrl.parallel.vocab import gather_vocab
@@ -88,9 +88,9 @@ def _check_export(model: Transformer, layout: Layout, ckpt: Path) -> None:
 def parity(plans: list[tuple[str, dict, list]], save_root: Path) -> list[str]:
     """plans: (name, LayoutSpec kwargs, cases); a case is (family, checkpoint, batch, HF logits, sequence_parallel).
     The first case of each layout is also saved to `save_root/<name>` as an HF checkpoint."""
-    checked = []
+    checked, registry = [], GroupRegistry()  # one per process: every layout's groups from it
     for name, layout_kwargs, cases in plans:
-        layout = Layout.create(LayoutSpec(**layout_kwargs))
+        layout = Layout.create(LayoutSpec(**layout_kwargs), registry=registry)
         for i, (family, ckpt, batch, expected, sequence_parallel) in enumerate(cases):
             tag = f"{name}:{family}{'+sp' if sequence_parallel else ''}"
             model = _stage(ModelConfig.from_pretrained(ckpt), layout, sequence_parallel)

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
 from test_grad_finalize import SMALL_BUCKET_MB, ToyModel, batch, create_layout, full_params, reference_loss, shard_of
@@ -84,11 +84,11 @@ def _resume(layout: Layout) -> dict:
 
 def optimizer_runs(names: list[str]) -> dict:
     """On every rank: 3 steps in both modes for each named layout, the non-finite and the resume scenarios."""
-    train = {}
+    train, registry = {}, GroupRegistry()  # one per process: every layout's groups from it
     for name in names:
-        layout = create_layout(TRAIN_LAYOUTS[name])
+        layout = create_layout(TRAIN_LAYOUTS[name], registry)
         train[name] = {mode: _train(layout, mode == "distributed") for mode in ("plain", "distributed")}
-    dp2 = create_layout(LayoutSpec(2))
+    dp2 = create_layout(LayoutSpec(2), registry)
     non_finite = {mode: _non_finite(dp2, mode == "distributed") for mode in ("plain", "distributed")}
     return dict(train=train, non_finite=non_finite, resume=_resume(dp2))
 

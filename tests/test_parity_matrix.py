@@ -16,7 +16,7 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.workers.actor import PolicyLossOptions, compute_log_prob, policy_loss_fn
 from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, all_reduce_sum, make_micro_batches
 
@@ -60,12 +60,14 @@ def _exported(engine: ModelEngine) -> dict[str, torch.Tensor]:
 
 
 def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_batch_size: int,
-                    dtype: torch.dtype = torch.float32, device: str | None = None) -> dict | None:
+                    dtype: torch.dtype = torch.float32, device: str | None = None,
+                    registry: GroupRegistry | None = None) -> dict | None:
     """Logprobs, 3 losses, step-0 gradients and final parameters on `sizes`' layout (HF names, full tensors).
-    `dtype`/`device` serve the GPU matrix (tests/test_parity_matrix_gpu.py): bf16 models, a single-GPU reference."""
+    `dtype`/`device`/`registry` serve the GPU matrix (tests/test_parity_matrix_gpu.py): bf16 models, a single-GPU
+    reference, several layouts in one process."""
     spec = LayoutSpec(world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
                       **sizes)
-    layout = Layout.create(spec, device=device)
+    layout = Layout.create(spec, device=device, registry=registry)
     # eps=1e-3: some gradients are exactly zero in exact arithmetic (k_proj.bias: softmax ignores a per-query
     # constant) and only reduction-order noise in practice; Adam with a tiny eps would blow that noise up to +-lr.
     optim = OptimOptions(lr=1e-2, eps=1e-3, weight_decay=0.1, clip_grad=0.5, distributed=distributed_optimizer)

@@ -29,6 +29,7 @@ import torch
 from safetensors.torch import load_file
 
 from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import GroupRegistry
 from test_parity_matrix import (
     LAYOUTS,
     check_against_reference,
@@ -57,8 +58,11 @@ def case_id(case: tuple) -> str:
 
 
 def train_cases(ckpts: dict[str, str], cases: list[tuple]) -> list[dict | None]:
-    """Every case of one world size on this rank, one after the other (importable: runs in the spawned ranks)."""
-    return [train_on_layout(ckpts[kind], sizes, opt, micro, dtype) for kind, _, sizes, opt, micro, dtype in cases]
+    """Every case of one world size on this rank, one after the other (importable: runs in the spawned ranks), all
+    layouts from one registry."""
+    registry = GroupRegistry()
+    return [train_on_layout(ckpts[kind], sizes, opt, micro, dtype, registry=registry)
+            for kind, _, sizes, opt, micro, dtype in cases]
 
 
 @pytest.fixture(scope="module")

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.parallel.p2p import PipelineCommError
 from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
 
@@ -117,10 +117,11 @@ Case = tuple[int, int, tuple[int, ...], bool]  # PP, VPP, micro-batch counts to 
 
 
 def _pipeline_rank(world: int, cases: list[Case]) -> list[dict]:
-    """Every case in the same processes (one spawn per world size keeps the suite fast on two cores)."""
-    results = []
+    """Every case in the same processes (one spawn per world size keeps the suite fast on two cores), all layouts
+    from one registry (at PP4 the middle stages make no embedding group, so a second registry would hang)."""
+    results, registry = [], GroupRegistry()
     for pp, vpp, nums, aux in cases:
-        layout = Layout.create(LayoutSpec(world_size=world, pp=pp, vpp=vpp))
+        layout = Layout.create(LayoutSpec(world_size=world, pp=pp, vpp=vpp), registry=registry)
         full = full_model()
         chunks = []
         for c in range(vpp):

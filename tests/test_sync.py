@@ -17,9 +17,8 @@ from torch.profiler import ProfilerActivity, profile
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.models.tiny import make_tiny_checkpoint
-from shardrl.parallel import layout as layout_module
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec, rank_tables, sync_group
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec, rank_tables
 from shardrl.parallel.offload import offload
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.rollout.request import SamplingParams
@@ -111,15 +110,16 @@ def _inject_fault(case: Case, sync) -> None:
         weights.transport = faulty(t.plan, t.group, t.device, t.source, t.target)
 
 
-def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group) -> dict | None:
+def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group, registry: GroupRegistry
+             ) -> dict | None:
     """One sync on this rank's role(s); rollout ranks compare against an engine built from the trainer's export."""
     rank = dist.get_rank()
     trainer_ranks, rollout_ranks = case.ranks()
-    known_groups = set(layout_module._SHARED_GROUPS)
+    known_groups = set(registry.rank_sets())
     actor = engine = None
     if rank in trainer_ranks:
         path = checkpoints[case.model]
-        layout = Layout.create(LayoutSpec(case.trainer_world, **case.trainer), trainer_ranks)
+        layout = Layout.create(LayoutSpec(case.trainer_world, **case.trainer), trainer_ranks, registry=registry)
         actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(), hf_path=path)
         save_hf_checkpoint(actor.chunks, actor.layout, export_dir)
         if case.offload:
@@ -127,7 +127,7 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group) ->
     config = EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64,
                           dtype=case.rollout_dtype)
     if rank in rollout_ranks:  # starts from other weights, so a missed tensor shows
-        layout = Layout.create(LayoutSpec(case.rollout_world, **case.rollout), rollout_ranks)
+        layout = Layout.create(LayoutSpec(case.rollout_world, **case.rollout), rollout_ranks, registry=registry)
         engine = Engine.from_pretrained(checkpoints[case.model + "_other"], layout, config)
     result: dict = {"rank": rank}
     if case.placement == "detached" and actor is None and engine is None:
@@ -142,8 +142,8 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group) ->
                 result["error"] = str(error)
         result["peak"] = _peak_bytes(prof)
         result["buckets"] = [(b.src, b.dst, b.step, b.names()) for b in sync.weights.plan.buckets]
-        result["new_groups"] = sorted(k[1] for k in set(layout_module._SHARED_GROUPS) - known_groups)
-        result["all_groups"] = sorted(k[1] for k in layout_module._SHARED_GROUPS)
+        result["new_groups"] = sorted(set(registry.rank_sets()) - known_groups)
+        result["all_groups"] = sorted(registry.rank_sets())
     if actor is not None:
         result["largest"] = max(p.numel() * p.element_size() for c in actor.chunks for p in c.parameters())
         result["still_offloaded"] = all(p.untyped_storage().nbytes() == 0
@@ -163,9 +163,11 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group) ->
 
 
 def run_cases(cases: list[Case], checkpoints: dict[str, str], export_root: str) -> list[dict | None]:
-    # The sync group first, before any Layout: torch only matches members that made the same number of groups.
-    group = sync_group(list(range(dist.get_world_size())))
-    return [run_case(case, checkpoints, f"{export_root}/{i}", group) for i, case in enumerate(cases)]
+    # One registry for every layout this process builds; the sync group first, before any Layout: torch only
+    # matches members that made the same number of groups.
+    registry = GroupRegistry()
+    group = registry.sync_group(list(range(dist.get_world_size())))
+    return [run_case(case, checkpoints, f"{export_root}/{i}", group, registry) for i, case in enumerate(cases)]
 
 
 @pytest.fixture(scope="module")

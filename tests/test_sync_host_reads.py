@@ -9,7 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import sync_group
+from shardrl.parallel.layout import GroupRegistry
 from shardrl.parallel.offload import offload
 from shardrl.parallel.spec import ShardSpec, set_spec
 from shardrl.sync.shards import Shards
@@ -40,7 +40,7 @@ def _module(tensors: dict[str, tuple[torch.Tensor, ShardSpec]]) -> nn.Module:
 
 def _sync_rank() -> dict:
     rank, full = dist.get_rank(), _full_tensors()
-    group = sync_group([0, 1])
+    group = GroupRegistry().sync_group([0, 1])  # the only group this process makes
     own = (2 * rank, 2 * rank + 2)  # EP2: this rank's two experts
     trainer = _module({
         **{name: (full[name][own[0]:own[1]], ShardSpec(name, (4, 8), expert_ids=tuple(range(*own))))

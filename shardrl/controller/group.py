@@ -44,7 +44,8 @@ class WorkerError(RuntimeError):
 
 @dataclass
 class Role:
-    """A worker class to build on every rank of the group, under `name`.
+    """A worker class to build on every rank of the group, under `name`, as `cls(**kwargs, registry=...)`: every role
+    class takes its process's `GroupRegistry` and builds its layouts from it, so colocated roles share their groups.
 
     `layout` is the role's parallel layout over its ranks; DP_COMPUTE reads its DP coordinates from it.
     None means every rank is its own DP replica. `extra_layouts` are other layouts over the same ranks that methods

@@ -5,7 +5,8 @@ them under `run_distributed`, the controller builds them here. The env contract 
 `torch.distributed` and `run_distributed` use, plus our collective timeout and device.
 
 Several roles (actor + rollout + ref, verl's "hybrid engine") live in one host and so share one process and one
-default process group; each role builds its own `Layout` over the same ranks.
+default process group; each role builds its own `Layout` over the same ranks, all from the host's one
+`GroupRegistry` (passed to every role as `registry`), so a rank set's group is made once per process.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any, Literal
 import ray
 
 from shardrl.parallel.launch import free_port, join_default_group
+from shardrl.parallel.layout import GroupRegistry
 
 DEVICE_ENV = "SHARDRL_DEVICE"
 COLLECTIVE_TIMEOUT_ENV = "SHARDRL_COLLECTIVE_TIMEOUT_S"
@@ -61,6 +63,7 @@ class RankHost:
 
     def __init__(self) -> None:
         self.roles: dict[str, Any] = {}
+        self.registry: GroupRegistry | None = None  # made with the default group, in `join`
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port on it (asked of rank 0 for the group's MASTER_ADDR/PORT)."""
@@ -69,9 +72,11 @@ class RankHost:
     def join(self, env: dict[str, str]) -> None:
         os.environ.update(env)
         init_distributed_from_env()
+        self.registry = GroupRegistry()
 
     def add_role(self, name: str, cls: type, kwargs: dict[str, Any]) -> None:
-        self.roles[name] = cls(**kwargs)
+        """Build `cls(**kwargs, registry=...)`: every role class takes the process's `GroupRegistry`."""
+        self.roles[name] = cls(**kwargs, registry=self.registry)
 
     def run(self, role: str, method: str, payload: tuple[tuple, dict[str, Any]], keep_result: bool) -> Any:
         """Call `role.method(*args, **kwargs)`; ranks whose output the dispatch mode ignores return None to save

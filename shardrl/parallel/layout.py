@@ -1,8 +1,9 @@
 """The one place that creates process groups.
 
 A `Layout` describes how one model role (actor, ref, critic, rollout) is spread over a contiguous block of global
-ranks, and owns every process group that role needs. Layers receive the groups they use from it; nothing else in
-shardrl calls `torch.distributed.new_group`.
+ranks, and holds every process group that role needs. Layers receive the groups they use from it; the groups come
+from a `GroupRegistry`, one per process shared by all its layouts and its weight-sync group (see there why); nothing
+else in shardrl calls `torch.distributed.new_group`.
 
 Rank order (local index ``i`` inside the layout's block of ranks, fastest-varying dimension first):
 
@@ -124,40 +125,52 @@ def rank_tables(spec: LayoutSpec, ranks: list[int] | None = None) -> dict[str, l
     return tables
 
 
-# torch (2.13) names a group made with use_local_synchronization from its ranks and the number of groups this process
-# made before, and its members meet on keys derived from that name. Two groups over the same ranks (pp and mp at
-# TP=1, or a ref layout beside the actor's) can then disagree on keys and hang, and so can members that made
-# different groups before this one. Every layout in the process therefore shares one group per rank set (which also
-# saves NCCL communicators; the first creator's timeout applies), and a group spanning two pools (the detached sync
-# group) is made before either pool builds its layouts. Keyed by the default group: a re-initialised world starts
-# afresh.
-_SHARED_GROUPS: dict[tuple[int, tuple[int, ...]], dist.ProcessGroup] = {}
+class GroupRegistry:
+    """The process groups one process made over the current torch.distributed world, one per set of ranks.
 
+    torch (2.13) names a group made with use_local_synchronization from its ranks and the number of groups this
+    process made before, and its members meet on keys derived from that name. Two groups over the same ranks (pp and
+    mp at TP=1, a ref layout beside the actor's, the colocated sync group beside the actor's world group) can then
+    disagree on keys and hang, and so can members that made different groups before this one. So every layout of a
+    process, and its sync group, takes its groups from ONE registry, which makes each rank set's group once (this
+    also saves NCCL communicators; the first creator's timeout applies). A group spanning two pools (the detached
+    sync group) is made before either pool builds its layouts.
 
-def _shared_group(ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
-    key = (id(dist.group.WORLD), tuple(ranks))
-    if key not in _SHARED_GROUPS:
-        # Only members take part (use_local_synchronization), so other roles' ranks never block on us.
-        _SHARED_GROUPS[key] = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-    return _SHARED_GROUPS[key]
+    Whoever builds several layouts in one process owns the registry and passes it to each `Layout.create` (the Ray
+    rank host gives every role it hosts the same one). Make a new one after re-initialising torch.distributed.
+    """
 
+    def __init__(self) -> None:
+        self._groups: dict[tuple[int, ...], dist.ProcessGroup] = {}
 
-def sync_group(ranks: list[int], timeout: datetime.timedelta = datetime.timedelta(minutes=10)
-               ) -> dist.ProcessGroup | None:
-    """The weight-sync group over explicit global `ranks`, which may span several roles' layouts (a trainer pool's
-    senders and a rollout pool's receivers, or the colocated ranks). Collective over `ranks` only, so a rollout-only
-    worker joins this group and its own layout's, never the trainer's. None for a single rank.
+    def get(self, ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
+        """The group over `ranks` (made on first use; collective over `ranks` only, so other roles' ranks never
+        block on it)."""
+        key = tuple(sorted(set(ranks)))  # torch sorts a group's ranks too
+        if key not in self._groups:
+            self._groups[key] = dist.new_group(list(key), timeout=timeout, use_local_synchronization=True)
+        return self._groups[key]
 
-    torch names such a group by its ranks and by how many groups the calling process made before, so the members
-    must have made the same number: colocated ranks (same layouts in the same order) may call it any time;
-    separate pools must call it before building any Layout."""
-    ranks = sorted(set(ranks))
-    if len(ranks) == 1:
-        return None
-    if not dist.is_initialized() or dist.get_rank() not in ranks:
-        raise LayoutError(f"sync group over ranks {ranks}: this process is not one of them (or torch.distributed "
-                          f"is not initialised)")
-    return _shared_group(ranks, timeout)
+    def rank_sets(self) -> list[tuple[int, ...]]:
+        """The sorted ranks of every group this registry made, in the order it made them."""
+        return list(self._groups)
+
+    def sync_group(self, ranks: list[int], timeout: datetime.timedelta = datetime.timedelta(minutes=10)
+                   ) -> dist.ProcessGroup | None:
+        """The weight-sync group over explicit global `ranks`, which may span several roles' layouts (a trainer
+        pool's senders and a rollout pool's receivers, or the colocated ranks). Collective over `ranks` only, so a
+        rollout-only worker joins this group and its own layout's, never the trainer's. None for a single rank.
+
+        torch names such a group by its ranks and by how many groups the calling process made before, so the members
+        must have made the same number: colocated ranks (same layouts in the same order, from this registry, whose
+        world group it then is) may call it any time; separate pools must call it before building any Layout."""
+        ranks = sorted(set(ranks))
+        if len(ranks) == 1:
+            return None
+        if not dist.is_initialized() or dist.get_rank() not in ranks:
+            raise LayoutError(f"sync group over ranks {ranks}: this process is not one of them (or "
+                              f"torch.distributed is not initialised)")
+        return self.get(ranks, timeout)
 
 
 @dataclass
@@ -167,6 +180,10 @@ class Layout:
     Build with `Layout.create(spec, ranks)` on every rank of `ranks` (ranks outside the block do not participate and
     build nothing, so a rollout-only worker never creates the trainer's groups). With a world of one process, or when
     torch.distributed is not initialised, use `Layout.single()`: all groups are None and all sizes are 1.
+
+    A process that builds more than one layout, or a sync group beside its layouts, passes ONE `GroupRegistry` to
+    all of them (`registry=`; see `GroupRegistry` for the hang this avoids), e.g. `other.registry` of a layout it
+    already built. Without one, a layout gets a registry of its own: enough for a process with a single layout.
     """
 
     spec: LayoutSpec
@@ -176,14 +193,15 @@ class Layout:
     coords: dict[str, int]
     groups: dict[str, dist.ProcessGroup | None] = field(default_factory=dict)
     group_ranks: dict[str, list[int]] = field(default_factory=dict)
+    registry: GroupRegistry = field(default_factory=GroupRegistry)  # where `groups` came from (pass it on)
 
     @classmethod
-    def single(cls, device: torch.device | str = "cpu") -> Layout:
+    def single(cls, device: torch.device | str = "cpu", registry: GroupRegistry | None = None) -> Layout:
         spec = LayoutSpec(world_size=1)
         names = GROUP_NAMES
         me = dist.get_rank() if dist.is_initialized() else 0
-        return cls(spec, [me], 0, torch.device(device), spec.coords(0),
-                   {n: None for n in names}, {n: [me] for n in names})
+        return cls(spec, [me], 0, torch.device(device), spec.coords(0), {n: None for n in names},
+                   {n: [me] for n in names}, GroupRegistry() if registry is None else registry)
 
     @classmethod
     def create(
@@ -192,12 +210,15 @@ class Layout:
         ranks: list[int] | None = None,
         device: torch.device | str | None = None,
         timeout: datetime.timedelta = datetime.timedelta(minutes=10),
+        registry: GroupRegistry | None = None,
     ) -> Layout:
-        """Create this rank's groups of the layout. Collective over `ranks` only."""
+        """Create this rank's groups of the layout, or take them from `registry` where it already holds a group over
+        the same ranks. Collective over `ranks` only."""
+        registry = GroupRegistry() if registry is None else registry
         if not dist.is_initialized():
             if spec.world_size != 1:
                 raise LayoutError(f"a layout of world size {spec.world_size} needs torch.distributed initialised")
-            return cls.single(device or "cpu")
+            return cls.single(device or "cpu", registry)
         ranks = list(range(spec.world_size)) if ranks is None else list(ranks)
         me = dist.get_rank()
         if me not in ranks:
@@ -211,9 +232,9 @@ class Layout:
             # Middle pipeline stages are in no "embedding" group (they hold no tied embedding): a group of one.
             mine = next((g for g in table if me in g), [me])
             group_ranks[name] = mine
-            groups[name] = _shared_group(mine, timeout) if len(mine) > 1 else None
+            groups[name] = registry.get(mine, timeout) if len(mine) > 1 else None
         local = ranks.index(me)
-        return cls(spec, ranks, local, torch.device(device), spec.coords(local), groups, group_ranks)
+        return cls(spec, ranks, local, torch.device(device), spec.coords(local), groups, group_ranks, registry)
 
     # Convenience accessors: `layout.tp_size`, `layout.tp_rank`, `layout.tp_group`, likewise for every group name.
     def size(self, name: str) -> int:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import datetime
 
-from shardrl.parallel.layout import sync_group
+from shardrl.parallel.layout import LayoutError
 from shardrl.rollout.engine import Engine
 from shardrl.sync.shards import Shards
 from shardrl.sync.weight_sync import Verify, WeightSync
@@ -20,9 +20,14 @@ from shardrl.workers.engine import ModelEngine
 class ColocatedSync:
     def __init__(self, actor: ModelEngine, rollout: Engine, bucket_bytes: int, verify: Verify = "checksum",
                  timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
-        """Collective over the actor's and rollout's ranks (builds the plan)."""
+        """Collective over the actor's and rollout's ranks (builds the plan). Both layouts must come from one
+        `GroupRegistry`: the sync group over their ranks is then the actor's world group, made nowhere anew."""
         self.rollout = rollout
-        group = sync_group(actor.layout.ranks + rollout.layout.ranks, timeout)
+        registry = actor.layout.registry
+        if rollout.layout.registry is not registry:
+            raise LayoutError("colocated sync: the actor's and the rollout's layouts were built with different "
+                              "GroupRegistry objects; pass one registry to both Layout.create calls")
+        group = registry.sync_group(actor.layout.ranks + rollout.layout.ranks, timeout)
         source = Shards(actor.chunks, sending=True, first_stage=actor.layout.is_first_stage)
         self.weights = WeightSync(group, rollout.device, bucket_bytes, verify, source, Shards(rollout.model))
 

@@ -10,8 +10,8 @@ as the colocated worker) and `stream` (requests added and finished samples retur
 async modes' rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
 replica stay in lockstep without coordinating among themselves.
 
-Both workers make the sync group before anything else: torch pairs the members of a locally synchronised group by
-the number of groups each made before (see `parallel.layout.sync_group`).
+Both workers make the sync group before anything else, from the registry their layouts then use: torch pairs the
+members of a locally synchronised group by the number of groups each made before (see `parallel.layout.GroupRegistry`).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
-from shardrl.parallel.layout import Layout, sync_group
+from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.rollout.engine import Engine, EngineStats
 from shardrl.rollout.request import SamplingParams
 from shardrl.sync.detached import DetachedSync
@@ -39,14 +39,16 @@ REFILL_CHUNK = 8  # stream() admits new requests once 1/8 of the engine's slots 
 Backlog = deque[tuple[list[int], SamplingParams, Batch]]  # (prompt ids, sampling params, prompt row) per request
 
 
-def _sync_group(plan: Plan):
-    return sync_group(plan.trainer_ranks + plan.rollout_ranks, collective_timeout())
+def _sync_group(plan: Plan, registry: GroupRegistry):
+    return registry.sync_group(plan.trainer_ranks + plan.rollout_ranks, collective_timeout())
 
 
 class DetachedActorWorker(ActorRefWorker):
-    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int) -> None:
-        group = _sync_group(plan)
-        super().__init__(config, plan, model_path, total_steps, pad_token_id)
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int,
+                 registry: GroupRegistry | None = None) -> None:
+        registry = GroupRegistry() if registry is None else registry
+        group = _sync_group(plan, registry)
+        super().__init__(config, plan, model_path, total_steps, pad_token_id, registry)
         sync = config.actor_rollout_ref.rollout.weight_sync
         self.weight_sync = DetachedSync.sender(self.actor, group, sync.bucket_size_mb << 20, sync.verify)
 
@@ -58,13 +60,15 @@ class DetachedActorWorker(ActorRefWorker):
 
 
 class RolloutWorker:
-    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, pad_token_id: int) -> None:
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, pad_token_id: int,
+                 registry: GroupRegistry | None = None) -> None:
         torch.manual_seed(config.trainer.seed)
         self.config, self.pad_token_id = config, pad_token_id
         self.response_length = config.actor_rollout_ref.rollout.response_length
-        group = _sync_group(plan)
+        registry = GroupRegistry() if registry is None else registry
+        group = _sync_group(plan, registry)
         role = plan.roles["rollout"]
-        layout = Layout.create(role.spec, role.ranks, timeout=collective_timeout())
+        layout = Layout.create(role.spec, role.ranks, timeout=collective_timeout(), registry=registry)
         # Weights arrive by the first sync; until then the engine holds a random init.
         self.engine = Engine(ModelConfig.from_pretrained(model_path), layout, roles.rollout_engine_config(config))
         sync = config.actor_rollout_ref.rollout.weight_sync

@@ -8,6 +8,9 @@ between calls; weight sync reads offloaded params from there.
 
 `ActorRolloutRefWorker` is verl's hybrid engine: actor, optional reference policy and the rollout engine live in one
 process per rank, each with its own Layout over the same ranks, and weights move from actor to rollout in-process.
+
+Every worker takes the process's `GroupRegistry` (`registry`; the Ray rank host passes the one all roles of its
+process share) and builds all its layouts from it; without one it makes its own, for a process hosting only it.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
 from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from shardrl.models.hf_bridge import save_hf_checkpoint
-from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.offload import offload, on_device
 from shardrl.rollout.engine import Engine
 from shardrl.sync.colocated import ColocatedSync
@@ -35,9 +38,9 @@ from shardrl.workers.engine import ModelEngine
 from shardrl.workers.rollout import generate
 
 
-def _layout(plan: Plan, role: str) -> Layout:
+def _layout(plan: Plan, role: str, registry: GroupRegistry | None) -> Layout:
     role_plan = plan.roles[role]
-    return Layout.create(role_plan.spec, role_plan.ranks, timeout=collective_timeout())
+    return Layout.create(role_plan.spec, role_plan.ranks, timeout=collective_timeout(), registry=registry)
 
 
 def _unpadded_rows(batch: Batch) -> Batch:
@@ -63,20 +66,22 @@ def _resident(engine: ModelEngine, megatron: MegatronConfig) -> Iterator[None]:
 
 
 class ActorRefWorker:
-    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int) -> None:
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int,
+                 registry: GroupRegistry | None = None) -> None:
         torch.manual_seed(config.trainer.seed)
         self.config, self.plan, self.pad_token_id = config, plan, pad_token_id
+        self.registry = GroupRegistry() if registry is None else registry  # actor, ref and rollout layouts share it
         arr = config.actor_rollout_ref
         self.model_config = ModelConfig.from_pretrained(model_path)
         self.model_path = model_path
-        self.actor = roles.build_engine(self.model_config, _layout(plan, "actor"), roles.actor_engine_options(
-            config, total_steps), arr.actor.megatron, model_path)
+        self.actor = roles.build_engine(self.model_config, _layout(plan, "actor", self.registry),
+                                        roles.actor_engine_options(config, total_steps), arr.actor.megatron, model_path)
         _offload(self.actor, arr.actor.megatron)
         self.ref = None
         if "ref" in plan.roles:
             ref_options = roles.engine_options(arr.ref.megatron, False, None)
-            self.ref = roles.build_engine(self.model_config, _layout(plan, "ref"), ref_options, arr.ref.megatron,
-                                          model_path)
+            self.ref = roles.build_engine(self.model_config, _layout(plan, "ref", self.registry), ref_options,
+                                          arr.ref.megatron, model_path)
             _offload(self.ref, arr.ref.megatron)
 
     def _actor_resident(self):
@@ -131,9 +136,11 @@ class ActorRefWorker:
 
 
 class ActorRolloutRefWorker(ActorRefWorker):
-    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int) -> None:
-        super().__init__(config, plan, model_path, total_steps, pad_token_id)
-        self.rollout = Engine(self.model_config, _layout(plan, "rollout"), roles.rollout_engine_config(config))
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int,
+                 registry: GroupRegistry | None = None) -> None:
+        super().__init__(config, plan, model_path, total_steps, pad_token_id, registry)
+        self.rollout = Engine(self.model_config, _layout(plan, "rollout", self.registry),
+                              roles.rollout_engine_config(config))
         weight_sync = config.actor_rollout_ref.rollout.weight_sync
         self.weight_sync = ColocatedSync(self.actor, self.rollout, weight_sync.bucket_size_mb << 20,
                                          weight_sync.verify, collective_timeout())
@@ -153,10 +160,11 @@ class ActorRolloutRefWorker(ActorRefWorker):
 
 
 class CriticWorker:
-    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int) -> None:
+    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int,
+                 registry: GroupRegistry | None = None) -> None:
         torch.manual_seed(config.trainer.seed)
         self.config, self.plan, self.model_path = config, plan, model_path
-        self.critic = roles.build_engine(ModelConfig.from_pretrained(model_path), _layout(plan, "critic"),
+        self.critic = roles.build_engine(ModelConfig.from_pretrained(model_path), _layout(plan, "critic", registry),
                                          roles.critic_engine_options(config, total_steps), config.critic.megatron,
                                          model_path, optional_weights=("score.weight",))
         _offload(self.critic, config.critic.megatron)
