@@ -2,6 +2,8 @@
 rollout pool at TP1 learn the built-in task to >= 0.9 validation reward, every sample one version old (the first
 batch excepted), generation overlapping training on the timeline."""
 
+from collections import Counter
+
 import pytest
 
 from async_jobs import DETACHED, check_learned, run_job
@@ -55,3 +57,35 @@ def test_resumed_run_syncs_the_checkpoint_to_the_rollout_pool(tmp_path):
     assert [step for step, _ in val] == [0, 2, 2, 3]
     assert val[1][1] == val[2][1] != val[0][1]  # the trained weights, not the initial ones
     assert resumed[-1]["step"] == 3 and resumed[-1]["async/staleness_max"] == 0  # the first batch after resuming
+
+
+INDEX_LOGGING_REWARD = """
+from shardrl.rewards.registry import default_compute_score
+
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    with open({log!r}, "a") as log:
+        log.write(f"{{extra_info['index']}}\\n")
+    return default_compute_score(data_source, solution_str, ground_truth, extra_info)
+"""
+
+
+def test_resume_generates_the_prompts_that_were_in_flight_at_the_save(tmp_path):
+    """Unshuffled data, so step k trains prompts 32k..32k+31 (the reward function logs each sample's prompt index).
+    At the save after step 2, batch 2 is generating on the rollout pool (and more may be read): the resumed run
+    trains exactly batch 2 next, not the batch after what the rollouter had read."""
+    log = tmp_path / "scored.txt"
+    reward = tmp_path / "index_reward.py"
+    reward.write_text(INDEX_LOGGING_REWARD.format(log=str(log)))
+    args = [*DETACHED, "data.shuffle=false", "trainer.save_freq=2", "trainer.test_freq=-1",
+            "trainer.val_before_train=false", f"custom_reward_function.path={reward}"]
+    run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=2")
+    _, out = run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=3")
+    assert "at step 2" in out
+    scored = [int(line) for line in log.read_text().split()]
+    per_step = len(scored) // 3
+    batch = 32  # data.train_batch_size
+    for step in range(3):
+        trained = Counter(scored[step * per_step:(step + 1) * per_step])
+        assert set(trained) == set(range(step * batch, (step + 1) * batch)), (step, sorted(trained))
+        assert len(set(trained.values())) == 1  # every prompt's n samples

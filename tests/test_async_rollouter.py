@@ -66,10 +66,11 @@ request is finished when `done(its sample seed, its token versions)`)."""
 
 
 def sample_batches():
-    """(k, rows): 3 prompts x n=2 rows per loader batch, seeds increasing within a group."""
+    """(k, rows, groups to start): 3 prompts x n=2 rows per loader batch, seeds increasing within a group."""
     for k in itertools.count():
         uids = [f"{k}-{p}" for p in range(PROMPTS_PER_BATCH) for _ in range(N)]
-        yield k, Batch({"sample_seed": 100 * k + torch.arange(PROMPTS_PER_BATCH * N)}, {"uid": as_object_array(uids)})
+        yield k, Batch({"sample_seed": 100 * k + torch.arange(PROMPTS_PER_BATCH * N)},
+                       {"uid": as_object_array(uids)}), range(PROMPTS_PER_BATCH)
 
 
 def rollouter(fake: FakeRollout, window: int, extra: int, in_order: bool = False) -> Rollouter:
@@ -159,6 +160,21 @@ def test_stale_groups_are_dropped_and_their_budget_returned():
     assert [g.oldest_version for g in groups] == [5, 5]
     assert metrics["async/dropped_samples"] == 3 * N
     assert [g.key for g in groups] == [(1, 0), (1, 1)]  # replacements, taken from the next loader batch
+
+
+def test_pending_keys_are_every_group_read_and_not_taken():
+    """What a checkpoint must generate again: started groups (finished or not) and groups read but not started,
+    less those the trainer took."""
+    fake = FakeRollout(num_replicas=1, done=lambda seed, versions: len(versions) == 2 + seed % 3)
+    r = rollouter(fake, window=4, extra=0)  # batch 0's three groups and batch 1's first start; (1, 1), (1, 2) wait
+    try:
+        wait_until(r, lambda: len(r.queue) == 4)
+        read = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
+        assert r.pending_keys() == read
+        groups, _ = r.take(2, version=0, bound=0)
+        assert r.pending_keys() == sorted(set(read) - {g.key for g in groups})
+    finally:
+        r.close()
 
 
 def long_tailed(seed: int, versions: list[int]) -> bool:

@@ -150,7 +150,7 @@ class PPOTrainer:
 
     def save(self) -> None:
         """Every role's checkpoint of this step, then (all written) the `latest` pointer: atomic as a whole."""
-        state = {"step": self.global_step, "dataloader": self.loader.state_dict(),
+        state = {"step": self.global_step, "dataloader": self.loader_state(),
                  "policy_version": self.policy_version,
                  "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
         root = self.tracker.run_dir
@@ -160,6 +160,13 @@ class PPOTrainer:
         if self.workers.critic is not None:
             self.workers.critic.save_checkpoint(str(root), self.global_step, state)
         mark_latest(root, self.global_step, self.config.trainer.max_actor_ckpt_to_keep)
+
+    def loader_state(self) -> dict[str, Any]:
+        """Where a resumed run continues reading prompts (synchronous: the loader's position after this step)."""
+        return self.loader.state_dict()
+
+    def restore_loader(self, state: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state)
 
     def resume(self) -> None:
         trainer = self.config.trainer
@@ -171,8 +178,8 @@ class PPOTrainer:
         state = self.workers.actor.load_checkpoint(str(step_dir))[0]
         if self.workers.critic is not None:
             self.workers.critic.load_checkpoint(str(step_dir))
-        self.loader.load_state_dict(state["dataloader"])
         self.global_step, self.policy_version = state["step"], state["policy_version"]
+        self.restore_loader(state["dataloader"])
         self.rollout_version = None  # the rollout still holds the initial weights: fit() syncs
         if self.kl_ctrl is not None:
             self.kl_ctrl.value = state["kl_coef"]

@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -58,7 +58,8 @@ class Group:
 class Rollouter:
     """Keeps the rollout pool busy within the staleness budget; thread-safe towards the trainer's calls."""
 
-    def __init__(self, rollout: RoleHandle, num_replicas: int, sample_batches: Iterator[tuple[int, Batch]],
+    def __init__(self, rollout: RoleHandle, num_replicas: int,
+                 sample_batches: Iterator[tuple[int, Batch, Sequence[int]]],
                  group_size: int, budget: Budget, timeline: Timeline, trainer_step: Callable[[], int],
                  in_order: bool = False) -> None:
         self.rollout, self.num_replicas, self.sample_batches = rollout, num_replicas, sample_batches
@@ -103,6 +104,12 @@ class Rollouter:
             metrics = {"async/queue_groups": float(len(self.queue)), "async/running_groups": float(len(self.running)),
                        "async/dropped_samples": float(self.dropped)}
         return sorted(groups, key=lambda g: g.key), metrics
+
+    def pending_keys(self) -> list[tuple[int, int]]:
+        """Keys of the groups read from the loader and not yet taken by the trainer (not started, running or
+        finished), in key order: what a checkpoint saved now must generate again after a resume."""
+        with self.cond:
+            return sorted(g.key for g in [*self.upcoming, *self.outstanding])
 
     def take_stats(self) -> dict[str, float]:
         """Where the rollout pool's time went since the last call (seconds, per replica): `rollout/engine_s` in
@@ -202,10 +209,9 @@ class Rollouter:
         new = []
         while len(new) < count:
             if not self.upcoming:
-                k, samples = next(self.sample_batches)
+                k, samples, rows = next(self.sample_batches)
                 n = self.group_size
-                self.upcoming.extend(Group((k, row), samples.take(range(row * n, (row + 1) * n)))
-                                     for row in range(len(samples) // n))
+                self.upcoming.extend(Group((k, row), samples.take(range(row * n, (row + 1) * n))) for row in rows)
             new.append(self.upcoming.popleft())
         self.budget -= len(new)
         self.running.update((g.rows.non_tensors["uid"][0], g) for g in new)
