@@ -9,7 +9,7 @@ from async_jobs import DETACHED, check_learned, run_job
 # A step is 2 mini batches (as the default job's), a sync every 2 steps, 25% run-ahead: samples may be
 # 2 - 1 + ceil(floor(0.25 * 64) / 32) = 2 versions old.
 SCHEDULE = ["async_training.require_batches=2", "async_training.trigger_parameter_sync_step=2",
-            "async_training.staleness_threshold=0.25", "trainer.total_training_steps=60", "trainer.test_freq=30"]
+            "async_training.staleness_threshold=0.25", "trainer.total_training_steps=80", "trainer.test_freq=40"]
 
 
 def run_fully_async(tmp_path, *overrides):
