@@ -129,12 +129,14 @@ class GroupRegistry:
     """The process groups one process made over the current torch.distributed world, one per set of ranks.
 
     torch (2.13) names a group made with use_local_synchronization from its ranks and the number of groups this
-    process made before, and its members meet on keys derived from that name. Two groups over the same ranks (pp and
-    mp at TP=1, a ref layout beside the actor's, the colocated sync group beside the actor's world group) can then
-    disagree on keys and hang, and so can members that made different groups before this one. So every layout of a
-    process, and its sync group, takes its groups from ONE registry, which makes each rank set's group once (this
-    also saves NCCL communicators; the first creator's timeout applies). A group spanning two pools (the detached
-    sync group) is made before either pool builds its layouts.
+    process made before, and its members meet on keys derived from that name: members that made different numbers
+    of groups before never meet, and the group hangs. Ranks' counts do differ (at PP>=3 the middle stages make no
+    embedding group; a rollout pool makes none of the trainer's), so a group over a rank set is made only once per
+    process: every layout of a process (pp and mp at TP=1, a ref layout beside the actor's, the rollout beside the
+    actor) and its sync group (the colocated one is the actor's world group) take their groups from ONE registry.
+    This also saves NCCL communicators; the first creator's timeout applies. A group spanning two pools (the
+    detached sync group) is made before either pool builds its layouts. Not covered: a rank set first made after the
+    counts diverged still hangs (an actor at PP4, then a rollout at TP2 over the same ranks).
 
     Whoever builds several layouts in one process owns the registry and passes it to each `Layout.create` (the Ray
     rank host gives every role it hosts the same one). Make a new one after re-initialising torch.distributed.
