@@ -41,6 +41,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=-1, help="-1: off")
+    parser.add_argument("--seeded", action="store_true",
+                        help="a sampling seed per request, as the trainer's rollouts have (default: unseeded)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the decode")
     parser.add_argument("--no-compile", action="store_true",
@@ -80,7 +82,8 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams, device: torch.device) -> float:
+def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], device: torch.device
+               ) -> float:
     engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up: kernels, graph capture
     engine.stats = type(engine.stats)()
     sync(device)
@@ -89,7 +92,7 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
     sync(device)
     seconds = time.perf_counter() - start
     generated = sum(len(o.token_ids) for o in outputs)
-    expected = len(prompts) * params.max_tokens
+    expected = sum(p.max_tokens for p in params)
     if generated != expected:
         raise RuntimeError(f"the engine generated {generated} tokens, expected {expected}")
     s = engine.stats
@@ -103,12 +106,12 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: SamplingParams,
 
 
 @torch.inference_mode()
-def profile_decode(engine: Engine, prompts: list[list[int]], params: SamplingParams) -> None:
+def profile_decode(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> None:
     """Where a decode step's time goes: profile 20 steps in the middle of a full batch."""
     from torch.profiler import ProfilerActivity, profile
 
-    for prompt in prompts:
-        engine.submit(prompt, params)
+    for prompt, request_params in zip(prompts, params):
+        engine.submit(prompt, request_params)
     for _ in range(10):  # prefill and first decode steps
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
@@ -146,12 +149,13 @@ def main() -> None:
     generator = torch.Generator().manual_seed(args.seed)
     vocab = hf.config.vocab_size
     prompts = torch.randint(0, vocab, (args.num_prompts, args.prompt_len), generator=generator).tolist()
-    params = SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
-                            top_k=args.top_k, ignore_eos=True)
+    params = [SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
+                             top_k=args.top_k, ignore_eos=True, seed=args.seed * 100_003 + i if args.seeded else None)
+              for i in range(args.num_prompts)]
     print(f"{'tiny' if args.quick else '494M Qwen2-shape'} model, {dtype}, {device}: {args.num_prompts} prompts x "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens, temperature {args.temperature}, "
-          f"top_p {args.top_p}, top_k {args.top_k}, {'compiled' if compile_decode(args, device) else 'plain'} "
-          f"decode forward")
+          f"top_p {args.top_p}, top_k {args.top_k}, {'seeded' if args.seeded else 'unseeded'} requests, "
+          f"{'compiled' if compile_decode(args, device) else 'plain'} decode forward")
     ours = run_engine(engine, prompts, params, device)
     if args.profile:
         profile_decode(engine, prompts, params)
