@@ -50,8 +50,9 @@ def test_flash_decode_attention_reads_only_each_rows_tokens(num_heads, num_kv):
     positions[:4] = torch.tensor([0, 1, max_len - 1, 7])
     past = torch.arange(max_len, device="cuda") > positions.unsqueeze(1)  # [B, L]
     keys[:num_rows][past], values[:num_rows][past] = float("nan"), float("nan")
-    starts = torch.arange(num_rows + 1, dtype=torch.int32, device="cuda") * max_len
-    got = flash_decode_attention(q, keys, values, starts, (positions + 1).to(torch.int32), max_len, scale=0.125)
+    queries = torch.arange(num_rows + 1, dtype=torch.int32, device="cuda")
+    got = flash_decode_attention(q, keys, values, queries, queries * max_len, (positions + 1).to(torch.int32),
+                                 max_len, scale=0.125)
     rows_k = keys[:num_rows].float().nan_to_num().transpose(1, 2)  # [B, nkv, L, D]
     rows_v = values[:num_rows].float().nan_to_num().transpose(1, 2)
     expected = reference_decode_attention(q.float(), rows_k, rows_v, ~past, scale=0.125)

@@ -108,8 +108,10 @@ class DecodeAttention:
         num_rows, device = positions.shape[0], positions.device
         self.rows = torch.arange(num_rows, device=device)
         self.flash = uses_flash_decode(cache.device, cache.dtype)
-        if self.flash:  # row b's keys start at b * max_len of the flattened cache; it uses positions[b] + 1
-            self.row_starts = torch.arange(num_rows + 1, dtype=torch.int32, device=device) * cache.max_len
+        if self.flash:  # row b's query is token b; its keys start at b * max_len of the flattened cache; it uses
+            # positions[b] + 1 of them. Built once per forward, not per layer.
+            self.query_starts = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
+            self.row_starts = self.query_starts * cache.max_len
             self.used = (positions + 1).to(torch.int32)
         else:  # additive mask built once per forward, in the cache dtype, so no layer converts a boolean one again
             valid = torch.arange(length, device=device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
@@ -120,7 +122,8 @@ class DecodeAttention:
         keys[self.rows, self.positions] = k  # k [B, nkv, D]
         values[self.rows, self.positions] = v
         if self.flash:
-            return flash_decode_attention(q, keys, values, self.row_starts, self.used, self.length, scale)
+            return flash_decode_attention(q, keys, values, self.query_starts, self.row_starts, self.used,
+                                          self.length, scale)
         num_rows = self.rows.shape[0]
         return reference_decode_attention(q, keys[:num_rows, :self.length].transpose(1, 2),
                                           values[:num_rows, :self.length].transpose(1, 2), self.mask, scale)
@@ -131,16 +134,15 @@ def uses_flash_decode(device: torch.device, dtype: torch.dtype) -> bool:
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
 
 
-def flash_decode_attention(q: Tensor, keys: Tensor, values: Tensor, row_starts: Tensor, used: Tensor,
-                           max_length: int, scale: float) -> Tensor:
+def flash_decode_attention(q: Tensor, keys: Tensor, values: Tensor, query_starts: Tensor, row_starts: Tensor,
+                           used: Tensor, max_length: int, scale: float) -> Tensor:
     """One query token per row against its cached keys with flash attention's variable-length kernel.
 
-    q [B, nq, D]; keys/values: one layer's whole cache [S, L, nkv, D]; row_starts [B + 1] int32 = b * L (row b's
-    first key in the flattened [S * L, nkv, D] cache); used [B] int32 = how many keys row b attends to (its position
-    + 1); max_length bounds `used`. Grouped-query heads are handled by the kernel. -> [B, nq, D].
+    q [B, nq, D]; keys/values: one layer's whole cache [S, L, nkv, D]; query_starts [B + 1] int32 = 0..B (one query
+    token per row); row_starts [B + 1] int32 = b * L (row b's first key in the flattened [S * L, nkv, D] cache);
+    used [B] int32 = how many keys row b attends to (its position + 1); max_length bounds `used`. Grouped-query
+    heads are handled by the kernel. -> [B, nq, D].
     """
-    num_rows = q.shape[0]
-    query_starts = torch.arange(num_rows + 1, dtype=torch.int32, device=q.device)
     return torch.ops.aten._flash_attention_forward(
         q, keys.flatten(0, 1), values.flatten(0, 1), query_starts, row_starts, 1, max_length, 0.0, False, False,
         scale=scale, seqused_k=used)[0]

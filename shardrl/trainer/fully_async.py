@@ -117,12 +117,13 @@ class FullyAsyncTrainer(PPOTrainer):
         of its groups to start). After a resume the batches up to the last one with a pending group yield only
         those groups; the others all of theirs."""
         k, resumed = self.next_batch, self.resumed_groups or {}
+        last_resumed = max(resumed, default=-1)
         batches = self.prompt_batches()
         while True:
             self.batch_starts[k] = self.loader.state_dict()
             samples = self.sample_rows(next(batches), k)
             self.next_batch = k + 1
-            rows = sorted(resumed.get(k, ())) if resumed and k <= max(resumed) else list(
+            rows = sorted(resumed.get(k, ())) if k <= last_resumed else list(
                 range(len(samples) // self.config.actor_rollout_ref.rollout.n))
             if rows:
                 yield k, samples, rows
