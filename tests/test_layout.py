@@ -1,5 +1,5 @@
 """Layout: rank tables against hand-written expectations, impossible layouts, and real groups on gloo; the group
-registry that a process's layouts and sync groups share."""
+registry that a process's layouts and sync groups share, and groups made after the ranks' group counts diverged."""
 
 import datetime
 
@@ -111,8 +111,8 @@ def _registry_sharing() -> dict:
     alone = Layout.create(LayoutSpec(world_size=4, tp=2), timeout=timeout)  # registry of its own
     leaked = registry.rank_sets()
     sync = registry.sync_group([3, 2, 1, 0], timeout)
-    # PP4: the middle stages make no embedding group, so from here the ranks have made different numbers of groups
-    # and a group over a rank set made again would never rendezvous: the second layout must take the first's.
+    # PP4: the middle stages make no embedding group, so from here the ranks have made different numbers of groups;
+    # the second layout makes no group of its own, it takes the first's.
     first = Layout.create(LayoutSpec(world_size=4, pp=4), timeout=timeout, registry=registry)
     second = Layout.create(LayoutSpec(world_size=4, pp=4, vpp=2), timeout=timeout, registry=registry)
     total = torch.tensor([float(dist.get_rank())])
@@ -142,3 +142,71 @@ def test_registry_without_torch_distributed():
     assert registry.sync_group([0]) is None and registry.rank_sets() == []
     with pytest.raises(LayoutError, match=r"sync group over ranks \[0, 1\]: this process is not one of them"):
         registry.sync_group([1, 0])
+
+
+# Groups made after the members' group counts diverged. torch names such a group from its ranks and the number of
+# groups the calling process made before; without the registry's agreement on that number these rendezvous never
+# complete. A short timeout turns such a hang into an error.
+DIVERGED_TIMEOUT_S = 20
+
+
+def _sums(layout: Layout, names: tuple[str, ...]) -> list[float]:
+    """All-reduce 2**rank over each named group: the sum says which ranks the group really joined."""
+    sums = []
+    for name in names:
+        value = torch.tensor([float(2 ** dist.get_rank())])
+        dist.all_reduce(value, group=layout.group(name))
+        sums.append(value.item())
+    return sums
+
+
+def _tp2_after_pp4() -> dict:
+    timeout = datetime.timedelta(seconds=DIVERGED_TIMEOUT_S)
+    layouts = []
+    # A second registry in the same process (a role given its own) makes the same rank sets once more, again after
+    # the counts diverged: its groups must not meet the first registry's.
+    for registry in (GroupRegistry(), GroupRegistry()):
+        Layout.create(LayoutSpec(world_size=4, pp=4), timeout=timeout, registry=registry)  # only 0, 3: embedding
+        layouts.append(Layout.create(LayoutSpec(world_size=4, tp=2), timeout=timeout, registry=registry))
+    first, second = layouts
+    return dict(first=_sums(first, ("tp", "dp")), second=_sums(second, ("tp", "dp", "world")))
+
+
+def test_layout_after_pp4_layout_on_same_ranks():
+    out = run_distributed(4, _tp2_after_pp4)
+    # TP pairs [0,1] and [2,3], DP pairs [0,2] and [1,3]: sums of 2**rank over each.
+    assert [o["first"] for o in out] == [[3.0, 5.0], [3.0, 10.0], [12.0, 5.0], [12.0, 10.0]]
+    assert [o["second"] for o in out] == [[3.0, 5.0, 15.0], [3.0, 10.0, 15.0], [12.0, 5.0, 15.0],
+                                          [12.0, 10.0, 15.0]]
+
+
+def _layout_after_pair_group() -> list[float]:
+    timeout = datetime.timedelta(seconds=DIVERGED_TIMEOUT_S)
+    registry = GroupRegistry()
+    if dist.get_rank() in (0, 3):
+        registry.get([3, 0], timeout)  # ranks 1, 2 make nothing
+    layout = Layout.create(LayoutSpec(world_size=4, pp=2), timeout=timeout, registry=registry)
+    return _sums(layout, ("dp", "pp", "world"))
+
+
+def test_layout_after_some_ranks_made_a_group():
+    out = run_distributed(4, _layout_after_pair_group)
+    # PP2 over 4 ranks: DP pairs [0,1] and [2,3], PP pairs [0,2] and [1,3]; each has one member that made [0,3].
+    assert out == [[3.0, 5.0, 15.0], [3.0, 10.0, 15.0], [12.0, 5.0, 15.0], [12.0, 10.0, 15.0]]
+
+
+def _group_with_absent_member() -> str:
+    if dist.get_rank() == 2:
+        return "absent"  # never starts making the group over [0, 1, 2]
+    try:
+        GroupRegistry().get([0, 1, 2], datetime.timedelta(seconds=2))
+    except TimeoutError as exc:
+        return str(exc)
+    return "made"
+
+
+def test_group_creation_names_members_that_never_came():
+    out = run_distributed(3, _group_with_absent_member)
+    assert out[2] == "absent"
+    for message in out[:2]:
+        assert message.startswith("group over ranks [0, 1, 2]: ranks [2] did not start making it within 0:00:02")

@@ -125,21 +125,61 @@ def rank_tables(spec: LayoutSpec, ranks: list[int] | None = None) -> dict[str, l
     return tables
 
 
+def _torch_group_state() -> tuple[int, dist.Store]:
+    """The number of groups this process has registered with torch, and the default group's store.
+
+    torch (2.13) names a group made with use_local_synchronization from its ranks and exactly this number
+    (`len(_world.pg_names)` in `_hash_ranks_to_str`), and its members meet in exactly this store, so reading them is
+    the only way to make that name agree. No public API gives either: `dist.get_pg_count()` counts only the groups
+    made without use_local_synchronization, and the default store is not exposed. Private, so read here only.
+    """
+    c10d = dist.distributed_c10d
+    return len(c10d._world.pg_names), c10d._get_default_store()
+
+
+def _agree_group_count(ranks: tuple[int, ...], timeout: datetime.timedelta) -> None:
+    """Raise this process's group count to the highest among the members of the group about to be made over `ranks`
+    (sorted), so that torch gives all of them the same group name. Collective over `ranks` only.
+
+    Each member publishes its count under a key of this rank set and of its own occurrence number for it (the n-th
+    group any registry of this process makes over these ranks meets the other members' n-th), then makes one-rank
+    groups until it reaches the maximum. Those are made like the real group (default backend, so NCCL on GPU) but
+    connect to no peer and carry no collective; a process makes at most as many as the group counts differ by.
+    """
+    count, store = _torch_group_state()
+    me = dist.get_rank()
+    rank_set = "_".join(map(str, ranks))
+    occurrence = store.add(f"shardrl/group_counts/{rank_set}/made_by/{me}", 1)
+    keys = [f"shardrl/group_counts/{rank_set}/{occurrence}/{rank}" for rank in ranks]
+    store.set(keys[ranks.index(me)], str(count))
+    try:
+        store.wait(keys, timeout)
+    except dist.DistStoreError:  # the store's wait ends in this error when `timeout` passes
+        missing = [rank for rank, key in zip(ranks, keys) if not store.check([key])]
+        raise TimeoutError(f"group over ranks {list(ranks)}: ranks {missing} did not start making it within "
+                           f"{timeout}; every member must build the same layouts and sync groups") from None
+    highest = max(int(value) for value in store.multi_get(keys))
+    for _ in range(highest - count):
+        dist.new_group([me], timeout=timeout, use_local_synchronization=True)
+
+
 class GroupRegistry:
     """The process groups one process made over the current torch.distributed world, one per set of ranks.
 
     torch (2.13) names a group made with use_local_synchronization from its ranks and the number of groups this
     process made before, and its members meet on keys derived from that name: members that made different numbers
-    of groups before never meet, and the group hangs. Ranks' counts do differ (at PP>=3 the middle stages make no
-    embedding group; a rollout pool makes none of the trainer's), so a group over a rank set is made only once per
-    process: every layout of a process (pp and mp at TP=1, a ref layout beside the actor's, the rollout beside the
-    actor) and its sync group (the colocated one is the actor's world group) take their groups from ONE registry.
-    This also saves NCCL communicators; the first creator's timeout applies. A group spanning two pools (the
-    detached sync group) is made before either pool builds its layouts. Not covered: a rank set first made after the
-    counts diverged still hangs (an actor at PP4, then a rollout at TP2 over the same ranks).
+    of groups before would never meet, and the group would hang. Ranks' counts do differ (at PP>=3 the middle stages
+    make no embedding group; a rollout pool makes none of the trainer's; ranks 0 and 3 may share a group the others
+    lack), so before making a group its members agree on that number through the default store and the ones behind
+    catch up with unused one-rank groups (`_agree_group_count`). Any rank set can therefore be made at any time, in
+    any process, as long as two members make the groups they share in the same order (as the layout tables do).
 
-    Whoever builds several layouts in one process owns the registry and passes it to each `Layout.create` (the Ray
-    rank host gives every role it hosts the same one). Make a new one after re-initialising torch.distributed.
+    A group over a rank set is made only once per registry: every layout of a process (pp and mp at TP=1, a ref
+    layout beside the actor's, the rollout beside the actor) and its sync group (the colocated one is the actor's
+    world group) take their groups from ONE registry, which saves NCCL communicators; the first creator's timeout
+    applies. Whoever builds several layouts in one process owns the registry and passes it to each `Layout.create`
+    (the Ray rank host gives every role it hosts the same one). Make a new one after re-initialising
+    torch.distributed.
     """
 
     def __init__(self) -> None:
@@ -147,9 +187,10 @@ class GroupRegistry:
 
     def get(self, ranks: list[int], timeout: datetime.timedelta) -> dist.ProcessGroup:
         """The group over `ranks` (made on first use; collective over `ranks` only, so other roles' ranks never
-        block on it)."""
+        block on it). Raises TimeoutError naming the members that did not start making it within `timeout`."""
         key = tuple(sorted(set(ranks)))  # torch sorts a group's ranks too
         if key not in self._groups:
+            _agree_group_count(key, timeout)
             self._groups[key] = dist.new_group(list(key), timeout=timeout, use_local_synchronization=True)
         return self._groups[key]
 
@@ -162,10 +203,8 @@ class GroupRegistry:
         """The weight-sync group over explicit global `ranks`, which may span several roles' layouts (a trainer
         pool's senders and a rollout pool's receivers, or the colocated ranks). Collective over `ranks` only, so a
         rollout-only worker joins this group and its own layout's, never the trainer's. None for a single rank.
-
-        torch names such a group by its ranks and by how many groups the calling process made before, so the members
-        must have made the same number: colocated ranks (same layouts in the same order, from this registry, whose
-        world group it then is) may call it any time; separate pools must call it before building any Layout."""
+        Colocated ranks get their layouts' world group from this registry. Members that also share other groups
+        must ask for this one at the same point relative to those (see `GroupRegistry`)."""
         ranks = sorted(set(ranks))
         if len(ranks) == 1:
             return None
@@ -184,7 +223,7 @@ class Layout:
     torch.distributed is not initialised, use `Layout.single()`: all groups are None and all sizes are 1.
 
     A process that builds more than one layout, or a sync group beside its layouts, passes ONE `GroupRegistry` to
-    all of them (`registry=`; see `GroupRegistry` for the hang this avoids), e.g. `other.registry` of a layout it
+    all of them (`registry=`; one group per rank set, see `GroupRegistry`), e.g. `other.registry` of a layout it
     already built. Without one, a layout gets a registry of its own: enough for a process with a single layout.
     """
 
