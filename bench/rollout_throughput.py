@@ -28,6 +28,11 @@ from shardrl.rollout.request import SamplingParams
 QWEN2_0_5B = dict(hidden_size=896, num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
                   intermediate_size=4864, vocab_size=151936, tie_word_embeddings=True, rope_theta=1e6,
                   max_position_embeddings=32768, rms_norm_eps=1e-6)
+# The async bench's model (bench/async_speedup.py): wider KV heads (8 of 16) and a small vocabulary, so its decode
+# step is dominated by attention over long contexts rather than by the LM head.
+ASYNC_300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24, num_attention_heads=16,
+                  num_key_value_heads=8, vocab_size=8192, tie_word_embeddings=True, max_position_embeddings=4096)
+SHAPES = {"qwen2-0.5b": ("494M Qwen2-shape", QWEN2_0_5B), "async-300m": ("300M async-bench-shape", ASYNC_300M)}
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=1000, tie_word_embeddings=True, max_position_embeddings=512)
 
@@ -35,6 +40,8 @@ TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 prompts x 16 tokens, 16 new tokens")
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen2-0.5b",
+                        help="model shape (random weights); async-300m is bench/async_speedup.py's model")
     parser.add_argument("--num-prompts", type=int, default=256)
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--new-tokens", type=int, default=256)
@@ -49,7 +56,8 @@ def parse_args() -> argparse.Namespace:
                         help="plain decode forward (default on GPU: EngineConfig.compile_decode; never on CPU)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--profile", action="store_true", help="print the top CPU and CUDA ops of 20 decode steps")
+    parser.add_argument("--profile", action="store_true",
+                        help="print the top CPU and CUDA ops of 20 decode steps halfway through the responses")
     args = parser.parse_args()
     if args.quick:
         args.num_prompts, args.prompt_len, args.new_tokens = 8, 16, 16
@@ -62,7 +70,7 @@ def compile_decode(args: argparse.Namespace, device: torch.device) -> bool:
 
 def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dtype):
     """The HF model (random weights) and an engine holding the same weights."""
-    shape = TINY if args.quick else QWEN2_0_5B
+    shape = TINY if args.quick else SHAPES[args.shape][1]
     hf_config = Qwen2Config(**shape, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(args.seed)
     with device:
@@ -107,12 +115,13 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingPa
 
 @torch.inference_mode()
 def profile_decode(engine: Engine, prompts: list[list[int]], params: list[SamplingParams]) -> None:
-    """Where a decode step's time goes: profile 20 steps in the middle of a full batch."""
+    """Where a decode step's time goes: profile 20 steps of a full batch halfway through its responses (attention's
+    share grows with the context, so the first steps would understate it)."""
     from torch.profiler import ProfilerActivity, profile
 
     for prompt, request_params in zip(prompts, params):
         engine.submit(prompt, request_params)
-    for _ in range(10):  # prefill and first decode steps
+    for _ in range(max(10, params[0].max_tokens // 2)):  # prefill and the first half of the decode steps
         engine.step()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
@@ -152,7 +161,7 @@ def main() -> None:
     params = [SamplingParams(max_tokens=args.new_tokens, temperature=args.temperature, top_p=args.top_p,
                              top_k=args.top_k, ignore_eos=True, seed=args.seed * 100_003 + i if args.seeded else None)
               for i in range(args.num_prompts)]
-    print(f"{'tiny' if args.quick else '494M Qwen2-shape'} model, {dtype}, {device}: {args.num_prompts} prompts x "
+    print(f"{'tiny' if args.quick else SHAPES[args.shape][0]} model, {dtype}, {device}: {args.num_prompts} prompts x "
           f"{args.prompt_len} tokens, {args.new_tokens} new tokens, temperature {args.temperature}, "
           f"top_p {args.top_p}, top_k {args.top_k}, {'seeded' if args.seeded else 'unseeded'} requests, "
           f"{'compiled' if compile_decode(args, device) else 'plain'} decode forward")

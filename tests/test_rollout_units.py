@@ -11,7 +11,6 @@ from shardrl.rollout.kv_cache import (
     DecodeAttention,
     KVCache,
     KVCacheError,
-    flash_decode_attention,
     num_slots_for_budget,
     reference_decode_attention,
 )
@@ -37,27 +36,36 @@ def test_decode_attention_matches_per_head_loop():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("num_heads, num_kv", [(14, 2), (8, 8)])
-def test_flash_decode_attention_reads_only_each_rows_tokens(num_heads, num_kv):
+@pytest.mark.parametrize("num_rows, num_heads, num_kv, dim", [
+    (64, 14, 2, 64),  # Qwen2-0.5B's heads; 64 rows x 2 KV heads: each row's tokens split over several programs
+    (300, 8, 8, 64),  # no grouping; enough rows for one program per (row, KV head)
+    (5, 16, 4, 128),  # few rows, head_dim 128: many splits, most of them empty for the short rows
+    (6, 4, 2, 8),  # a tiny test model's head_dim, below the 16 a tensor-core dot needs (padded)
+])
+def test_split_kv_decode_attention_reads_only_each_rows_tokens(num_rows, num_heads, num_kv, dim):
     """Rows of very different lengths in one batch, the cache holding more slots than rows and garbage (NaN) past
-    each row's length: flash decode in bf16 matches the fp32 reference, so it reads exactly positions 0..p[b]."""
+    each row's length: the split-KV kernel in bf16 matches the fp32 reference, so it reads exactly positions
+    0..p[b], and its split results merge into the softmax over the whole row."""
+    from shardrl.rollout.decode_attention import WAVES, num_splits_for, split_kv_decode_attention
+
     torch.manual_seed(1)
-    num_rows, slots, max_len, dim = 64, 70, 512, 64
+    slots, max_len = num_rows + 6, 512
     q = torch.randn(num_rows, num_heads, dim, device="cuda").bfloat16()
     keys = torch.randn(slots, max_len, num_kv, dim, device="cuda").bfloat16()
     values = torch.randn(slots, max_len, num_kv, dim, device="cuda").bfloat16()
     positions = torch.randint(0, max_len, (num_rows,), device="cuda")
-    positions[:4] = torch.tensor([0, 1, max_len - 1, 7])
+    positions[:4] = torch.tensor([0, 1, max_len - 1, 7])[:num_rows]
     past = torch.arange(max_len, device="cuda") > positions.unsqueeze(1)  # [B, L]
     keys[:num_rows][past], values[:num_rows][past] = float("nan"), float("nan")
-    queries = torch.arange(num_rows + 1, dtype=torch.int32, device="cuda")
-    got = flash_decode_attention(q, keys, values, queries, queries * max_len, (positions + 1).to(torch.int32),
-                                 max_len, scale=0.125)
+    got = split_kv_decode_attention(q, keys, values, (positions + 1).to(torch.int32), max_len, scale=0.125)
     rows_k = keys[:num_rows].float().nan_to_num().transpose(1, 2)  # [B, nkv, L, D]
     rows_v = values[:num_rows].float().nan_to_num().transpose(1, 2)
     expected = reference_decode_attention(q.float(), rows_k, rows_v, ~past, scale=0.125)
     assert got.dtype == torch.bfloat16 and got.shape == (num_rows, num_heads, dim)
     assert_close(got.float(), expected, atol=2e-2, rtol=2e-2)  # bf16 probabilities and output
+    programs = num_rows * num_kv  # without splits; fewer than WAVES per SM means the row's tokens are split
+    sms = torch.cuda.get_device_properties(q.device).multi_processor_count
+    assert (num_splits_for(num_rows, num_kv, max_len, q.device) > 1) == (programs < WAVES * sms)
 
 
 def test_decode_hook_writes_the_new_token_and_attends_to_its_prefix():

@@ -3,12 +3,11 @@
 Layout (the design choice): the cache has `num_slots` rows; a running sequence owns one row and keeps the keys and
 values of its positions 0..max_model_len-1 there, per layer `[num_slots, max_model_len, kv_heads/tp, head_dim]`.
 Compared with paged blocks this wastes the unused tail of each row, but decode attention then needs no gather and
-no custom kernel: decode row b *is* slot b (the scheduler hands out the lowest free slot, keeping running sequences
-packed at the front). On CUDA in bf16/fp16 decode attention is flash attention's variable-length kernel: the cache
-seen as one packed run of `num_slots * max_model_len` tokens, row b starting at b * max_model_len, with
-`seqused_k` = each row's real length, so a row reads only its own tokens; a batch mixing long and short sequences
-(the async rollouter's steady state) pays for the tokens it holds, not for the longest row times the rows. Elsewhere
-the reference reads the view `cache[:B, :L]` under a mask. Slot count comes from a byte budget:
+no gather: decode row b *is* slot b (the scheduler hands out the lowest free slot, keeping running sequences packed
+at the front). On CUDA in bf16/fp16 decode attention is a split-KV kernel (`decode_attention.py`) that reads each
+row's own `position + 1` tokens, so a batch mixing long and short sequences (the async rollouter's steady state)
+pays for the tokens it holds, not for the longest row times the rows. Elsewhere the reference reads the view
+`cache[:B, :L]` under a mask. Slot count comes from a byte budget:
 `gpu_memory_utilization` on GPU, a token budget on CPU (see `num_slots_for_budget`).
 
 Prefill never reads the cache: a (re)started sequence is prefilled whole (prompt plus any tokens generated before an
@@ -107,11 +106,8 @@ class DecodeAttention:
         self.cache, self.positions, self.length = cache, positions, length  # positions [B]
         num_rows, device = positions.shape[0], positions.device
         self.rows = torch.arange(num_rows, device=device)
-        self.flash = uses_flash_decode(cache.device, cache.dtype)
-        if self.flash:  # row b's query is token b; its keys start at b * max_len of the flattened cache; it uses
-            # positions[b] + 1 of them. Built once per forward, not per layer.
-            self.query_starts = torch.arange(num_rows + 1, dtype=torch.int32, device=device)
-            self.row_starts = self.query_starts * cache.max_len
+        self.split_kv = uses_split_kv_decode(cache.device, cache.dtype)
+        if self.split_kv:  # row b attends to its positions[b] + 1 cached tokens; built once per forward, not per layer
             self.used = (positions + 1).to(torch.int32)
         else:  # additive mask built once per forward, in the cache dtype, so no layer converts a boolean one again
             valid = torch.arange(length, device=device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
@@ -121,31 +117,18 @@ class DecodeAttention:
         keys, values = self.cache.layer(layer_id)  # [S, L, nkv, D]
         keys[self.rows, self.positions] = k  # k [B, nkv, D]
         values[self.rows, self.positions] = v
-        if self.flash:
-            return flash_decode_attention(q, keys, values, self.query_starts, self.row_starts, self.used,
-                                          self.length, scale)
+        if self.split_kv:
+            from shardrl.rollout.decode_attention import split_kv_decode_attention  # Triton: CUDA installs only
+
+            return split_kv_decode_attention(q, keys, values, self.used, self.length, scale)
         num_rows = self.rows.shape[0]
         return reference_decode_attention(q, keys[:num_rows, :self.length].transpose(1, 2),
                                           values[:num_rows, :self.length].transpose(1, 2), self.mask, scale)
 
 
-def uses_flash_decode(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether decode attention runs flash attention's kernel: CUDA in half precision (fp32 takes the reference)."""
+def uses_split_kv_decode(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether decode attention runs the split-KV kernel: CUDA in half precision (fp32 takes the reference)."""
     return device.type == "cuda" and dtype in (torch.float16, torch.bfloat16)
-
-
-def flash_decode_attention(q: Tensor, keys: Tensor, values: Tensor, query_starts: Tensor, row_starts: Tensor,
-                           used: Tensor, max_length: int, scale: float) -> Tensor:
-    """One query token per row against its cached keys with flash attention's variable-length kernel.
-
-    q [B, nq, D]; keys/values: one layer's whole cache [S, L, nkv, D]; query_starts [B + 1] int32 = 0..B (one query
-    token per row); row_starts [B + 1] int32 = b * L (row b's first key in the flattened [S * L, nkv, D] cache);
-    used [B] int32 = how many keys row b attends to (its position + 1); max_length bounds `used`. Grouped-query
-    heads are handled by the kernel. -> [B, nq, D].
-    """
-    return torch.ops.aten._flash_attention_forward(
-        q, keys.flatten(0, 1), values.flatten(0, 1), query_starts, row_starts, 1, max_length, 0.0, False, False,
-        scale=scale, seqused_k=used)[0]
 
 
 def reference_decode_attention(q: Tensor, keys: Tensor, values: Tensor, mask: Tensor, scale: float) -> Tensor:
