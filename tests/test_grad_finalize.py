@@ -9,7 +9,9 @@ a sum divided by the global token count, and the reference is plain torch on ful
 
 from __future__ import annotations
 
+import gc
 import math
+import weakref
 
 import pytest
 import torch
@@ -283,6 +285,19 @@ def test_micro_batches_accumulate_in_fp32_and_backward_after_finalize_fails():
     grads.zero()
     param.float().sum().backward()
     assert torch.equal(param.main_grad, torch.ones(3, 2))
+
+
+def test_dropped_params_and_buffers_are_freed():
+    """The accumulate hooks live where the garbage collector cannot follow them: if they held the GradBuffers (and
+    through it the params), a dropped model and its gradients would stay in memory for good (each engine a bench or
+    a test builds after another would add to the peak)."""
+    param = set_spec(nn.Parameter(torch.ones(3, 2)), ShardSpec("w", (3, 2)))
+    grads = GradBuffers([param], Layout.single())
+    param.sum().backward()
+    param_alive, grads_alive = weakref.ref(param), weakref.ref(grads)
+    del param, grads
+    gc.collect()
+    assert param_alive() is None and grads_alive() is None
 
 
 def test_bad_specs_are_named():

@@ -20,6 +20,7 @@ Choices (read by the optimizer, offload and checkpoint code):
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -177,8 +178,12 @@ class GradBuffers:
         self._tied = [p for p in self.params if get_spec(p).tied_group]
         self._norm_ranges = [self._counted_ranges(buf) for buf in self.buffers]
         self._finalized = False
+        # The hooks live in the params' C++ side, where Python's garbage collector cannot see them: a hook holding
+        # these buffers (which hold the params) would keep a dropped model and its gradients alive for good. They
+        # hold a weak reference instead (a GradBuffers outlives every backward of its params).
+        owner = weakref.ref(self)
         for p in self.params:
-            p.register_post_accumulate_grad_hook(self._accumulate)
+            p.register_post_accumulate_grad_hook(lambda param: owner()._accumulate(param))
 
     def _accumulate(self, param: nn.Parameter) -> None:
         if self._finalized:
