@@ -97,8 +97,8 @@ class FullyAsyncTrainer(PPOTrainer):
             pending = self.rollouter.pending_keys()
             first = pending[0][0] if pending else self.next_batch
             loader = self.batch_starts[first] if pending else self.loader.state_dict()
-        for k in [k for k in list(self.batch_starts) if k < first]:  # no longer needed by any checkpoint
-            del self.batch_starts[k]
+            for k in [k for k in self.batch_starts if k < first]:  # no longer needed by any checkpoint; under the
+                del self.batch_starts[k]  # lock, as the rollouter's thread adds batches to it
         return {"loader": loader, "first_batch": first, "pending": [list(key) for key in pending]}
 
     def restore_loader(self, state: dict[str, Any]) -> None:
