@@ -254,8 +254,7 @@ def _num_pieces(plan) -> int:
 
 def rank_main(args: argparse.Namespace) -> list[tuple[str, dict]]:
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
-    # One registry for every layout this process builds. Detached: the sync group before any Layout (its members
-    # must have made the same number of groups).
+    # One registry for every layout this process builds, and for the detached sync group.
     registry = GroupRegistry()
     group = registry.sync_group(list(range(args.world))) if args.placement == "detached" else None
     return [(kind, measure(kind, setup, args, device, group, registry)) for kind in args.models

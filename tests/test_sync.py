@@ -163,8 +163,7 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group, re
 
 
 def run_cases(cases: list[Case], checkpoints: dict[str, str], export_root: str) -> list[dict | None]:
-    # One registry for every layout this process builds; the sync group first, before any Layout: torch only
-    # matches members that made the same number of groups.
+    # One registry for every layout this process builds (and the sync group), so each rank set gets one group.
     registry = GroupRegistry()
     group = registry.sync_group(list(range(dist.get_world_size())))
     return [run_case(case, checkpoints, f"{export_root}/{i}", group, registry) for i, case in enumerate(cases)]

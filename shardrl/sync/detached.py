@@ -2,9 +2,9 @@
 group spanning both (NCCL on GPU, gloo on CPU).
 
 Each side builds only its own layout; the sync group and the plan are all a rollout rank knows of the trainer.
-Every process of both pools makes the group first, before its Layout and from the registry its Layout then uses
-(`parallel.layout.GroupRegistry.sync_group`: torch only matches members that made the same number of groups
-before), and hands it to `sender` / `receiver`.
+Every process of both pools makes the group from the registry its Layout uses
+(`parallel.layout.GroupRegistry.sync_group`, which makes the members agree on torch's group count first, so any order
+works) and hands it to `sender` / `receiver`.
 Every trainer rank sends the pieces it holds (replicas split the work), in double-buffered buckets; offloaded
 params are streamed from pinned host memory and stay offloaded. Both pools call `sync()` at the same point of their
 loops (the rollout with no request mid-step: abort/resume around it for partial rollouts).

@@ -10,8 +10,8 @@ as the colocated worker) and `stream` (requests added and finished samples retur
 async modes' rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
 replica stay in lockstep without coordinating among themselves.
 
-Both workers make the sync group before anything else, from the registry their layouts then use: torch pairs the
-members of a locally synchronised group by the number of groups each made before (see `parallel.layout.GroupRegistry`).
+Both workers make the sync group from the registry their layouts use (one group per rank set in a process; see
+`parallel.layout.GroupRegistry`).
 """
 
 from __future__ import annotations
