@@ -138,6 +138,8 @@ def test_sleep_frees_memory_and_wake_restores_outputs(checkpoint):
     assert all(not p.is_cuda for p in engine.model.parameters())
     engine.wake_up(kv_cache=False)
     assert all(p.is_cuda for p in engine.model.parameters()) and not engine.runner.cache.allocated
+    for group in engine.model.column_groups():  # q/k/v and gate/up come back packed (one GEMM each), not one by one
+        assert len({linear.weight.untyped_storage().data_ptr() for linear in group}) == 1
     engine.wake_up()
     after = engine.generate(PROMPTS, PARAMS)
     assert [o.token_ids for o in after] == [o.token_ids for o in before]

@@ -103,10 +103,15 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, f"{prefix}.k_norm.weight", tp > 1,
                                   layout.device, dtype, fast.compile)
 
+    @property
+    def column_linears(self) -> tuple[ColumnParallelLinear, ...]:
+        """The linears that read the layer's input, in output order (an inference engine packs them: one GEMM)."""
+        return self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: Tensor, seqs: PackedSeqs) -> Tensor:
         """x [T, H] (or this rank's SP chunk [T_r, H]) -> same shape."""
-        q, k, v = column_parallel(x, (self.q_proj, self.k_proj, self.v_proj), self.group, self.sequence_parallel,
-                                  seqs.num_tokens, self.fast.tp_overlap.backward)
+        q, k, v = column_parallel(x, self.column_linears, self.group, self.sequence_parallel, seqs.num_tokens,
+                                  self.fast.tp_overlap.backward)
         q = q.unflatten(-1, (-1, self.head_dim))  # [T, nq/tp, D]
         k = k.unflatten(-1, (-1, self.head_dim))  # [T, nkv/tp or 1, D]
         v = v.unflatten(-1, (-1, self.head_dim))

@@ -36,9 +36,14 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(ffn_size, hidden_size, layout, f"{prefix}.down_proj", bias,
                                            sequence_parallel, dtype=dtype)
 
+    @property
+    def column_linears(self) -> tuple[ColumnParallelLinear, ...]:
+        """The linears that read the block's input, in output order (an inference engine packs them: one GEMM)."""
+        return self.gate_proj, self.up_proj
+
     def forward(self, x: Tensor, num_tokens: int) -> Tensor:
         """x [T, H] (or this rank's SP chunk) -> same shape; `num_tokens` is T."""
-        gate, up = column_parallel(x, (self.gate_proj, self.up_proj), self.group, self.sequence_parallel, num_tokens,
+        gate, up = column_parallel(x, self.column_linears, self.group, self.sequence_parallel, num_tokens,
                                    self.fast.tp_overlap.backward)  # [T, F/tp] each
         return row_parallel(elementwise(swiglu, self.fast.compile)(gate, up), self.down_proj,
                             self.fast.tp_overlap.chunks)

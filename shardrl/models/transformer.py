@@ -27,7 +27,7 @@ from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import RotaryEmbedding
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import set_spec
-from shardrl.parallel.tensor import ReplicatedLinear, enter_tp, gather_tokens
+from shardrl.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, enter_tp, gather_tokens
 from shardrl.parallel.vocab import VocabParallelEmbedding, vocab_parallel_logprobs, vocab_spec
 
 VALUE_HEAD_NAME = "score.weight"
@@ -112,6 +112,11 @@ class Transformer(nn.Module):
         for layer in self.layers:
             h = checkpoint(layer, h, seqs, use_reentrant=False) if self.recompute else layer(h, seqs)
         return self.norm(h) if self.post_process else h
+
+    def column_groups(self) -> list[tuple[ColumnParallelLinear, ...]]:
+        """Per layer the column-parallel linears that read the same input (q/k/v; gate/up of a dense MLP or a shared
+        expert), which an inference engine packs so each group runs as one GEMM (`pack_adjacent`)."""
+        return [m.column_linears for m in self.modules() if isinstance(m, (Attention, MLP))]
 
     def lm_head_weight(self) -> Tensor:
         """[Vp/tp, H] this rank's rows of the (padded) output vocabulary."""

@@ -9,12 +9,15 @@ Conventions (the same on gloo and NCCL):
   and ends in a `RowParallelLinear` (all-reduce, or reduce-scatter back into token chunks).
 * Column-parallel weights are split along their output rows, row-parallel weights along their input columns; each
   parameter maps to exactly one HF tensor, so q/k/v and gate/up stay separate parameters (no fused QKV / gate-up):
-  loading, export and weight sync then need no re-interleaving.
+  loading, export and weight sync then need no re-interleaving. For inference an engine may still pack such a
+  group's storage back to back (`pack_adjacent`), and `apply_columns` then runs it as one GEMM.
 * With a group of size 1 (`group is None`) every collective is skipped.
 * Token chunks may be uneven (T need not divide by tp): collectives pad each chunk to the largest one.
 """
 
 from __future__ import annotations
+
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
@@ -205,6 +208,59 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         return F.linear(x, self.weight, self.bias)
+
+
+def pack_adjacent(linears: Sequence[ColumnParallelLinear], device: torch.device) -> None:
+    """Move the weights (and the biases) of `linears`, in order, into one new buffer each on `device`, so that
+    `apply_columns` runs them as one GEMM.
+
+    The params stay separate parameters, each its own HF tensor and shard spec, now views of the buffer: in-place
+    loads (`load_hf_tensor`, weight sync) keep them packed; giving a param new `.data` (offload) unpacks it until
+    the next call. Copies from wherever the data is (pinned host memory included), so an offloaded group comes
+    back packed without a second copy on the device.
+    """
+    for attr in ("weight", "bias"):
+        params = [getattr(linear, attr) for linear in linears]
+        if any(p is None for p in params):
+            continue
+        flat = torch.empty(sum(p.numel() for p in params), dtype=params[0].dtype, device=device)
+        offset = 0
+        for param in params:
+            piece = flat[offset:offset + param.numel()].view_as(param)
+            piece.copy_(param.data, non_blocking=True)
+            param.data = piece
+            offset += param.numel()
+
+
+def _packed(tensors: Sequence[Tensor]) -> Tensor | None:
+    """The tensors stacked along dim 0 as one view, when they lie back to back in one storage (`pack_adjacent`);
+    else None."""
+    first = tensors[0]
+    storage, offset = first.untyped_storage().data_ptr(), first.storage_offset()
+    for tensor in tensors:
+        if (tensor.untyped_storage().data_ptr() != storage or tensor.storage_offset() != offset
+                or not tensor.is_contiguous() or tensor.shape[1:] != first.shape[1:] or tensor.dtype != first.dtype):
+            return None
+        offset += tensor.numel()
+    return first.as_strided((sum(t.shape[0] for t in tensors), *first.shape[1:]), first.stride())
+
+
+def apply_columns(x: Tensor, linears: Sequence[ColumnParallelLinear]) -> list[Tensor]:
+    """Every linear of `linears` on the same input x [T, in] -> [T, out_i/n] each.
+
+    One GEMM (and one bias add) when they are packed (`pack_adjacent`) and autograd is off; else one each. With
+    autograd the packed view would send the gradients of all of them to the first; under torch.compile the storage
+    check would break the graph (`EngineConfig.compile_decode` fuses on its own).
+    """
+    if len(linears) > 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
+        weight = _packed([linear.weight for linear in linears])
+        biases = [linear.bias for linear in linears]
+        unbiased = all(b is None for b in biases)
+        bias = None if unbiased or any(b is None for b in biases) else _packed(biases)
+        if weight is not None and (unbiased or bias is not None):
+            out = F.linear(x, weight, bias)  # [T, sum of out_i/n]
+            return list(out.split([linear.weight.shape[0] for linear in linears], dim=-1))
+    return [linear(x) for linear in linears]
 
 
 class RowParallelLinear(nn.Module):

@@ -27,6 +27,7 @@ from shardrl.parallel.tensor import (
     RowParallelLinear,
     Work,
     all_gather_tokens,
+    apply_columns,
     enter_tp,
     group_rank,
     group_size,
@@ -55,11 +56,12 @@ def column_parallel(x: Tensor, linears: Sequence[ColumnParallelLinear], group: G
                     num_tokens: int, overlap: bool) -> list[Tensor]:
     """Enter the TP region with x [T, H] (or this rank's SP chunk) and apply every linear: [T, out_i/tp] each.
 
-    Without a group, with `overlap` off or without autograd this is `enter_tp` followed by the linears.
+    Without a group, with `overlap` off or without autograd this is `enter_tp` followed by the linears (one GEMM
+    for all of them when an inference engine packed them, see `apply_columns`).
     """
     if group is None or not overlap or not torch.is_grad_enabled():
         full = enter_tp(x, group, sequence_parallel, num_tokens)  # [T, H]
-        return [linear(full) for linear in linears]
+        return apply_columns(full, linears)
     has_bias = tuple(linear.bias is not None for linear in linears)
     params = [p for linear in linears for p in (linear.weight, linear.bias) if p is not None]
     return list(_ColumnParallel.apply(x, group, sequence_parallel, num_tokens, has_bias, *params))

@@ -18,6 +18,7 @@ from torch import Tensor
 from shardrl.models.config import ModelConfig
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
+from shardrl.parallel.tensor import pack_adjacent
 from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket
 from shardrl.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, gpu_cache_budget, num_slots_for_budget
@@ -60,6 +61,7 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig) -> None:
         self.model_config, self.layout, self.config, self.device = model_config, layout, config, layout.device
         self.model = Transformer(model_config, layout, dtype=config.dtype).eval().requires_grad_(False)
+        self._pack_projections()
         self.cache = self._build_cache()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)  # unseeded rows' shared stream
         num_slots = self.cache.num_slots
@@ -163,11 +165,20 @@ class ModelRunner:
 
     def restore_memory(self, kv_cache: bool) -> None:
         if self.offloaded:
+            self._pack_projections()  # straight from the pinned host copies into packed device buffers
             for param in self.model.parameters():
-                param.data = param.data.to(self.device, non_blocking=True)
+                if param.device != self.device:
+                    param.data = param.data.to(self.device, non_blocking=True)
             self.offloaded = False
         if kv_cache and not self.cache.allocated:
             self.cache.allocate()
+
+    def _pack_projections(self) -> None:
+        """Store each layer's q/k/v and gate/up weights back to back on the device, so each group runs as one GEMM
+        (`apply_columns`): three fewer GEMM launches per layer and decode step, whose fixed costs dominate a step of a
+        small model. Weight loads and syncs copy in place, so the packing lasts until an offload."""
+        for group in self.model.column_groups():
+            pack_adjacent(group, self.device)
 
     def _use_graphs(self, num_rows: int) -> bool:
         """CUDA graphs need static shapes: MoE dispatch sizes depend on the routing, so MoE models decode eagerly."""
