@@ -4,11 +4,12 @@ Why a kernel of our own: flash attention's variable-length kernel, which decode 
 rows at a time, so with one query token per (row, head) each thread block reads its row's keys for a single useful
 query row and carries the fixed cost of a 128-row tile; on the async bench's shape (384 rows, ~600 cached tokens,
 8 KV heads) it read the cache at ~1.6 TB/s and took 70% of a decode step; this kernel reads it at ~3.9 TB/s
-(H200, 2026-11-30, docs/benchmarks.md). Here one program takes one (row, KV head, split)
-and all the query heads sharing that KV head (grouped-query attention reads each key once for the whole group),
-walks its split's tokens in tiles with an online softmax, and, when a row's tokens are split over several programs
-to fill the GPU at small batches, a second kernel merges the partial results (flash-decoding). Each row reads only
-its own `used` tokens, so a batch mixing short and long sequences pays for the tokens it holds.
+(H200, `bench/decode_attention.py`, docs/benchmarks.md). Here one program takes one (row, KV head, split) and all
+the query heads sharing that KV head (grouped-query attention reads each key once for the whole group), walks its
+split's tokens in tiles with an online softmax, and, when a row's tokens are split over several programs to fill
+the GPU at small batches, a second kernel merges the partial results (flash-decoding). Each row reads only its own
+`used` tokens, so a batch mixing short and long sequences pays for the tokens it holds. Measured weak spot: small
+batches of long rows (32 rows of ~1,400 tokens, 7 query heads per KV head) run 0.74x flash's speed.
 
 The number of splits depends only on static shapes (rows, KV heads, the length bucket), so a step that uses it is
 capturable in a CUDA graph; the kernels are compiled on the graph's eager warm-up run, before capture.
@@ -22,9 +23,10 @@ import triton.language as tl
 from torch import Tensor
 
 # Cached tokens per tile, 128-aligned and walked last tile first: the blocks in which flash attention's forward (the
-# trainer's, and the rollout's prefill) walks a causal row of head_dim <= 64. Scores and probabilities then round
-# alike on both sides: with 64-token tiles walked forwards the bf16 rollout-vs-trainer logprob mismatch of
-# tests/test_logprob_mismatch_gpu.py was mean 0.040 / KL k1 0.0019, against 0.024 / 0.0006 with flash's kernel.
+# trainer's, and the rollout's prefill) walks a causal row of head_dim <= 64, so that scores and probabilities
+# round more alike on both sides. The bf16 rollout-vs-trainer logprob mismatch of tests/test_logprob_mismatch_gpu.py
+# (one sampled batch each): 64-token tiles walked forwards mean |diff| 0.040, KL k3 0.0017; this 0.030 / 0.0012;
+# flash's kernel 0.024 / 0.0010.
 BLOCK_N = 128
 WAVES = 2  # splits are added until the programs fill the GPU this many times over
 
