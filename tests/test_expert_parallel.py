@@ -113,3 +113,51 @@ def test_four_rank_layouts_and_their_specs():
     assert all(s["down"].dim == 1 and s["gate"].group == "etp" for s in specs)
     assert all(s["router"].sum_grad_over_tp and s["router"].dim is None for s in specs)
     assert specs[2]["up"].hf_names()[0] == "model.layers.0.mlp.experts.4.up_proj.weight"
+
+
+def _within_tp(num_tokens: int) -> dict:
+    """TP2 with the experts split over it (EP 1, ETP 2: the rollout's default) and this rank's share of the tokens
+    (`token_split_sizes`): the layer's output and gradients with `num_tokens` (the dispatch plan made on the host)
+    and without (the plan learned from the device), and the host reads of each forward (grouped expert GEMMs)."""
+    from unittest import mock
+
+    from shardrl.parallel.tensor import token_split_sizes
+    from test_host_reads import HostReads
+
+    rank = dist.get_rank()
+    layout = Layout.create(LayoutSpec(world_size=2, tp=2, etp=2))
+    layer = MoELayer(H, F_SIZE, E, K, layout, NAMES, norm_topk_prob=True)
+    load_full(layer, full_weights(SEED, H, F_SIZE, E))
+    x_all, grad_all = global_batch(num_tokens)
+    start = sum(token_split_sizes(num_tokens, 2)[:rank])
+    piece = slice(start, start + token_split_sizes(num_tokens, 2)[rank])
+    result = {}
+    for name, tokens in (("host_plan", num_tokens), ("device_plan", None)):
+        x = x_all[piece].clone().requires_grad_()
+        out = layer(x, tokens)
+        (out * grad_all[piece]).sum().backward()
+        result[name] = (out.detach(), x.grad, layer.w_gate.grad.clone())
+        layer.zero_grad()
+        counter = HostReads([p for p in layer.parameters()])
+        with (mock.patch("shardrl.parallel.grouped_gemm.can_use_grouped_mm", return_value=True), counter,
+              counter.wrap("tolist"), counter.wrap("cpu"), counter.wrap("numpy"), torch.no_grad()):
+            layer(x_all[piece], tokens)
+        result[name + "_reads"] = counter.sites
+    return result
+
+
+def test_dispatch_inside_the_tp_group_reads_nothing_from_the_device():
+    """With the tokens' split known on the host the plan needs no device read, so a CUDA graph can hold the layer
+    (MoE rollout decode); its outputs and gradients equal the device-learned plan's and the per-token reference."""
+    num_tokens = 5  # split 3 + 2 over TP2
+    ranks = run_distributed(2, _within_tp, num_tokens)
+    w = full_weights(SEED, H, F_SIZE, E)
+    x_all, _ = global_batch(num_tokens)
+    expected = reference_moe(x_all, w, K, norm_topk=True).detach()
+    outs = {name: torch.cat([r[name][0] for r in ranks]) for name in ("host_plan", "device_plan")}
+    torch.testing.assert_close(outs["host_plan"], expected, **ATOL)
+    assert torch.equal(outs["host_plan"], outs["device_plan"])
+    for r in ranks:
+        assert all(torch.equal(h, d) for h, d in zip(r["host_plan"][1:], r["device_plan"][1:]))  # x, w_gate grads
+        assert r["host_plan_reads"] == [], r["host_plan_reads"]
+        assert r["device_plan_reads"], "the device-learned plan reads its split sizes (the test can see reads)"

@@ -30,6 +30,8 @@ aten = torch.ops.aten
 # Ops whose result size or value the host needs before it can go on: each one waits for the device.
 SYNCING_OPS = {aten._local_scalar_dense.default, aten.nonzero.default, aten.masked_select.default,
                aten.unique_consecutive.default, aten._unique2.default, aten.repeat_interleave.Tensor}
+# ... unless told the size of their result: repeat_interleave with `output_size` needs no read.
+SIZED_BY_CALLER = {aten.repeat_interleave.Tensor: "output_size"}
 
 
 class HostReads(TorchDispatchMode):
@@ -54,7 +56,8 @@ class HostReads(TorchDispatchMode):
         derived = self._derived((args, kwargs))
         bool_index = func is aten.index.Tensor and any(
             isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in args[1] if i is not None)
-        if derived and (func in SYNCING_OPS or bool_index):
+        sized = kwargs.get(SIZED_BY_CALLER.get(func, ""), None) is not None
+        if derived and ((func in SYNCING_OPS and not sized) or bool_index):
             self.record()
         out = func(*args, **kwargs)
         if derived:

@@ -77,9 +77,9 @@ class MoEBlock(nn.Module):
     def forward(self, x: Tensor, num_tokens: int) -> Tensor:
         """x [T, H] (or this rank's SP chunk) -> same shape; `num_tokens` is T."""
         if self.sequence_parallel:
-            out = self.experts(x)
+            out = self.experts(x, num_tokens)
         else:
-            out = gather_tokens(self.experts(scatter_tokens(x, self.group)), self.group, num_tokens)
+            out = gather_tokens(self.experts(scatter_tokens(x, self.group), num_tokens), self.group, num_tokens)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, num_tokens)
         return out

@@ -25,6 +25,7 @@ from shardrl.models.fast_paths import FastPaths
 from shardrl.models.mlp import MLP, MoEBlock
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import RotaryEmbedding
+from shardrl.parallel.expert import MoELayer
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import set_spec
 from shardrl.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, enter_tp, gather_tokens
@@ -117,6 +118,11 @@ class Transformer(nn.Module):
         """Per layer the column-parallel linears that read the same input (q/k/v; gate/up of a dense MLP or a shared
         expert), which an inference engine packs so each group runs as one GEMM (`pack_adjacent`)."""
         return [m.column_linears for m in self.modules() if isinstance(m, (Attention, MLP))]
+
+    def reads_host(self) -> bool:
+        """Whether a forward reads device values on the host, so no CUDA graph can capture it: an MoE layer whose
+        dispatch learns its sizes from the device (`MoELayer.reads_host`)."""
+        return any(m.reads_host for m in self.modules() if isinstance(m, MoELayer))
 
     def lm_head_weight(self) -> Tensor:
         """[Vp/tp, H] this rank's rows of the (padded) output vocabulary."""

@@ -28,9 +28,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardrl.parallel.grouped_gemm import expert_ffn
+from shardrl.parallel.grouped_gemm import can_use_grouped_mm, expert_ffn
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec, set_spec
+from shardrl.parallel.tensor import token_split_sizes
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ class MoELayer(nn.Module):
         self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
         # Weight of this micro batch's router losses, set by the trainer (e.g. micro-batch tokens / global tokens).
         self.aux_loss_scale = 1.0
-        # Metrics of the last forward over the micro batch of this TP group (unweighted, detached):
+        # Metrics of the last forward with autograd over the micro batch of this TP group (unweighted, detached):
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments per expert
@@ -91,8 +92,25 @@ class MoELayer(nn.Module):
         for weight in (self.router.weight, self.w_gate, self.w_up, self.w_down):
             nn.init.normal_(weight, std=0.02)  # HF's default initializer_range; real runs load checkpoints
 
-    def forward(self, x: Tensor) -> Tensor:
-        """x [T, H]: the tokens this rank owns; returns [T, H]."""
+    @property
+    def reads_host(self) -> bool:
+        """Whether a forward reads device values on the host (which no CUDA graph can hold): the dispatch over ranks
+        learns its sizes from the device unless it stays inside the TP group (`_Exchange.within_tp`), and the
+        portable expert FFN reads its per-expert row counts."""
+        over_ranks = self.layout.ep_etp_group is not None and not self._dispatch_within_tp
+        return over_ranks or not can_use_grouped_mm(self.w_gate, self.w_gate, self.w_down)
+
+    @property
+    def _dispatch_within_tp(self) -> bool:
+        # EP 1 with the experts split over exactly the TP group (the rollout's default, "tensor-split like dense
+        # layers"): every row stays on its rank and the ETP gather moves each TP rank's own tokens.
+        layout = self.layout
+        return layout.ep_size == 1 and layout.group_ranks["etp"] == layout.group_ranks["tp"]
+
+    def forward(self, x: Tensor, num_tokens: int | None = None) -> Tensor:
+        """x [T_r, H]: the tokens this rank owns; returns [T_r, H]. `num_tokens`: the T that the TP group split
+        (`token_split_sizes`), from which a dispatch inside the TP group knows every rank's rows without reading
+        the device."""
         logits = self.router(x)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         top_probs, top_experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
@@ -102,29 +120,39 @@ class MoELayer(nn.Module):
         # scatter_add, not bincount: bincount reads its input's max back to the host (a sync per layer on CUDA).
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # [E]
-        out = self._combine(x, top_experts, top_probs.to(x.dtype), counts)
+        out = self._combine(x, top_experts, top_probs.to(x.dtype), counts, num_tokens)
+        if not torch.is_grad_enabled():  # inference (rollout, logprobs): no router losses, nor their all-reduce
+            return out
         return self._attach_router_losses(out, logits, probs, counts)
 
-    def _combine(self, x: Tensor, top_experts: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+    def _combine(self, x: Tensor, top_experts: Tensor, weights: Tensor, counts: Tensor,
+                 num_tokens: int | None) -> Tensor:
         """Run every (token, expert) assignment through its expert and sum each token's k outputs by weight."""
-        num_tokens, hidden = x.shape
+        local_tokens, hidden = x.shape
         order = top_experts.flatten().argsort(stable=True)  # [T*k] assignments grouped by expert
         inverse = _inverse(order)
         # Copy each token k times, then permute: every backward is a gather (a permutation's inverse and a sum
         # over k), never index_add's atomics, which were the slowest kernel of a bf16 MoE step on H200.
-        copies = x.unsqueeze(1).expand(num_tokens, self.top_k, hidden).reshape(-1, hidden)  # [T*k, H]
+        copies = x.unsqueeze(1).expand(local_tokens, self.top_k, hidden).reshape(-1, hidden)  # [T_r*k, H]
         rows = permute_rows(copies, order, inverse)  # [T*k, H]
         if self.layout.ep_etp_group is None:
             y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down)  # [T*k, H]
         else:
-            y = self._experts_over_ranks(rows, counts)
-        y = permute_rows(y, inverse, order).view(num_tokens, self.top_k, hidden)  # [T, k, H]
+            y = self._experts_over_ranks(rows, counts, num_tokens)
+        y = permute_rows(y, inverse, order).view(local_tokens, self.top_k, hidden)  # [T_r, k, H]
         return (y * weights.unsqueeze(-1)).sum(dim=1)
 
-    def _experts_over_ranks(self, rows: Tensor, counts: Tensor) -> Tensor:
+    def _experts_over_ranks(self, rows: Tensor, counts: Tensor, num_tokens: int | None) -> Tensor:
         """rows [N, H] sorted by global expert with `counts` [E] -> expert outputs [N, H] in the same order."""
         layout = self.layout
-        plan = _Exchange.plan(counts, layout, self.num_local_experts)
+        if self._dispatch_within_tp and num_tokens is not None:
+            rows_per_rank = [n * self.top_k for n in token_split_sizes(num_tokens, layout.tp_size)]
+            if rows.shape[0] != rows_per_rank[layout.etp_rank]:
+                raise ValueError(f"MoE dispatch: this rank holds {rows.shape[0] // self.top_k} tokens, not its share "
+                                 f"of num_tokens={num_tokens} split over TP {layout.tp_size} (token_split_sizes)")
+            plan = _Exchange.within_tp(counts, layout, rows_per_rank)
+        else:
+            plan = _Exchange.plan(counts, layout, self.num_local_experts)
         rows = all_to_all_rows(rows, plan.send, plan.recv, layout.ep_group)
         rows = gather_rows(rows, plan.etp_rows, layout.etp_group)  # [M, H] by (ETP src, EP src, expert)
         by_expert = plan.row_experts.argsort(stable=True)  # [M]
@@ -219,6 +247,21 @@ class _Exchange:
             row_experts=row_experts.repeat_interleave(mine.flatten(), output_size=sum(etp_rows)),
             expert_counts=mine.sum(dim=(0, 1)),
         )
+
+
+    @classmethod
+    def within_tp(cls, counts: Tensor, layout: Layout, rows_per_rank: list[int]) -> _Exchange:
+        """The plan when EP is 1 and the experts are split over the TP group (`MoELayer._dispatch_within_tp`): no
+        row changes rank, and each ETP rank's rows are its tokens times top-k (`rows_per_rank`, from the host), so
+        only the per-expert order of the gathered rows comes from the device. Same plan as `plan`, no host read."""
+        table = [torch.empty_like(counts) for _ in range(layout.etp_size)]
+        dist.all_gather(table, counts, group=layout.etp_group)
+        table = torch.stack(table)  # [ETP, E]: rows per (source rank, expert), the order of the gathered rows
+        mine = rows_per_rank[layout.etp_rank]
+        row_experts = torch.arange(counts.numel(), device=counts.device).repeat(layout.etp_size)
+        return cls(send=[mine], recv=[mine], etp_rows=rows_per_rank,
+                   row_experts=row_experts.repeat_interleave(table.flatten(), output_size=sum(rows_per_rank)),
+                   expert_counts=table.sum(dim=0))
 
 
 def all_to_all_rows(x: Tensor, send: list[int], recv: list[int], group: dist.ProcessGroup | None) -> Tensor:

@@ -62,6 +62,7 @@ class ModelRunner:
         self.model_config, self.layout, self.config, self.device = model_config, layout, config, layout.device
         self.model = Transformer(model_config, layout, dtype=config.dtype).eval().requires_grad_(False)
         self._pack_projections()
+        self._reads_host = self.model.reads_host()  # fixed by the layout and dtype, asked once
         self.cache = self._build_cache()
         self.generator = torch.Generator(self.device).manual_seed(config.seed)  # unseeded rows' shared stream
         num_slots = self.cache.num_slots
@@ -181,8 +182,9 @@ class ModelRunner:
             pack_adjacent(group, self.device)
 
     def _use_graphs(self, num_rows: int) -> bool:
-        """CUDA graphs need static shapes: MoE dispatch sizes depend on the routing, so MoE models decode eagerly."""
-        return (self.device.type == "cuda" and not self.config.enforce_eager and self.model_config.moe is None
+        """CUDA graphs need a step without host reads: an MoE model whose dispatch learns its sizes from the device
+        (experts over EP ranks; see `MoELayer.reads_host`) decodes eagerly."""
+        return (self.device.type == "cuda" and not self.config.enforce_eager and not self._reads_host
                 and num_rows <= self.config.max_graph_rows)
 
     def _build_cache(self) -> KVCache:
