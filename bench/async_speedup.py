@@ -205,10 +205,15 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     task = builtin_task.prepare(out / "task")
     model = make_model(out / "model", MODEL_TINY if args.quick else MODEL_300M, args.stop_tokens)
-    results = {mode: result for mode in args.modes if (result := run_mode(args, mode, model, task, out))}
+    results = {}
+    for mode in args.modes:
+        if result := run_mode(args, mode, model, task, out):
+            results[mode] = result
+            # Each mode's figures as soon as it ends, so a run cut short (a caller's time limit) still leaves them.
+            print(f"[{mode}] {result['steps_per_hour']:.1f} steps/hour ({result['seconds_per_step']:.2f} s/step, "
+                  f"mean response {result['response_length_mean']:.0f} tokens)", flush=True)
+            (out / "summary.json").write_text(json.dumps({"args": vars(args), "results": results}, indent=2))
     print_tables(args, results)
-    summary = {"args": vars(args), "results": results}
-    (out / "summary.json").write_text(json.dumps(summary, indent=2))
     print(f"summary: {out / 'summary.json'}")
 
 
