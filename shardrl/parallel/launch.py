@@ -50,11 +50,13 @@ def join_default_group(
             # threads: a 2-rank step on an H200 host spent ~70 ms of GPU idle per micro batch that way.
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // max(1, torch.cuda.device_count())))
         torch.cuda.set_device(cuda_index)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout,
-                                device_id=torch.device("cuda", cuda_index))
     else:
         torch.set_num_threads(1)
-        dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
+    # No `device_id`: binding one makes torch create every later NCCL group by ncclCommSplit of the world's
+    # communicator, a call every rank of the world must join, while our groups are made by their members only
+    # (`use_local_synchronization`: a rollout pool never makes the trainer's groups, PP>=3 middle stages no embedding
+    # group). Unbound, each group's NCCL communicator starts on its first collective, among its members.
+    dist.init_process_group(backend, rank=rank, world_size=world_size, timeout=timeout)
 
 
 def _worker(rank: int, world_size: int, port: int, backend: str, timeout: datetime.timedelta,

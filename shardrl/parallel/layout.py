@@ -144,7 +144,8 @@ def _agree_group_count(ranks: tuple[int, ...], timeout: datetime.timedelta) -> N
     Each member publishes its count under a key of this rank set and of its own occurrence number for it (the n-th
     group any registry of this process makes over these ranks meets the other members' n-th), then makes one-rank
     groups until it reaches the maximum. Those are made like the real group (default backend, so NCCL on GPU) but
-    connect to no peer and carry no collective; a process makes at most as many as the group counts differ by.
+    carry no collective, so their NCCL communicators are never started (the default group binds no device, see
+    `launch.join_default_group`); a process makes at most as many as the group counts differ by.
     """
     count, store = _torch_group_state()
     me = dist.get_rank()
