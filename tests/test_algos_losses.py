@@ -7,10 +7,12 @@ import torch
 
 from shardrl.algos import (
     LOSS_AGG_MODES,
+    POLICY_LOSS_MODES,
     ClipRange,
     LossScale,
     actor_loss,
     aggregate_loss,
+    gspo_loss,
     loss_counts,
     ppo_clip_loss,
     value_loss,
@@ -149,12 +151,13 @@ def _ragged_batch(seed: int) -> dict[str, torch.Tensor]:
     return {k: v if k == "mask" else torch.where(mask.bool(), v, 1e3) for k, v in batch.items()}
 
 
-def _losses(piece: dict[str, torch.Tensor], mode: str, scale: LossScale) -> tuple[torch.Tensor, dict]:
+def _losses(piece: dict[str, torch.Tensor], mode: str, scale: LossScale,
+            loss_mode: str = "vanilla") -> tuple[torch.Tensor, dict]:
     actor, actor_metrics = actor_loss(
         piece["log_prob"], piece["old"], piece["advantages"], piece["mask"], scale, mode,
         ClipRange(0.2, clip_ratio_high=0.28, clip_ratio_c=3.0), is_weights=piece["is_weights"],
         entropy=piece["entropy"], entropy_coeff=0.01, ref_log_prob=piece["ref"], kl_loss_coef=0.05,
-        kl_loss_type="low_var_kl",
+        kl_loss_type="low_var_kl", loss_mode=loss_mode,
     )
     critic, critic_metrics = value_loss(
         piece["vpreds"], piece["values"], piece["returns"], piece["mask"], scale, mode, cliprange_value=0.2
@@ -171,14 +174,15 @@ SPLITS = {
 }
 
 
+@pytest.mark.parametrize("loss_mode", POLICY_LOSS_MODES)
 @pytest.mark.parametrize("split", SPLITS)
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-def test_loss_and_gradient_independent_of_micro_batching_and_dp(mode, split):
+def test_loss_and_gradient_independent_of_micro_batching_and_dp(mode, split, loss_mode):
     batch = _ragged_batch(seed=4)
     leaves = {k: batch[k].clone().requires_grad_() for k in ("log_prob", "vpreds")}
     full = batch | leaves
     scale = LossScale.from_mask(batch["mask"], max_response_length=12)
-    full_loss, full_metrics = _losses(full, mode, scale)
+    full_loss, full_metrics = _losses(full, mode, scale, loss_mode)
     full_grads = torch.autograd.grad(full_loss, list(leaves.values()))
 
     # The trainer's way to the global counts: per-piece counts, summed over micro batches and ranks.
@@ -189,7 +193,7 @@ def test_loss_and_gradient_independent_of_micro_batching_and_dp(mode, split):
     total, metric_sums = 0.0, {}
     for idx in pieces:
         width = int(batch["mask"][idx].nonzero()[:, 1].max()) + 1  # dynamic padding: each piece trimmed
-        loss, metrics = _losses({k: v[idx, :width] for k, v in full.items()}, mode, global_scale)
+        loss, metrics = _losses({k: v[idx, :width] for k, v in full.items()}, mode, global_scale, loss_mode)
         total = total + loss
         metric_sums = {k: metric_sums.get(k, 0.0) + v for k, v in metrics.items()}
     piece_grads = torch.autograd.grad(total, list(leaves.values()))
@@ -210,3 +214,99 @@ def test_per_micro_batch_means_would_not_be_invariant():
     local = [_losses({k: v[idx] for k, v in batch.items()}, "token-mean", LossScale.from_mask(batch["mask"][idx], 12))
              for idx in ([0, 1, 2], [3, 4, 5, 6, 7])]
     assert abs((local[0][0] + local[1][0]) / 2 - full) > 1e-3
+
+
+# GSPO (actor.policy_loss.loss_mode=gspo): three sequences of lengths 3, 1, 2 and 2, right-padded to 4 with garbage.
+# Token log ratios (log_prob - old_log_prob) and advantages per sequence, before padding:
+GSPO_LOG_RATIOS = [[0.3, -0.1, 0.1], [0.5], [-0.6, -0.2], [2.0, 1.0]]
+GSPO_ADVANTAGES = [[1.0, -1.0, 2.0], [1.0], [-1.0, -0.5], [-1.0, -2.0]]
+GSPO_CLIP = ClipRange(0.2, clip_ratio_high=0.28)  # s clipped to [0.8, 1.28]
+
+
+def _padded(rows: list[list[float]], fill: float) -> torch.Tensor:
+    return t([row + [fill] * (4 - len(row)) for row in rows])
+
+
+def _gspo_inputs() -> dict[str, torch.Tensor]:
+    mask = _padded([[1.0] * len(r) for r in GSPO_LOG_RATIOS], 0.0)
+    old = _padded([[-0.5 - 0.25 * i - 0.1 * j for j in range(len(r))] for i, r in enumerate(GSPO_LOG_RATIOS)], 0.0)
+    log_prob = old + _padded(GSPO_LOG_RATIOS, 0.0)
+    padding = ~mask.bool()
+    return dict(log_prob=torch.where(padding, math.inf, log_prob), old_log_prob=torch.where(padding, 1e3, old),
+                advantages=_padded(GSPO_ADVANTAGES, 100.0), response_mask=mask)
+
+
+def _gspo_reference(low: float, high: float) -> tuple[list[list[float]], list[list[float]]]:
+    """Per-token losses and d loss / d log_prob under seq-mean-token-mean, one sequence at a time.
+
+    s_i = exp(mean of the sequence's log ratios); loss = -min(s A, clip(s) A); the token's gradient is -A s_i times
+    its aggregation weight 1 / (len_i * num_seqs) where the unclipped branch is the smaller, else 0.
+    """
+    losses, grads = [], []
+    for log_ratios, advs in zip(GSPO_LOG_RATIOS, GSPO_ADVANTAGES):
+        s = math.exp(sum(log_ratios) / len(log_ratios))
+        s_clipped = min(max(s, 1 - low), 1 + high)
+        weight = 1 / (len(log_ratios) * len(GSPO_LOG_RATIOS))
+        losses.append([-min(s * a, s_clipped * a) for a in advs])
+        grads.append([-a * s * weight if s * a <= s_clipped * a else 0.0 for a in advs])
+    return losses, grads
+
+
+def test_gspo_loss_by_hand():
+    # s = e^0.1 = 1.105 (inside), e^0.5 = 1.649 (above, A > 0: clipped to 1.28), e^-0.4 = 0.670 (below, A < 0:
+    # clipped to 0.8), e^1.5 = 4.48 (above, A < 0: unclipped and no dual clip, vanilla would stop at 3 * |A|).
+    inputs = _gspo_inputs()
+    per_token, metrics = gspo_loss(**inputs, scale=LossScale.from_mask(inputs["response_mask"], 4), clip=GSPO_CLIP)
+    expected, _ = _gspo_reference(0.2, 0.28)
+    for row, seq_losses in enumerate(expected):
+        torch.testing.assert_close(per_token[row, :len(seq_losses)], t([seq_losses])[0])
+    assert expected[3] == pytest.approx([math.exp(1.5), 2 * math.exp(1.5)])  # the reference itself, spot-checked
+    assert metrics["pg_clipfrac"].item() == pytest.approx(3 / 8, abs=1e-9)  # sequences 1 and 2: 3 of 8 tokens
+    assert metrics["ppo_kl"].item() == pytest.approx(-3.0 / 8, abs=1e-9)  # -mean of the token log ratios
+    assert "pg_clipfrac_lower" not in metrics
+
+
+def test_gspo_gradient_is_the_gspo_token_gradient_and_not_vanilla():
+    inputs = _gspo_inputs()
+    log_prob = inputs.pop("log_prob").requires_grad_()
+    scale = LossScale.from_mask(inputs["response_mask"], 4)
+    common = dict(old_log_prob=inputs["old_log_prob"], advantages=inputs["advantages"],
+                  response_mask=inputs["response_mask"], scale=scale, loss_agg_mode="seq-mean-token-mean",
+                  clip=GSPO_CLIP)
+    loss, _ = actor_loss(log_prob, **common, loss_mode="gspo")
+    expected_losses, expected_grads = _gspo_reference(0.2, 0.28)
+    assert loss.item() == pytest.approx(sum(sum(r) / len(r) for r in expected_losses) / 4, abs=1e-12)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    torch.testing.assert_close(grad, _padded(expected_grads, 0.0))  # zero (not NaN) on padding
+    # Vanilla weighs and clips each token by its own ratio r_it instead of s_i: in sequence 0 (weight 1/12), token 1
+    # (r = e^-0.1, A = -1) gets +e^-0.1/12 instead of +e^0.1/12; token 0 (r = e^0.3 > 1.28, A = 1) is clipped there.
+    (vanilla_grad,) = torch.autograd.grad(actor_loss(log_prob, **common, loss_mode="vanilla")[0], log_prob)
+    assert vanilla_grad[0, :2].tolist() == pytest.approx([0.0, math.exp(-0.1) / 12], abs=1e-12)
+    assert grad[0, :2].tolist() == pytest.approx([-math.exp(0.1) / 12, math.exp(0.1) / 12], abs=1e-12)
+    assert (vanilla_grad - grad).abs().max() > 0.05
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+def test_gspo_equals_vanilla_when_the_policy_has_not_moved(mode):
+    # All ratios 1: both surrogates are -A per token, so every term (IS weights, entropy, KL) and gradient agree.
+    batch = _ragged_batch(seed=5)
+    on_policy = torch.where(batch["mask"].bool(), batch["old"], 1e3)
+    results = []
+    for loss_mode in POLICY_LOSS_MODES:
+        log_prob = on_policy.clone().requires_grad_()
+        loss, metrics = _losses(batch | {"log_prob": log_prob}, mode, LossScale.from_mask(batch["mask"], 12),
+                                loss_mode)
+        results.append((loss, torch.autograd.grad(loss, log_prob)[0], metrics))
+    (vanilla, vanilla_grad, vanilla_metrics), (gspo, gspo_grad, gspo_metrics) = results
+    torch.testing.assert_close(gspo, vanilla, atol=1e-12, rtol=0)
+    assert vanilla_grad.abs().sum() > 0
+    torch.testing.assert_close(gspo_grad, vanilla_grad, atol=1e-12, rtol=0)
+    for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss"):
+        torch.testing.assert_close(gspo_metrics[name], vanilla_metrics[name], atol=1e-12, rtol=0)
+
+
+def test_unknown_loss_mode_names_the_key():
+    inputs = _gspo_inputs()
+    with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode='gpo' is not one of \['vanilla', 'gspo'\]"):
+        actor_loss(**inputs, scale=LossScale.from_mask(inputs["response_mask"], 4), loss_agg_mode="token-mean",
+                   clip=GSPO_CLIP, loss_mode="gpo")

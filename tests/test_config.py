@@ -9,6 +9,7 @@ from hydra.errors import ConfigCompositionException
 from shardrl.trainer.config import CONFIG_DIR, compose
 from shardrl.trainer.preflight import check_launch
 from shardrl.trainer.schema import ConfigError
+from shardrl.workers.roles import policy_loss_options
 
 CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -142,6 +143,23 @@ def test_verl_spellings_are_accepted():
     assert config.trainer.logger == ["console", "wandb"]
     assert config.actor_rollout_ref.model.override_config == {"max_position_embeddings": 32768}
     assert config.actor_rollout_ref.ref.megatron.override_transformer_config == {"recompute_granularity": "full"}
+
+
+def test_gspo_command_line_reaches_the_actor_loss_options():
+    # A verl user's GSPO flags, unchanged; the default stays vanilla.
+    assert policy_loss_options(compose("ppo_trainer")).loss_mode == "vanilla"
+    options = policy_loss_options(compose("ppo_megatron_trainer", [
+        "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+    ]))
+    assert (options.loss_mode, options.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
+    assert (options.clip.low, options.clip.high) == (0.0003, 0.0004)
+
+
+def test_unknown_policy_loss_mode_names_the_key_and_the_modes():
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.policy_loss.loss_mode: 'gpo' is not one of "
+                                          r"vanilla \| gspo$"):
+        compose("ppo_trainer", ["actor_rollout_ref.actor.policy_loss.loss_mode=gpo"])
 
 
 def test_nonexistent_data_file_fails_only_at_launch(tmp_path):

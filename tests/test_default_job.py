@@ -37,6 +37,18 @@ def test_default_job_learns_and_exports(tmp_path):
     assert any(changed)
 
 
+def test_default_job_runs_gspo_with_verl_flags(tmp_path):
+    rows = run_job(tmp_path, "trainer.total_training_steps=2", "trainer.val_before_train=false", "trainer.test_freq=-1",
+                   "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
+                   "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
+                   "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004")
+    assert [r["step"] for r in rows] == [1, 2]
+    # The gspo surrogate ran: it has no dual clip (vanilla always reports pg_clipfrac_lower), and its tiny clip range
+    # clips some sequences once the first mini batch has moved the policy.
+    assert all("actor/pg_clipfrac" in r and "actor/pg_clipfrac_lower" not in r for r in rows)
+    assert max(r["actor/pg_clipfrac"] for r in rows) > 0
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
 def test_default_job_learns_with_two_rank_actor(tmp_path, layout):

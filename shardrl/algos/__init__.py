@@ -18,12 +18,20 @@ from shardrl.algos.kl import (
     make_kl_controller,
 )
 from shardrl.algos.off_policy import OffPolicyCorrection, rollout_correction, truncated_is_weights
-from shardrl.algos.policy_loss import ClipRange, actor_loss, ppo_clip_loss
+from shardrl.algos.policy_loss import (
+    POLICY_LOSS_MODES,
+    ClipRange,
+    PolicyLossMode,
+    actor_loss,
+    gspo_loss,
+    ppo_clip_loss,
+)
 from shardrl.algos.registry import AdvantageInputs, compute_advantage, get_adv_estimator, register_adv_estimator
 from shardrl.algos.value_loss import value_loss
 
 __all__ = [
     "LOSS_AGG_MODES",
+    "POLICY_LOSS_MODES",
     "AdaptiveKLController",
     "AdvantageInputs",
     "ClipRange",
@@ -31,11 +39,13 @@ __all__ = [
     "KLController",
     "LossScale",
     "OffPolicyCorrection",
+    "PolicyLossMode",
     "actor_loss",
     "aggregate_loss",
     "apply_kl_penalty",
     "compute_advantage",
     "get_adv_estimator",
+    "gspo_loss",
     "kl_estimate",
     "loss_counts",
     "make_kl_controller",

@@ -1,11 +1,16 @@
-"""The actor's objective: PPO clipped surrogate (clip-higher, dual clip), off-policy weights, entropy bonus, KL loss.
+"""The actor's objective: a clipped surrogate, off-policy weights, entropy bonus, KL loss.
+
+The surrogate is chosen by `actor.policy_loss.loss_mode` (verl's key): `vanilla`, PPO's per-token ratio with
+clip-higher and dual clip, or `gspo`, GSPO's per-sequence ratio (Zheng et al. 2025, arXiv 2507.18071).
 
 Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
 same mode and scale, so the micro-batch losses (and their gradients) add up to the mini-batch loss, and each metric
 is the micro batch's share of the mini-batch value (the trainer sums metrics over micro batches and DP ranks).
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
@@ -20,7 +25,7 @@ class ClipRange:
     The ratio is clipped to [1 - low, 1 + high]; low and high default to clip_ratio. A larger high than low
     ("clip-higher", DAPO) lets unlikely tokens with positive advantage grow faster, which keeps entropy up.
     clip_ratio_c bounds the loss of negative-advantage tokens at -A * c (dual clip), so one token whose ratio
-    exploded cannot dominate the update.
+    exploded cannot dominate the update; only the vanilla loss has a dual clip (gspo ignores clip_ratio_c).
     """
 
     clip_ratio: float = 0.2
@@ -72,6 +77,56 @@ def ppo_clip_loss(
     return per_token, metrics
 
 
+def gspo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GSPO-token loss `[B, T]` = -min(s_it A, clip(s_it) A) (Zheng et al. 2025, arXiv 2507.18071).
+
+    s_i = exp(mean over sequence i's valid tokens of log(pi / pi_old)): the geometric mean of the token ratios, so
+    the ratio (and its clipping) is per sequence, matching the sequence-level reward, and length normalisation keeps
+    it on one scale for short and long responses. The gradient uses the GSPO-token form
+    s_it = sg[s_i] * pi(y_it) / sg[pi(y_it)]: value s_i on every token, gradient s_i * d log pi(y_it), which equals
+    GSPO's sequence gradient when the advantage is constant over the sequence (GRPO-style advantages).
+    The token mean inside s_i divides by the sequence's own token count: a sequence never spans micro batches, so
+    unlike the aggregation it needs no global count. There is no dual clip (`clip.clip_ratio_c` is not used); the
+    paper's clip range is tiny (low 3e-4, high 4e-4) because a per-token geometric mean stays close to 1.
+    Metrics (shares of mini-batch token means): pg_clipfrac (the clipped branch is active: the token gets no
+    gradient), ppo_kl (k1 estimate of KL(old || current), as in ppo_clip_loss).
+    """
+    valid = response_mask.bool()  # [B, T]
+    # where: padding may hold inf/NaN log-probs, and a constant 0 there also keeps gradients off padding.
+    log_ratio = torch.where(valid, log_prob - old_log_prob, 0.0)  # [B, T]
+    seq_log_ratio = log_ratio.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)  # [B] log s_i
+    # log s_it: log_ratio - sg[log_ratio] is 0 in value, d log pi(y_it) in gradient.
+    token_log_ratio = seq_log_ratio.detach()[:, None] + (log_ratio - log_ratio.detach())  # [B, T]
+    # Clamped to +-LOG_RATIO_BOUND (20: s_i within [2e-9, 4.9e8]) so exp stays finite in any dtype; a sequence past
+    # the bound gets no policy gradient (past +20 with A > 0, or -20 with A < 0, it is clipped anyway).
+    ratio = torch.clamp(token_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()  # [B, T]
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
+    per_token = torch.maximum(unclipped, clipped)  # [B, T]
+    metrics = {
+        "pg_clipfrac": scaled_token_mean((clipped > unclipped).float(), response_mask, scale),
+        "ppo_kl": scaled_token_mean(-torch.clamp(log_prob - old_log_prob, -LOG_RATIO_BOUND, LOG_RATIO_BOUND),
+                                    response_mask, scale),
+    }
+    return per_token, metrics
+
+
+PolicyLossMode = Literal["vanilla", "gspo"]
+POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
+PolicyLossFn = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossScale, ClipRange],
+    tuple[torch.Tensor, dict[str, torch.Tensor]],
+]
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss}
+
+
 def actor_loss(
     log_prob: torch.Tensor,
     old_log_prob: torch.Tensor,
@@ -86,17 +141,23 @@ def actor_loss(
     ref_log_prob: torch.Tensor | None = None,
     kl_loss_coef: float = 0.0,
     kl_loss_type: str = "low_var_kl",
+    loss_mode: str = "vanilla",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro batch's share of the actor loss (a scalar to call backward on) and its metrics.
 
-    loss = agg(w * ppo_clip) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
+    loss = agg(w * surrogate) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
+    - loss_mode: the surrogate, `vanilla` (ppo_clip_loss) or `gspo` (gspo_loss); the other terms do not change.
     - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
       The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
     - entropy `[B, T]`: pass it to get the `entropy` metric; required when entropy_coeff != 0.
     - ref_log_prob `[B, T]`: pass it when `actor.use_kl_loss` is on; the KL term uses `kl_loss_type`.
-    Metrics: pg_loss, pg_clipfrac, pg_clipfrac_lower, ppo_kl, and entropy / kl_loss when those terms are present.
+    Metrics: pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower (vanilla only: the dual clip), and entropy / kl_loss
+    when those terms are present.
     """
-    pg_per_token, metrics = ppo_clip_loss(log_prob, old_log_prob, advantages, response_mask, scale, clip)
+    if loss_mode not in _POLICY_LOSSES:
+        raise ValueError(f"actor.policy_loss.loss_mode={loss_mode!r} is not one of {list(POLICY_LOSS_MODES)}")
+    surrogate = _POLICY_LOSSES[loss_mode]
+    pg_per_token, metrics = surrogate(log_prob, old_log_prob, advantages, response_mask, scale, clip)
     if is_weights is not None:
         pg_per_token = pg_per_token * is_weights.detach()
     loss = aggregate_loss(pg_per_token, response_mask, loss_agg_mode, scale)

@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from shardrl.algos.policy_loss import PolicyLossMode
 from shardrl.parallel.layout import LayoutSpec
 from shardrl.trainer.config_rules import validate
 from shardrl.trainer.schema import ConfigError, Fraction, Max, Min, NonNegFloat, NonNegInt, PosFloat, PosInt, build
@@ -111,6 +112,18 @@ class ModelConfig:
 
 
 @dataclass(frozen=True)
+class PolicyLossConfig:
+    """verl's `actor.policy_loss` group: which clipped surrogate the actor minimises (see shardrl.algos.policy_loss).
+
+    vanilla: PPO's per-token ratio with clip-higher and dual clip. gspo: GSPO's per-sequence geometric-mean ratio
+    (Zheng et al. 2025), clipped with clip_ratio_low/high (the paper uses 3e-4 / 4e-4 and seq-mean-token-mean);
+    clip_ratio_c is ignored.
+    """
+
+    loss_mode: PolicyLossMode
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy being trained: PPO loss, mini/micro batching, optimizer, layout."""
 
@@ -127,6 +140,7 @@ class ActorConfig:
     clip_ratio_high: PosFloat
     clip_ratio_c: Annotated[float, Min(1, strict=True)]
     loss_agg_mode: LossAggMode
+    policy_loss: PolicyLossConfig
     entropy_coeff: float
     use_kl_loss: bool
     kl_loss_coef: NonNegFloat
