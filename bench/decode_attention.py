@@ -3,8 +3,9 @@ attention before it), per layer call, same random cache, same process (GPU only)
 
 Each shape is one decode step's attention of one layer: `rows` sequences, one new query token each, attending to a
 random number of cached tokens (mean `mean`, spread +-50%) in a [rows, length, kv_heads, head_dim] bf16 cache.
-Prints microseconds per call, the cache bytes read per second and the ratio, and each kernel's max |diff| against
-the fp32 reference.
+Prints microseconds per call replayed from a CUDA graph, as the engine's decode runs it (eager calls of a small
+shape time the host's launch cost, not the kernel), the cache bytes read per second and the ratio, and each
+kernel's max |diff| against the fp32 reference.
 
     python bench/decode_attention.py
 """
@@ -40,15 +41,23 @@ def flash_varlen(q: Tensor, keys: Tensor, values: Tensor, used: Tensor, max_leng
         False, scale=scale, seqused_k=used)[0]
 
 
-def microseconds(fn: Callable[[], Tensor], iters: int = 50) -> float:
-    for _ in range(3):
-        fn()
+def microseconds(fn: Callable[[], Tensor], iters: int = 20) -> float:
+    """GPU time of one call: `iters` calls captured in one CUDA graph (after an eager call that compiles the
+    kernels), the graph replayed a few times."""
+    fn()
     torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(iters):
+            fn()
+    graph.replay()  # warm
+    torch.cuda.synchronize()
+    replays = 5
     start = time.perf_counter()
-    for _ in range(iters):
-        fn()
+    for _ in range(replays):
+        graph.replay()
     torch.cuda.synchronize()
-    return (time.perf_counter() - start) / iters * 1e6
+    return (time.perf_counter() - start) / (replays * iters) * 1e6
 
 
 def main() -> None:
