@@ -8,8 +8,9 @@ query row and carries the fixed cost of a 128-row tile; on the async bench's sha
 the query heads sharing that KV head (grouped-query attention reads each key once for the whole group), walks its
 split's tokens in tiles with an online softmax, and, when a row's tokens are split over several programs to fill
 the GPU at small batches, a second kernel merges the partial results (flash-decoding). Each row reads only its own
-`used` tokens, so a batch mixing short and long sequences pays for the tokens it holds. Measured weak spot: small
-batches of long rows (32 rows of ~1,400 tokens, 7 query heads per KV head) run 0.74x flash's speed.
+`used` tokens, so a batch mixing short and long sequences pays for the tokens it holds. Possible weak spot: small
+batches of long rows (32 rows of ~1,400 tokens, 7 query heads per KV head) timed 0.74x flash's speed in eager calls,
+which at that size may measure the host's launch cost rather than the kernels (the bench now replays a graph).
 
 The number of splits depends only on static shapes (rows, KV heads, the length bucket), so a step that uses it is
 capturable in a CUDA graph; the kernels are compiled on the graph's eager warm-up run, before capture.
