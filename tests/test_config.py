@@ -2,6 +2,7 @@
 line naming the dotted key; verl's own spellings are accepted; launch-only checks stay out of the dry run."""
 
 import importlib.util
+from unittest import mock
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -186,6 +187,15 @@ def test_missing_rollout_engine_fails_at_launch_suggesting_native():
         check_launch(config)
     assert info.value.key == "actor_rollout_ref.rollout.name"
     assert "vllm is not installed" in str(info.value) and "actor_rollout_ref.rollout.name=native" in str(info.value)
+
+
+def test_installed_rollout_engine_without_a_backend_fails_at_launch():
+    """An installed vllm must not quietly run the native engine instead."""
+    config = compose("ppo_trainer", ["actor_rollout_ref.rollout.name=sglang"])
+    with mock.patch("shardrl.trainer.preflight._installed", return_value=True):
+        with pytest.raises(ConfigError, match="^actor_rollout_ref.rollout.name: sglang is installed but shardrl has "
+                                              "no sglang backend yet; use actor_rollout_ref.rollout.name=native"):
+            check_launch(config)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
