@@ -1,6 +1,8 @@
 """Rollout engine on CPU (fp32): greedy equals HF `generate`, logprobs equal the trainer model's full forward,
 continuous batching equals one-at-a-time, abort/resume equals an uninterrupted run, weight updates, sleep/wake."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -185,3 +187,22 @@ def test_padding_rows_leave_running_rows_unchanged(checkpoints):
                                              torch.cat([positions, torch.zeros(2, dtype=torch.long)]), length=48)
     assert_close(padded[:2], exact, atol=1e-6, rtol=0)
 
+
+
+def test_the_samples_of_a_prompt_share_one_prefill(checkpoints):
+    """The n samples of a prompt, prefilled in one step, run the prompt through the model once and copy its cache
+    rows: the same tokens and logprobs as prefilling each copy (which reads the copied keys and values in every
+    decode step), fewer tokens run, and each sample still draws its own tokens."""
+    path = checkpoints["qwen2"]
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[1]] * 2
+    params = [SamplingParams(max_tokens=6, temperature=1.0, seed=seed, ignore_eos=True) for seed in range(5)]
+    config = replace(CONFIG, cpu_kv_cache_tokens=48 * 6)
+    shared_engine, alone_engine = _engine(path, config), _engine(path, replace(config, share_prefill=False))
+    shared, alone = shared_engine.generate(prompts, params), alone_engine.generate(prompts, params)
+    assert _tokens(shared) == _tokens(alone)
+    for s, a in zip(shared, alone):
+        assert_close(torch.tensor(s.logprobs), torch.tensor(a.logprobs), atol=1e-5, rtol=0)
+    assert len({tuple(t) for t in _tokens(shared)[:3]}) > 1  # one prompt, different samples
+    assert (shared_engine.stats.prefill_steps, alone_engine.stats.prefill_steps) == (1, 1)
+    assert shared_engine.stats.prefill_tokens == len(PROMPTS[0]) + len(PROMPTS[1])
+    assert alone_engine.stats.prefill_tokens == 3 * len(PROMPTS[0]) + 2 * len(PROMPTS[1])

@@ -38,7 +38,8 @@ class EngineStats:
     """Work done since the last reset (`engine.stats = EngineStats()`), for throughput metrics. Step times are
     wall-clock per `step()` call; `decode_wait_seconds` is the part spent waiting for the device, so the host's own
     time per decode step is `(decode_seconds - decode_wait_seconds) / decode_steps`. `decode_host_launches` counts
-    decode steps whose inputs came from the host (the batch had changed) instead of the step before them."""
+    decode steps whose inputs came from the host (the batch had changed) instead of the step before them.
+    `prefill_tokens` are the tokens the model ran: a sequence that shared another's prefill adds none."""
 
     prefill_steps: int = 0
     prefill_tokens: int = 0
@@ -186,8 +187,7 @@ class Engine:
         return finished
 
     def _prefill(self, requests: list[Request], start: float) -> list[RequestOutput]:
-        num_tokens = sum(r.num_tokens for r in requests)
-        logits = self.runner.prefill_logits(requests)
+        logits, num_tokens = self.runner.prefill_logits(requests)
         sampling = SamplingBatch.build([r.params for r in requests], [r.seed for r in requests],
                                        self.model_config.vocab_size, self.device)
         # Each draws the token at index num_tokens of its sequence (the same counter a decode step would use).

@@ -62,6 +62,16 @@ class KVCache:
     def free(self) -> None:
         self.layers = None
 
+    def copy_rows(self, sources: list[int], destinations: list[int], length: int) -> None:
+        """Copy positions 0..length-1 of slot sources[i] into slot destinations[i], in every layer (a sequence that
+        shares another's prefill). Positions a shorter source never wrote copy stale values, which no one reads: a
+        row attends only to the positions its own sequence wrote."""
+        src = torch.tensor(sources, device=self.device)
+        dst = torch.tensor(destinations, device=self.device)
+        for keys, values in self.layers:
+            keys[dst, :length] = keys[src, :length]
+            values[dst, :length] = values[src, :length]
+
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """(keys, values) of one layer, each [S, L, nkv, D]."""
         return self.layers[layer_id]

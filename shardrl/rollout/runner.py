@@ -1,10 +1,10 @@
 """The engine's device side: the model, its KV cache and decode graphs, the two forward passes, decode sampling.
 
-`prefill_logits` runs whole sequences into their cache slots and returns full-vocabulary logits (identical on every
-TP rank) for the engine to sample. `decode` advances slots 0..num_rows-1 by one token, keeping the step's inputs on
-the device: each row's token and position live in fixed buffers, which the host writes only when the batch changes
-(`load_decode_inputs`); every step samples the next token of each row, writes it back as the next step's input and
-moves live rows one position on, so consecutive steps need nothing from the host. On GPU a whole step (forward,
+`prefill_logits` runs whole sequences into their cache slots (identical ones once) and returns full-vocabulary
+logits (identical on every TP rank) for the engine to sample. `decode` advances slots 0..num_rows-1 by one token,
+keeping the step's inputs on the device: each row's token and position live in fixed buffers, which the host
+writes only when the batch changes (`load_decode_inputs`); every step samples the next token of each row, writes it
+back as the next step's input and moves live rows one position on, so consecutive steps need nothing from the host. On GPU a whole step (forward,
 sampling, update) is one CUDA-graph replay (`cuda_graphs.py`); eagerly the same functions run as they are.
 """
 
@@ -45,6 +45,10 @@ class EngineConfig:
     # forward: worth it for long runs of few bucket shapes, hence off by default.
     compile_decode: bool = False
     max_graph_rows: int = 512  # larger decode batches run eagerly
+    # Identical sequences in one prefill step (the n samples of a prompt) are run through the model once and their
+    # keys and values copied to the others' cache rows (verl's `enable_prefix_caching`, narrowed to whole sequences
+    # prefilled together: no cache outlives its request).
+    share_prefill: bool = True
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
 
@@ -76,8 +80,33 @@ class ModelRunner:
         if config.compile_decode:  # the decode graphs, captured later, then record the compiled kernels
             self._decode_logits = torch.compile(self._decode_logits, dynamic=False)
 
-    def prefill_logits(self, requests: list[Request]) -> Tensor:
-        """Run whole sequences (prompt plus tokens so far) into their cache slots -> next-token logits [N, V]."""
+    def prefill_logits(self, requests: list[Request]) -> tuple[Tensor, int]:
+        """Run whole sequences (prompt plus tokens so far) into their cache slots -> (next-token logits [N, V], the
+        number of tokens the model ran).
+
+        With `share_prefill` a sequence equal to an earlier one of `requests` is not run: the earlier one's cache
+        row is copied into its slot and its logits row repeated (the same tokens give the same keys, values and
+        logits; each request then samples its own token)."""
+        unique: list[Request] = []  # the sequences run through the model
+        row_of: dict[tuple[int, ...], int] = {}  # a sequence -> its row among them
+        rows, sources, copies = [], [], []  # each request's logits row; slots copied from and into
+        for request in requests:
+            key = tuple(request.all_ids())
+            if self.config.share_prefill and key in row_of:
+                sources.append(unique[row_of[key]].slot)
+                copies.append(request.slot)
+            else:
+                row_of[key] = len(unique)
+                unique.append(request)
+            rows.append(row_of[key])
+        logits = self._run_prefill(unique)  # [U, V]
+        num_run = sum(r.num_tokens for r in unique)
+        if not copies:
+            return logits, num_run
+        self.cache.copy_rows(sources, copies, max(r.num_tokens for r in unique))
+        return logits[torch.tensor(rows, device=logits.device)], num_run  # [N, V]
+
+    def _run_prefill(self, requests: list[Request]) -> Tensor:
         sequences = [r.all_ids() for r in requests]
         lengths = [len(s) for s in sequences]
         host = torch.tensor([t for s in sequences for t in s] + [p for n in lengths for p in range(n)]

@@ -95,7 +95,7 @@ def rollout_engine_config(config: PPOConfig) -> EngineConfig:
         max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
         max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
-        enforce_eager=rollout.enforce_eager, seed=rollout.seed)
+        enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching)
 
 
 def sampling_params(config: PPOConfig, seeds: torch.Tensor, validate: bool = False) -> list[SamplingParams]:
