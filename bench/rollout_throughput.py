@@ -109,7 +109,8 @@ def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingPa
           f"(prefill {s.prefill_steps} steps {s.prefill_seconds:.2f} s; decode {s.decode_steps} steps "
           f"{1e3 * s.decode_seconds / steps:.2f} ms/step, of which host "
           f"{1e3 * (s.decode_seconds - s.decode_wait_seconds) / steps:.2f} ms/step; "
-          f"{s.decode_host_launches} steps launched from the host, the rest ran ahead)")
+          f"{s.decode_host_launches} steps launched from the host, the rest ran ahead; {s.graph_captures} graphs "
+          f"captured in {s.graph_capture_seconds:.2f} s)")
     return generated / seconds
 
 

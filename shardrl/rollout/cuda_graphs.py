@@ -46,6 +46,10 @@ class DecodeGraphs:
         self.graphs: dict[Hashable, tuple[torch.cuda.CUDAGraph, Tensor | None]] = {}
         self.pool = None
 
+    def has(self, key: Hashable) -> bool:
+        """Whether `key`'s graph is captured (its next `replay` does not capture)."""
+        return key in self.graphs
+
     def rows_for(self, num_rows: int) -> int:
         """The padded row count a batch of `num_rows` runs with."""
         return next(b for b in self.buckets if b >= num_rows)

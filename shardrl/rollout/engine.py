@@ -49,6 +49,8 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_wait_seconds: float = 0.0
     decode_host_launches: int = 0
+    graph_captures: int = 0  # decode CUDA graphs captured (again after every wake: the cache moved)
+    graph_capture_seconds: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -161,6 +163,13 @@ class Engine:
         """
         if not self.runner.cache.allocated:
             raise EngineError("step: the engine is asleep; call wake_up() first")
+        captures, capture_seconds = self.runner.graph_captures, self.runner.graph_capture_seconds
+        finished = self._step()
+        self.stats.graph_captures += self.runner.graph_captures - captures
+        self.stats.graph_capture_seconds += self.runner.graph_capture_seconds - capture_seconds
+        return finished
+
+    def _step(self) -> list[RequestOutput]:
         start = time.perf_counter()
         current = self._ahead
         if current is None:

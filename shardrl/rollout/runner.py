@@ -10,6 +10,7 @@ sampling, update) is one CUDA-graph replay (`cuda_graphs.py`); eagerly the same 
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -21,7 +22,14 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import pack_adjacent
 from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket
-from shardrl.rollout.kv_cache import DecodeAttention, KVCache, PrefillAttention, gpu_cache_budget, num_slots_for_budget
+from shardrl.rollout.kv_cache import (
+    DecodeAttention,
+    KVCache,
+    PrefillAttention,
+    gpu_cache_budget,
+    num_slots_for_budget,
+    uses_split_kv_decode,
+)
 from shardrl.rollout.request import Request, SamplingParams
 from shardrl.rollout.sampler import SamplingBatch, SamplingBuffers, sample
 
@@ -41,8 +49,8 @@ class EngineConfig:
     enforce_eager: bool = False
     # torch.compile the decode forward before its CUDA graphs are captured. It fuses the many small elementwise
     # kernels of a step (494M Qwen2 shape, 256 rows on an H200: 4.25 -> 3.06 ms/step), but compiles once per new
-    # (rows, length) bucket, tens of seconds each, and past torch's recompile limit (8) new buckets run the plain
-    # forward: worth it for long runs of few bucket shapes, hence off by default.
+    # rows bucket (in fp32 per (rows, length) bucket), tens of seconds each, and past torch's recompile limit (8)
+    # new buckets run the plain forward: worth it for long runs of few bucket shapes, hence off by default.
     compile_decode: bool = False
     max_graph_rows: int = 512  # larger decode batches run eagerly
     # Identical sequences in one prefill step (the n samples of a prompt) are run through the model once and their
@@ -76,6 +84,8 @@ class ModelRunner:
         self.sampling = SamplingBuffers(num_slots, model_config.vocab_size, self.device)
         self.out = torch.zeros(num_slots, 3, dtype=torch.float64, device=self.device)  # a step's rows, see `decode`
         self.graphs: DecodeGraphs | None = None
+        self._split_kv = uses_split_kv_decode(self.device, config.dtype)
+        self.graph_captures, self.graph_capture_seconds = 0, 0.0  # since the runner was built
         self.offloaded = False
         if config.compile_decode:  # the decode graphs, captured later, then record the compiled kernels
             self._decode_logits = torch.compile(self._decode_logits, dynamic=False)
@@ -137,7 +147,10 @@ class ModelRunner:
         valid until the next step. With graphs the whole step is one replay for any batch: seeded rows' uniforms are
         hashes of the seed buffers and the positions, no per-request random stream.
         """
-        length = length_bucket(length, self.cache.max_len)
+        # The split-KV kernel reads each row's own tokens whatever the bound (which sets only its split count); the
+        # reference slices the cache by it. One bound for every step means one graph per (rows, sampling mode)
+        # instead of one per length bucket as well: a third as many captures after each wake, at most.
+        length = self.cache.max_len if self._split_kv else length_bucket(length, self.cache.max_len)
         if not self._use_graphs(num_rows):
             self._sample_step(self._decode_logits(num_rows, length), sampling)
             return self.out[:num_rows]
@@ -146,8 +159,12 @@ class ModelRunner:
                                        self.generator)
         rows = self.graphs.rows_for(num_rows)
         fixed = self.sampling.view(sampling, rows)
-        self.graphs.replay((rows, length, fixed.mode),
-                           lambda: self._sample_step(self._decode_logits(rows, length), fixed))
+        key = (rows, length, fixed.mode)
+        capturing, start = not self.graphs.has(key), time.perf_counter()
+        self.graphs.replay(key, lambda: self._sample_step(self._decode_logits(rows, length), fixed))
+        if capturing:  # host time of the eager warm-up and the capture (`EngineStats.graph_capture_seconds`)
+            self.graph_captures += 1
+            self.graph_capture_seconds += time.perf_counter() - start
         return self.out[:num_rows]
 
     def retire(self, slots: list[int]) -> None:

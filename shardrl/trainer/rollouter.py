@@ -30,7 +30,7 @@ from shardrl.trainer.tracking import Timeline
 
 STEPS_PER_CALL = 16  # engine steps per stream call: how long a pause request may wait for the rollouter
 # what RolloutWorker.stream reports per call, summed over calls and replicas
-ENGINE_KEYS = ("engine_s", "prefill_s", "decode_steps", "decode_rows", "prefill_tokens")
+ENGINE_KEYS = ("engine_s", "prefill_s", "decode_steps", "decode_rows", "prefill_tokens", "graph_capture_s")
 
 
 @dataclass
@@ -115,7 +115,8 @@ class Rollouter:
         """Where the rollout pool's time went since the last call (seconds, per replica): `rollout/engine_s` in
         engine steps, of which `rollout/prefill_s` prefill (re-prefills after a partial-rollout sync included);
         `rollout/overhead_s` in calls but not in engine steps (Ray, packing samples); `rollout/idle_s` between
-        calls (budget spent, paused for a sync). `rollout/decode_batch`: sequences per decode step, of `slots`."""
+        calls (budget spent, paused for a sync). `rollout/decode_batch`: sequences per decode step, of `slots`.
+        `rollout/graph_capture_s`: of the engine time, capturing decode CUDA graphs (new batch shapes)."""
         with self.cond:
             s, wall = self.stats, time.perf_counter() - self.stats_since
             self.stats, self.stats_since = dict.fromkeys(s, 0.0), time.perf_counter()
@@ -125,7 +126,7 @@ class Rollouter:
                 "rollout/overhead_s": s["call_s"] - engine["engine_s"], "rollout/idle_s": wall - s["call_s"],
                 "rollout/decode_steps": engine["decode_steps"], "rollout/decode_batch": decode_batch,
                 "rollout/occupancy": decode_batch / max(self.slots, 1), "rollout/prefill_tokens":
-                engine["prefill_tokens"]}
+                engine["prefill_tokens"], "rollout/graph_capture_s": engine["graph_capture_s"]}
 
     def pause(self, drain: bool) -> None:
         """Wait until the rollouter stands between two calls (with `drain`: with no request running)."""

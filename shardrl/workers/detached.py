@@ -108,7 +108,8 @@ class RolloutWorker:
         stats = self.engine.stats
         report = {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
                   "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
-                  "prefill_tokens": stats.prefill_tokens, "slots": self.engine.max_running}
+                  "prefill_tokens": stats.prefill_tokens, "graph_capture_s": stats.graph_capture_seconds,
+                  "slots": self.engine.max_running}
         if not finished:
             return None, report
         rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
