@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -308,6 +309,10 @@ def main() -> None:
                              "by the CPU profiler), the host-side cost to compare between versions")
     parser.add_argument("--profile", action="store_true",
                         help="after the timed syncs, profile one more per mode and print rank 0's top operators")
+    parser.add_argument("--p2p-channels", type=int, default=None,
+                        help="run everything twice: as is, then with NCCL_NCHANNELS_PER_PEER and "
+                             "NCCL_MIN_P2P_NCHANNELS set to this (NCCL gives point-to-point transfers to one peer "
+                             "few channels by default, where a broadcast uses them all)")
     args = parser.parse_args()
     if args.bucket_mb is None:
         args.bucket_mb = 1 / 64 if args.quick else 512
@@ -318,10 +323,16 @@ def main() -> None:
     if trainer_world < 4:
         print(f"HALF SCALE: {trainer_world} trainer rank(s), not the issue's 4 (dense TP2 x PP2, MoE EP4 -> rollout "
               f"TP2 x 2): the layouts below move data between GPUs as the full-scale ones do, on fewer ranks")
-    results = run_distributed(args.world, rank_main, args, backend="nccl" if cuda else "gloo",
-                              timeout=datetime.timedelta(minutes=10))
-    for i, (kind, _) in enumerate(results[0]):
-        report(kind, [rank[i][1] for rank in results], args)
+    settings = [{}] if args.p2p_channels is None else [
+        {}, {"NCCL_NCHANNELS_PER_PEER": str(args.p2p_channels), "NCCL_MIN_P2P_NCHANNELS": str(args.p2p_channels)}]
+    for env in settings:
+        if args.p2p_channels is not None:
+            print(f"\nNCCL point-to-point channels: {env or 'default'}")
+        os.environ.update(env)  # the spawned ranks inherit it; NCCL reads it when their communicators start
+        results = run_distributed(args.world, rank_main, args, backend="nccl" if cuda else "gloo",
+                                  timeout=datetime.timedelta(minutes=10))
+        for i, (kind, _) in enumerate(results[0]):
+            report(kind, [rank[i][1] for rank in results], args)
 
 
 if __name__ == "__main__":
