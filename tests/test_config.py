@@ -203,3 +203,64 @@ def test_missing_logger_package_fails_at_launch():
     config = compose("ppo_trainer", ["trainer.logger=[console,wandb]"])
     with pytest.raises(ConfigError, match="^trainer.logger: wandb is not installed"):
         check_launch(config)
+
+
+# A verl DAPO recipe's trainer flags (recipe/dapo scripts, sizes of the 32B run), unchanged.
+DAPO_FLAGS = ["data.max_prompt_length=2048", "data.max_response_length=20480", "data.truncation=left",
+              "data.gen_batch_size=1536", "data.train_batch_size=512", "actor_rollout_ref.rollout.n=16",
+              "algorithm.adv_estimator=grpo", "algorithm.use_kl_in_reward=False", "algorithm.kl_ctrl.kl_coef=0.0",
+              "actor_rollout_ref.actor.use_kl_loss=False", "actor_rollout_ref.actor.kl_loss_coef=0.0",
+              "actor_rollout_ref.actor.clip_ratio_low=0.2", "actor_rollout_ref.actor.clip_ratio_high=0.28",
+              "actor_rollout_ref.actor.clip_ratio_c=10.0", "algorithm.filter_groups.enable=True",
+              "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10",
+              "actor_rollout_ref.actor.ppo_mini_batch_size=32", "actor_rollout_ref.actor.loss_agg_mode=token-mean",
+              "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=True",
+              "reward_model.overlong_buffer.len=4096", "reward_model.overlong_buffer.penalty_factor=1.0",
+              "reward_model.overlong_buffer.log=False"]
+
+
+def test_verl_dapo_command_line_is_accepted_and_the_features_default_off():
+    config = compose("ppo_megatron_trainer", DAPO_FLAGS)
+    groups, overlong = config.algorithm.filter_groups, config.reward_model.overlong_buffer
+    assert (groups.enable, groups.metric, groups.max_num_gen_batches) == (True, "acc", 10)
+    assert (overlong.enable, overlong.len, overlong.penalty_factor, overlong.log) == (True, 4096, 1.0, False)
+    assert (config.data.gen_batch_size, config.data.train_batch_size) == (1536, 512)
+    for name in CONFIG_NAMES:
+        config = compose(name)
+        assert not config.algorithm.filter_groups.enable and not config.reward_model.overlong_buffer.enable
+        assert config.data.gen_batch_size == config.data.train_batch_size
+
+
+def test_unknown_filter_metric_names_the_key_and_the_metrics():
+    with pytest.raises(ConfigError, match=r"^algorithm.filter_groups.metric: 'accuracy' is not one of acc \| score \| "
+                                          r"seq_reward \| seq_final_reward$"):
+        compose("ppo_trainer", ["algorithm.filter_groups.metric=accuracy"])
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=3"],  # max_response_length=2
+     "reward_model.overlong_buffer.len"),
+    (["reward_model.overlong_buffer.enable=true"], "reward_model.overlong_buffer.len"),  # len 0
+    (["algorithm.filter_groups.enable=true", "actor_rollout_ref.rollout.n=1"], "algorithm.filter_groups.enable"),
+    (["algorithm.filter_groups.enable=true", "algorithm.filter_groups.metric=seq_final_reward",
+      "algorithm.use_kl_in_reward=true"], "algorithm.filter_groups.metric"),
+    (["data.gen_batch_size=64"], "data.gen_batch_size"),
+    (["algorithm.filter_groups.max_num_gen_batches=-1"], "algorithm.filter_groups.max_num_gen_batches"),
+])
+def test_dapo_rules(overrides, key):
+    assert error_key(overrides) == key
+
+
+def test_overlong_buffer_may_be_the_whole_response():
+    compose("ppo_trainer", ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=2"])
+    with pytest.raises(ConfigError, match=r"^reward_model.overlong_buffer.len: 3 must be in \[1, "
+                                          r"data.max_response_length=2\] when the buffer is enabled$"):
+        compose("ppo_trainer", ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=3"])
+
+
+@pytest.mark.parametrize("name", ["one_step_off_ppo_trainer", "one_step_off_ppo_megatron_trainer",
+                                  "fully_async_ppo_trainer", "fully_async_ppo_megatron_trainer"])
+def test_dynamic_sampling_is_refused_in_the_async_modes(name):
+    with pytest.raises(ConfigError, match=r"^algorithm.filter_groups.enable: true is not supported in "
+                                          r"(one_step_off|fully_async) mode"):
+        compose(name, ["algorithm.filter_groups.enable=true"])

@@ -49,6 +49,27 @@ def test_default_job_runs_gspo_with_verl_flags(tmp_path):
     assert max(r["actor/pg_clipfrac"] for r in rows) > 0
 
 
+def test_default_job_runs_dapo_with_verl_flags(tmp_path):
+    """Dynamic sampling and overlong shaping through the real command line: the untrained policy leaves most groups
+    of 8 all wrong, so some step needs a second round of 64 prompts to keep 32 groups; every answer (a digit and EOS)
+    ends in the 1-token buffer, so the logged penalty is -0.5 for those and the mean lies in [-0.5, 0)."""
+    rows = run_job(tmp_path, "trainer.total_training_steps=2", "trainer.test_freq=-1",
+                   "data.gen_batch_size=64", "algorithm.filter_groups.enable=True",
+                   "algorithm.filter_groups.metric=acc", "algorithm.filter_groups.max_num_gen_batches=10",
+                   "reward_model.reward_manager=dapo", "reward_model.overlong_buffer.enable=True",
+                   "reward_model.overlong_buffer.len=1", "reward_model.overlong_buffer.penalty_factor=0.5",
+                   "reward_model.overlong_buffer.log=True")
+    train = [r for r in rows if r["step"] > 0]
+    assert [r["step"] for r in train] == [1, 2]
+    assert max(r["train/num_gen_batches"] for r in train) > 1
+    for r in train:
+        assert r["train/num_gen_groups"] == 64 * r["train/num_gen_batches"]
+        assert r["train/num_kept_groups"] >= 32
+        assert r["train/kept_group_ratio"] == r["train/num_kept_groups"] / r["train/num_gen_groups"]
+        assert -0.5 <= r["reward_extra/overlong_reward/mean"] < 0
+    assert "val-aux/overlong_reward/mean" in rows[0]  # validation is shaped too, as in verl's DAPO recipe
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["tensor_model_parallel_size", "pipeline_model_parallel_size"])
 def test_default_job_learns_with_two_rank_actor(tmp_path, layout):

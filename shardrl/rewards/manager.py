@@ -1,4 +1,5 @@
-"""Batched scoring: decode each response, score it, and place the score on its last response token.
+"""Batched scoring: decode each response, score it, shape it (DAPO's overlong penalty, when asked), and place the
+score on its last response token.
 
 Batch keys read (verl's names): tensors `responses` `[B, T]` (response token ids) and `response_mask` `[B, T]` (1
 on tokens the policy generated); non-tensors `data_source`, `reward_model` (dict with `ground_truth`), `extra_info`.
@@ -6,6 +7,7 @@ on tokens the policy generated); non-tensors `data_source`, `reward_model` (dict
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -13,6 +15,27 @@ from transformers import PreTrainedTokenizerBase
 
 from shardrl.data.batch import Batch
 from shardrl.rewards.registry import ScoreFn
+
+
+@dataclass(frozen=True)
+class OverlongShaping:
+    """DAPO's overlong reward shaping (see overlong_penalty); `log` adds the penalty to the per-sample extras."""
+
+    max_length: int  # tokens: the longest response the rollout generates
+    buffer_length: int  # tokens
+    penalty_factor: float
+    log: bool
+
+
+@dataclass(frozen=True)
+class SampleScores:
+    """A batch's rewards: the token-level scores trained on and what the reward function said per sample."""
+
+    token_level: torch.Tensor  # [B, T] each (shaped) score on its response's last token
+    scores: torch.Tensor  # [B] the reward function's scores, before shaping
+    # Other entries of its dict results (None where a sample had none); with shaping logged, verl's DAPO names
+    # `overlong_reward` (the penalty) and `overlong` (whether it applied).
+    extras: dict[str, list[Any]]
 
 
 def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
@@ -33,6 +56,19 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     token_scores = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [B, T]
     token_scores[torch.arange(mask.shape[0], device=mask.device), last] = scores.to(token_scores)
     return token_scores
+
+
+def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int,
+                     penalty_factor: float) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, eq. 13), added to each response's score `[B]`.
+
+    Responses of up to `max_length - buffer_length` tokens get 0; past that, the penalty grows linearly with the
+    tokens spent in the buffer, reaching `-penalty_factor` at `max_length` (the longest the rollout generates). It
+    tells the policy that running into truncation is bad without punishing a correct long answer as hard as a
+    truncated one would be by a reward of 0.
+    """
+    into_buffer = (lengths - (max_length - buffer_length)).clamp_min(0)  # [B] tokens past the free length
+    return -penalty_factor * into_buffer.float() / buffer_length
 
 
 def score_responses(
@@ -64,8 +100,20 @@ def score_responses(
 
 
 def compute_token_level_scores(
-    batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn
-) -> tuple[torch.Tensor, dict[str, list[Any]]]:
-    """`token_level_scores` `[B, T]` for the batch (see place_on_last_token) and the per-sample extras."""
+    batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn, overlong: OverlongShaping | None = None
+) -> SampleScores:
+    """Score every response, add the overlong penalty when shaping, and place the result on the last token.
+
+    A response's length is its count of generated tokens (`response_mask`), the count the rollout stops at
+    `max_length`.
+    """
     scores, extras = score_responses(batch, tokenizer, score_fn)  # [B]
-    return place_on_last_token(scores, batch.tensors["response_mask"]), extras
+    mask = batch.tensors["response_mask"]  # [B, T]
+    shaped = scores
+    if overlong is not None:
+        penalty = overlong_penalty(mask.sum(-1), overlong.max_length, overlong.buffer_length,
+                                   overlong.penalty_factor)  # [B]
+        shaped = scores + penalty
+        if overlong.log:
+            extras |= {"overlong_reward": penalty.tolist(), "overlong": (penalty < 0).tolist()}
+    return SampleScores(place_on_last_token(shaped, mask), scores, extras)

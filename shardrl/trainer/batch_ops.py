@@ -13,7 +13,7 @@ import torch
 from shardrl.algos import AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, rollout_correction
 from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
-from shardrl.rewards.manager import compute_token_level_scores
+from shardrl.rewards.manager import OverlongShaping, SampleScores, compute_token_level_scores
 from shardrl.trainer.config import PPOConfig
 
 # Which validation samples `trainer.log_val_generations` shows: a fixed seed, so every validation of every run shows
@@ -27,10 +27,12 @@ def assign_uids(prompts: Batch) -> Batch:
     return prompts
 
 
-def with_sample_seeds(samples: Batch, config: PPOConfig, step: int) -> Batch:
-    """A sampling seed per row from (trainer.seed, step, row): generation then depends on nothing but the weights
-    and the data, so a resumed run samples exactly what the uninterrupted one did. Validation uses step -1."""
-    base = (config.trainer.seed * 1_000_003 + (step + 1) * 65_537) % 2**31
+def with_sample_seeds(samples: Batch, config: PPOConfig, step: int, gen_round: int = 0) -> Batch:
+    """A sampling seed per row from (trainer.seed, step, generation round, row): generation then depends on nothing
+    but the weights and the data, so a resumed run samples exactly what the uninterrupted one did. Validation uses
+    step -1. A step's extra rounds (dynamic sampling) start 2**24 seeds apart, so rounds of fewer rows than that
+    share no seed."""
+    base = (config.trainer.seed * 1_000_003 + (step + 1) * 65_537 + gen_round * 2**24) % 2**31
     samples.tensors["sample_seed"] = base + torch.arange(len(samples), dtype=torch.long)
     return samples
 
@@ -60,15 +62,25 @@ def balance_over_dp(batch: Batch, config: PPOConfig, actor_dp: int,
     return batch.take(order), metrics
 
 
-def score(batch: Batch, tokenizer, score_fn) -> tuple[Batch, dict[str, float]]:
-    scores, extras = compute_token_level_scores(batch, tokenizer, score_fn)  # [B, R]
-    batch.tensors["token_level_scores"] = scores
+def score(batch: Batch, tokenizer, score_fn, config: PPOConfig) -> tuple[Batch, SampleScores]:
+    """`token_level_scores` `[B, R]` (with `reward_model.overlong_buffer`'s shaping when enabled; validation too, as
+    verl's DAPO recipe scores it) and the per-sample scores and extras."""
+    overlong = config.reward_model.overlong_buffer
+    shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
+                              overlong.log) if overlong.enable else None
+    scores = compute_token_level_scores(batch, tokenizer, score_fn, shaping)
+    batch.tensors["token_level_scores"] = scores.token_level
+    return batch, scores
+
+
+def reward_metrics(extras: dict[str, list[Any]]) -> dict[str, float]:
+    """`reward_extra/<key>/mean` over the samples with a number (or bool) for each per-sample extra."""
     metrics = {}
     for key, values in extras.items():
         numeric = [float(v) for v in values if isinstance(v, (int, float, bool))]
         if numeric:
             metrics[f"reward_extra/{key}/mean"] = float(np.mean(numeric))
-    return batch, metrics
+    return metrics
 
 
 def val_generations(batch: Batch, tokenizer, scores: np.ndarray, num: int) -> list[dict[str, Any]]:

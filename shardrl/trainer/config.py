@@ -32,6 +32,8 @@ LrDecayStyle = Literal["constant", "linear", "cosine"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
 Logger = Literal["console", "wandb", "tensorboard", "mlflow", "file"]
 Mode = Literal["sync", "one_step_off", "fully_async"]
+# What dynamic sampling compares within a prompt group (see shardrl.trainer.dynamic_sampling.metric_values).
+FilterMetric = Literal["acc", "score", "seq_reward", "seq_final_reward"]
 AtLeastMinusOne = Annotated[int, Min(-1)]  # -1 means "off" / "derive it"
 UnitInterval = Annotated[float, Min(0), Max(1)]  # [0, 1]
 
@@ -273,12 +275,26 @@ class CriticConfig:
 
 
 @dataclass(frozen=True)
+class OverlongBufferConfig:
+    """DAPO's overlong reward shaping (verl's DAPO-recipe keys): a response longer than max_response_length - len
+    tokens loses penalty_factor x (its tokens past that point) / len, down to -penalty_factor at the maximum."""
+
+    enable: bool
+    len: NonNegInt  # tokens; must be in [1, data.max_response_length] when enabled
+    penalty_factor: NonNegFloat
+    log: bool  # report the penalty as the reward extra `overlong_reward` (and `overlong`)
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
     """Rule-based reward settings (verl's `reward_model` group; model-based RMs are refused)."""
 
     enable: bool  # model-based reward models are not supported; rewards are rule-based
-    reward_manager: Literal["naive", "batch"]
+    # One scoring path serves all three; `dapo` (verl's DAPO-recipe manager) is accepted so its command lines run:
+    # its overlong shaping is `overlong_buffer`, which works with any manager here.
+    reward_manager: Literal["naive", "batch", "dapo"]
     reward_kwargs: dict[str, Any]
+    overlong_buffer: OverlongBufferConfig
 
 
 @dataclass(frozen=True)
@@ -309,8 +325,18 @@ class RolloutCorrectionConfig:
 
 
 @dataclass(frozen=True)
+class FilterGroupsConfig:
+    """DAPO's dynamic sampling (verl's DAPO-recipe keys): prompt groups whose `metric` is the same for all their
+    samples are dropped and more prompt batches generated until `data.train_batch_size` groups remain."""
+
+    enable: bool
+    metric: FilterMetric
+    max_num_gen_batches: NonNegInt  # generation rounds per step before giving up; 0: unlimited
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
-    """Advantage estimation, KL in reward and off-policy correction."""
+    """Advantage estimation, KL in reward, off-policy correction and dynamic sampling."""
 
     adv_estimator: AdvEstimator
     gamma: UnitInterval
@@ -320,6 +346,7 @@ class AlgorithmConfig:
     kl_penalty: KLEstimator
     kl_ctrl: KLControlConfig
     rollout_correction: RolloutCorrectionConfig
+    filter_groups: FilterGroupsConfig
 
 
 @dataclass(frozen=True)
@@ -336,6 +363,7 @@ class DataConfig:
     max_prompt_length: PosInt
     max_response_length: PosInt
     train_batch_size: PosInt  # prompts per step
+    gen_batch_size: PosInt  # prompts per loader batch (a generation round); != train_batch_size needs filter_groups
     val_batch_size: PosInt | None
     return_raw_input_ids: bool
     return_raw_chat: bool

@@ -1,5 +1,6 @@
 """Rules between config keys, checked once by `load_config` after every value's type and range: micro-batch key
-pairs, the sync/async shape of the config, and which logprobs anchor PPO. Rules that need world sizes (layouts,
+pairs, the sync/async shape of the config, which logprobs anchor PPO, and DAPO's dynamic sampling and overlong
+shaping. Rules that need world sizes (layouts,
 batch-size normalisation, model fit) are in `shardrl.trainer.plan`."""
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ def validate(config: PPOConfig) -> None:
         raise ConfigError("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
     _validate_async(config)
     _validate_behaviour_logprobs(config)
+    _validate_dapo(config)
 
 
 def _validate_async(config: PPOConfig) -> None:
@@ -93,3 +95,29 @@ def _validate_behaviour_logprobs(config: PPOConfig) -> None:
     if needs_behaviour and not config.actor_rollout_ref.rollout.calculate_log_probs:
         raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs",
                           "must be true: algorithm.rollout_correction reads the rollout's behaviour logprobs")
+
+
+def _validate_dapo(config: PPOConfig) -> None:
+    """Dynamic sampling (algorithm.filter_groups) runs in the synchronous step only: the async schedules take groups
+    as they finish and cannot hold a step back for more prompt batches. The overlong buffer must fit the response."""
+    groups, data, key = config.algorithm.filter_groups, config.data, "algorithm.filter_groups.enable"
+    if groups.enable:
+        if config.async_training is not None:
+            raise ConfigError(key, f"true is not supported in {config.mode} mode (its schedule takes groups as they "
+                                   "finish); use --config-name=ppo_trainer or ppo_megatron_trainer")
+        if config.actor_rollout_ref.rollout.n < 2:
+            raise ConfigError(key, "true needs actor_rollout_ref.rollout.n >= 2 (a group of one sample has no spread "
+                                   "to filter on)")
+        if groups.metric == "seq_final_reward" and config.algorithm.use_kl_in_reward:
+            raise ConfigError("algorithm.filter_groups.metric", "seq_final_reward with algorithm.use_kl_in_reward=true "
+                                                                "is not supported (the KL penalty is applied after the "
+                                                                "filter, to the kept groups only); use seq_reward")
+    elif data.gen_batch_size != data.train_batch_size:
+        raise ConfigError("data.gen_batch_size", f"{data.gen_batch_size} differs from data.train_batch_size="
+                                                 f"{data.train_batch_size}, which needs {key}=true; leave "
+                                                 "gen_batch_size unset")
+    overlong = config.reward_model.overlong_buffer
+    if overlong.enable and not 1 <= overlong.len <= data.max_response_length:
+        raise ConfigError("reward_model.overlong_buffer.len", f"{overlong.len} must be in [1, "
+                                                              f"data.max_response_length={data.max_response_length}] "
+                                                              "when the buffer is enabled")

@@ -3,11 +3,11 @@
 The rollouter (rollouter.py) is a controller thread that keeps the rollout pool's engines saturated through short
 `stream` calls, so the pool generates while the trainer pool trains. The trainer takes `require_batches x
 ppo_mini_batch_size` prompt groups per step (the `n` samples of a prompt travel together, first finished first
-taken) and runs `PPOTrainer.train` on them; every `trigger_parameter_sync_step` steps it pauses the rollouter at a
-call boundary and syncs. How far generation may run ahead, and so how stale samples may be, is the budget rule of
-staleness.py: after each sync the rollouter may start prompts until `window + extra` are outstanding. Without
-`partial_rollout` the pause lets running requests finish first (every sample is then one version); with it they are
-paused in the engine and continue under the new weights (their tokens carry both versions).
+taken) and runs `PPOTrainer.score` and `.train` on them; every `trigger_parameter_sync_step` steps it pauses the
+rollouter at a call boundary and syncs. How far generation may run ahead, and so how stale samples may be, is the
+budget rule of staleness.py: after each sync the rollouter may start prompts until `window + extra` are outstanding.
+Without `partial_rollout` the pause lets running requests finish first (every sample is then one version); with it
+they are paused in the engine and continue under the new weights (their tokens carry both versions).
 
 One-step-off (one_step_off.py) is this schedule with a batch per step, a sync every step, one batch of run-ahead and
 the batches taken whole, in loader order.
@@ -24,7 +24,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardrl.data.batch import Batch
-from shardrl.trainer import staleness
+from shardrl.trainer import batch_ops, staleness
 from shardrl.trainer.ppo import PPOTrainer
 from shardrl.trainer.rollouter import Rollouter
 
@@ -60,8 +60,9 @@ class FullyAsyncTrainer(PPOTrainer):
                     with t.phase(step, "wait_rollout"):
                         groups, metrics = self.rollouter.take(budget.per_step, self.policy_version,
                                                               self.max_staleness)
-                    batch, train_metrics = self.train(Batch.concat([g.samples for g in groups]), step)
-                    metrics |= train_metrics
+                    batch, scores = self.score(Batch.concat([g.samples for g in groups]), step)
+                    batch, train_metrics = self.train(batch, step)
+                    metrics |= batch_ops.reward_metrics(scores.extras) | train_metrics
                     if (step + 1) % budget.trigger == 0:
                         metrics |= self._sync_paused(step)
                 metrics["timing_s/rollout_overlap"] = t.overlap(step, "rollout", IDLE_PHASES)

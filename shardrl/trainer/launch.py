@@ -65,7 +65,8 @@ def train(config: PPOConfig, plan: Plan) -> None:
         return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
                          data.prompt_key, max_samples)
 
-    loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.train_batch_size, data.shuffle,
+    # A loader batch is a generation round: train_batch_size prompts, unless dynamic sampling asks for other rounds.
+    loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.gen_batch_size, data.shuffle,
                           data.seed)
     total_steps = training_steps(config, plan, loader)
     val_prompts = None

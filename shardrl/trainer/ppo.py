@@ -1,13 +1,15 @@
-"""The PPO loop. A step reads as the named verbs of DESIGN.md: `generate` (rollout), `train` (score, log-probs,
+"""The PPO loop. A step reads as the named verbs of DESIGN.md: `generate` (rollout), `score`, `train` (log-probs,
 values, advantages, updates) and `sync_weights`. `schedule()` decides when generation runs and with which weights:
 the synchronous schedule is here, the async modes override it (one_step_off.py, fully_async.py) with the same verbs.
+The synchronous step may generate several prompt batches (DAPO's dynamic sampling, dynamic_sampling.py).
 """
 
 from __future__ import annotations
 
 import contextlib
+import itertools
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,7 +20,8 @@ from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
 from shardrl.data.rl_dataset import PromptLoader
 from shardrl.models.checkpoint import checkpoint_dir, find_latest, mark_latest
-from shardrl.trainer import batch_ops, staleness
+from shardrl.rewards.manager import SampleScores
+from shardrl.trainer import batch_ops, dynamic_sampling, staleness
 from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.tracking import Timeline, Tracker
 
@@ -47,36 +50,50 @@ class PPOTrainer:
         self.rollout_version: int | None = 0 if workers.rollout is None else None
         self.max_staleness = staleness.max_staleness(config)
 
-    def step(self, prompts: Batch) -> dict[str, Any]:
-        """generate -> train (score, log-probs, values, advantages, updates) -> sync: the synchronous schedule."""
+    def step(self, prompts: Batch, more_prompts: Iterable[Batch] = ()) -> dict[str, Any]:
+        """generate -> score -> train (log-probs, values, advantages, updates) -> sync: the synchronous schedule.
+        Dynamic sampling takes further prompt batches from `more_prompts` (the schedule's loader stream)."""
         step, t = self.global_step, self.timeline
         with t.phase(step, "step"):
-            with t.phase(step, "gen"):
-                batch = self.generate(prompts, step)
-            batch, metrics = self.train(batch, step)
-            metrics |= self.sync_weights(step)
+            batch, metrics = self.rollout(prompts, more_prompts, step)
+            batch, train_metrics = self.train(batch, step)
+            metrics |= train_metrics | self.sync_weights(step)
         return metrics | self.step_metrics(batch, step)
 
-    def generate(self, prompts: Batch, step: int) -> Batch:
-        return self.workers.generator.generate_sequences(self.sample_rows(prompts, step))
+    def rollout(self, prompts: Batch, more_prompts: Iterable[Batch], step: int) -> tuple[Batch, dict[str, Any]]:
+        """The step's scored samples: those of `prompts`, or with `algorithm.filter_groups` the first
+        `data.train_batch_size` groups with a spread from as many rounds as that takes (dynamic_sampling.py)."""
+        batches = itertools.chain([prompts], more_prompts)
+        rounds = (self.score(self.generate(p, step, gen_round), step) for gen_round, p in enumerate(batches))
+        groups = self.config.algorithm.filter_groups
+        if not groups.enable:
+            batch, scores = next(rounds)
+            return batch, batch_ops.reward_metrics(scores.extras)
+        return dynamic_sampling.collect(rounds, groups.metric, self.config.data.train_batch_size,
+                                        groups.max_num_gen_batches)
 
-    def sample_rows(self, prompts: Batch, step: int) -> Batch:
-        """`rollout.n` rows per prompt (one per sample, grouped by uid), seeded by (seed, step, row): what they
-        generate depends only on the weights and the data."""
+    def generate(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
+        with self.timeline.phase(step, "gen"):
+            return self.workers.generator.generate_sequences(self.sample_rows(prompts, step, gen_round))
+
+    def sample_rows(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
+        """`rollout.n` rows per prompt (one per sample, grouped by uid), seeded by (seed, step, round, row): what
+        they generate depends only on the weights and the data."""
         samples = batch_ops.assign_uids(prompts).repeat(self.config.actor_rollout_ref.rollout.n)
-        return batch_ops.with_sample_seeds(samples, self.config, step)
+        return batch_ops.with_sample_seeds(samples, self.config, step, gen_round)
+
+    def score(self, batch: Batch, step: int) -> tuple[Batch, SampleScores]:
+        with self.timeline.phase(step, "reward"):
+            return batch_ops.score(batch, self.tokenizer, self.score_fn, self.config)
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
-        """balance -> score -> log-probs (old, ref) -> values -> advantages -> update critic, actor."""
+        """On a scored batch: balance -> log-probs (old, ref) -> values -> advantages -> update critic, actor."""
         w, t = self.workers, self.timeline
         metrics: dict[str, Any] = {}
         if self.config.trainer.balance_batch:
             with t.phase(step, "balance"):
                 batch, metrics = batch_ops.balance_over_dp(batch, self.config, w.actor.layout.dp,
                                                            w.critic.layout.dp if w.critic is not None else None)
-        with t.phase(step, "reward"):
-            batch, score_metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
-        metrics |= score_metrics
         metrics |= staleness.lag_metrics(batch.tensors["policy_versions"], batch.tensors["response_mask"],
                                          self.policy_version, self.max_staleness)
         if self.config.recompute_old_log_probs:
@@ -124,8 +141,9 @@ class PPOTrainer:
 
     def schedule(self) -> Iterator[dict[str, Any]]:
         """The synchronous schedule: every step generates with the weights it then updates (staleness 0)."""
-        for prompts in self.prompt_batches():
-            yield self.step(prompts)
+        batches = self.prompt_batches()
+        for prompts in batches:
+            yield self.step(prompts, batches)
 
     def prompt_batches(self) -> Iterator[Batch]:
         """The loader's batches, epoch after epoch (the schedule decides when to stop)."""
@@ -136,7 +154,7 @@ class PPOTrainer:
         n = self.config.actor_rollout_ref.rollout.val_kwargs.n
         samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.config, -1)
         batch = self.workers.generator.generate_sequences(samples, validate=True)
-        batch, extra_metrics = batch_ops.score(batch, self.tokenizer, self.score_fn)
+        batch, sample_scores = batch_ops.score(batch, self.tokenizer, self.score_fn, self.config)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
         if self.config.trainer.log_val_generations:
             self.tracker.log_generations(self.global_step, batch_ops.val_generations(
@@ -145,7 +163,8 @@ class PPOTrainer:
         metrics = {f"val-core/{s}/reward/mean@1": float(scores[sources == s].mean()) for s in set(sources)}
         metrics["val-core/reward/mean"] = float(np.mean(scores))
         # A reward function's extras (e.g. `acc` beside a shaped score) as verl's val-aux metrics.
-        metrics.update({f"val-aux/{key.removeprefix('reward_extra/')}": value for key, value in extra_metrics.items()})
+        metrics.update({f"val-aux/{key.removeprefix('reward_extra/')}": value
+                        for key, value in batch_ops.reward_metrics(sample_scores.extras).items()})
         return metrics
 
     def save(self) -> None:
