@@ -28,7 +28,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -50,7 +50,7 @@ from shardrl.models.checkpoint_shards import (
     unique_params,
 )
 from shardrl.models.config import ModelConfig
-from shardrl.models.hf_bridge import CheckpointError
+from shardrl.models.hf_bridge import CheckpointError, init_hf_weights
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 
@@ -195,9 +195,10 @@ def find_latest(root: str | Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------- load
 def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layout, *,
                     optimizer: AdamW | None = None, scheduler: LRScheduler | None = None,
-                    restore_rng: bool = True) -> dict[str, Any] | None:
+                    restore_rng: bool = True, skip: Collection[str] = ()) -> dict[str, Any] | None:
     """Load a checkpoint saved by `save_checkpoint` at any layout into this rank's `chunks` (and the optimizer's
-    master weights and moments, the scheduler, the RNG states when asked); collective over the layout.
+    master weights and moments, the scheduler, the RNG states when asked); collective over the layout. `skip`: HF
+    names of model tensors not to read (they are left zero).
 
     Returns the saved `trainer_state` (None if none was saved). RNG states are per rank: at another world size,
     rank r takes those of saved rank r % saved world size.
@@ -205,7 +206,8 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     path, group = Path(path), layout.group("world")
     params = unique_params(chunks)
     meta = _read_meta(path, chunks[0].config, optimizer is not None)
-    state: dict[str, Any] = model_entries(params, layout, writing=False)
+    state: dict[str, Any] = {key: entry for key, entry in model_entries(params, layout, writing=False).items()
+                             if key[len(MODEL_PREFIX):] not in skip}
     if optimizer is not None:
         entries, optim_state = optimizer_entries(optimizer, params, layout, writing=False)
         state |= entries | {"optimizer": None}
@@ -235,10 +237,15 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     return state.get("trainer")
 
 
-def load_model_from_dist(chunks: Sequence[nn.Module], layout: Layout, path: str | Path) -> None:
+def load_model_from_dist(chunks: Sequence[nn.Module], layout: Layout, path: str | Path,
+                         optional: Collection[str] = ()) -> None:
     """Fill this rank's model chunks from a distributed checkpoint (`use_dist_checkpointing`: one written by
-    `python -m shardrl.models.convert hf-to-dist`, or a training checkpoint); parameters only. Collective."""
-    load_checkpoint(path, chunks, layout, restore_rng=False)
+    `python -m shardrl.models.convert hf-to-dist`, or a training checkpoint); parameters only. Collective.
+    `optional`: HF names the checkpoint may lack (a critic's value head when it was converted from a causal LM);
+    those are initialised as `load_hf_weights` initialises them."""
+    absent = set(optional).difference(saved_model_tensors(path)) if optional else set()
+    load_checkpoint(path, chunks, layout, restore_rng=False, skip=absent)
+    init_hf_weights(chunks, absent)
 
 
 def saved_model_tensors(path: str | Path) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

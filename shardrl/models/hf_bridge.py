@@ -95,15 +95,27 @@ def load_hf_weights(model: Model, source: str | Path | HFCheckpointReader, optio
     initialised N(0, init_std), identically on every rank. Experts are read by their global ids.
     """
     reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
+    absent = {name for name in optional if name not in reader}
     for param in _unique_params(model):
         spec = get_spec(param)
         start, stop = spec.slice_range() or (0, 0)
         for i, name in enumerate(spec.hf_names()):
-            if name in optional and name not in reader:
-                piece = _local_slice(_random_init(name, spec.full_shape, init_std), spec)
-            else:
-                piece = reader.read(name, spec.full_shape, spec.dim, start, stop)
-            _copy_piece(param[i] if spec.expert else param, spec, piece)
+            if name not in absent:
+                _copy_piece(param[i] if spec.expert else param, spec,
+                            reader.read(name, spec.full_shape, spec.dim, start, stop))
+    init_hf_weights(model, absent, init_std)
+
+
+@torch.no_grad()
+def init_hf_weights(model: Model, names: Collection[str], init_std: float = 0.02) -> None:
+    """Fill this rank's slices of the HF tensors `names` with N(0, init_std), identically on every rank and layout:
+    the tensors a starting checkpoint (HF or distributed) may lack, like a critic's value head."""
+    for param in _unique_params(model):
+        spec = get_spec(param)
+        for i, name in enumerate(spec.hf_names()):
+            if name in names:
+                _copy_piece(param[i] if spec.expert else param, spec,
+                            _local_slice(_random_init(name, spec.full_shape, init_std), spec))
 
 
 def _local_slice(full: Tensor, spec: ShardSpec) -> Tensor:

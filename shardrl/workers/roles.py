@@ -80,7 +80,7 @@ def build_engine(model_config: ModelConfig, layout: Layout, options: EngineOptio
     if not megatron.use_dist_checkpointing:
         return ModelEngine(model_config, layout, options, hf_path=hf_path, optional_weights=optional_weights)
     return ModelEngine(model_config, layout, options, weights_loader=lambda chunks: load_model_from_dist(
-        chunks, layout, megatron.dist_checkpointing_path))
+        chunks, layout, megatron.dist_checkpointing_path, optional_weights))
 
 
 def offload_flags(megatron: MegatronConfig) -> dict[str, bool]:
