@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from shardrl.parallel.data import GradBuffers
+from shardrl.parallel.data import GradBuffers, sum_of_squares
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
@@ -256,6 +256,15 @@ def test_finalized_grads_are_reference_slices(finalized, name):
 @pytest.mark.parametrize("name", LAYOUTS)
 def test_grad_norm_counts_every_element_once(finalized, name):
     check_norm(finalized, name)
+
+
+def test_sum_of_squares_over_slices_counts_every_element_once():
+    # cuBLAS caps one dot at 2**31 - 1 elements; slices of 7 stand in for that bound (20 = 7 + 7 + 6).
+    vector = torch.arange(1.0, 21.0)
+    expected = sum(float(i) ** 2 for i in range(1, 21))  # 2870
+    assert sum_of_squares(vector, max_elements=7).item() == expected
+    assert sum_of_squares(vector).item() == expected
+    assert sum_of_squares(torch.zeros(0)).item() == 0.0
 
 
 def test_bucket_layout_hand_written():

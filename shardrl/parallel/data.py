@@ -32,6 +32,9 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec, get_spec
 
 ALIGN = 64  # elements; each rank's chunk of a bucket starts 256 bytes aligned (fp32)
+# cuBLAS takes vector lengths as 32-bit ints: one `torch.dot` of a longer piece (a 2B-parameter buffer on one rank,
+# e.g. MoE experts at EP 1) fails on GPU, so the norm walks longer pieces in slices of at most this many elements.
+DOT_MAX_ELEMENTS = 2**31 - 1
 
 
 @dataclass
@@ -260,8 +263,7 @@ class GradBuffers:
         square_sum = torch.zeros((), dtype=torch.float32, device=device)
         for buf, ranges in zip(self.buffers, self._norm_ranges):
             for start, end in ranges:
-                piece = buf.data[start:end]
-                square_sum += torch.dot(piece, piece)
+                square_sum += sum_of_squares(buf.data[start:end])
         # (tp, pp) then (cp, dp): together every rank of the layout, without a dedicated group.
         for name in ("mp", "dp_cp"):
             group = self.layout.group(name)
@@ -272,3 +274,8 @@ class GradBuffers:
     def tensors(self) -> list[Tensor]:
         """The flat buffers (what offloading grads moves)."""
         return [buf.data for buf in self.buffers]
+
+
+def sum_of_squares(vector: Tensor, max_elements: int = DOT_MAX_ELEMENTS) -> Tensor:
+    """Sum of the squares of a 1-D tensor as dot products over slices of at most `max_elements` (cuBLAS's bound)."""
+    return sum(torch.dot(piece, piece) for piece in vector.split(max_elements))
