@@ -102,7 +102,7 @@ def test_aggregation_modes_by_hand():
         "token-mean": 15 / 5,
         "seq-mean-token-sum": (6 + 9) / 2,
         "seq-mean-token-mean": (2 + 4.5) / 2,
-        "seq-mean-token-sum-norm": 15 / (4 * 2),
+        "seq-mean-token-sum-norm": 15 / 4,  # verl's Dr. GRPO: sum / max_response_length, no mean over sequences
     }
     for mode, value in expected.items():
         assert aggregate_loss(per_token, mask, mode, scale).item() == pytest.approx(value, abs=1e-12)
@@ -288,21 +288,64 @@ def test_gspo_gradient_is_the_gspo_token_gradient_and_not_vanilla():
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_gspo_equals_vanilla_when_the_policy_has_not_moved(mode):
-    # All ratios 1: both surrogates are -A per token, so every term (IS weights, entropy, KL) and gradient agree.
+    # All ratios 1: both surrogates are -A per token. GSPO's term is aggregated with seq-mean-token-mean whatever
+    # `mode` says (verl's rule), the entropy and KL terms with `mode`; so GSPO's loss is vanilla's with its
+    # policy-gradient term swapped for vanilla's seq-mean-token-mean one, in value and gradient.
     batch = _ragged_batch(seed=5)
     on_policy = torch.where(batch["mask"].bool(), batch["old"], 1e3)
-    results = []
-    for loss_mode in POLICY_LOSS_MODES:
+    scale = LossScale.from_mask(batch["mask"], 12)
+
+    def run(loss_mode: str, agg_mode: str, pg_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
         log_prob = on_policy.clone().requires_grad_()
-        loss, metrics = _losses(batch | {"log_prob": log_prob}, mode, LossScale.from_mask(batch["mask"], 12),
-                                loss_mode)
-        results.append((loss, torch.autograd.grad(loss, log_prob)[0], metrics))
-    (vanilla, vanilla_grad, vanilla_metrics), (gspo, gspo_grad, gspo_metrics) = results
-    torch.testing.assert_close(gspo, vanilla, atol=1e-12, rtol=0)
-    assert vanilla_grad.abs().sum() > 0
-    torch.testing.assert_close(gspo_grad, vanilla_grad, atol=1e-12, rtol=0)
-    for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss"):
+        extra = {} if pg_only else dict(entropy=batch["entropy"], entropy_coeff=0.01, ref_log_prob=batch["ref"],
+                                        kl_loss_coef=0.05)
+        loss, metrics = actor_loss(log_prob, batch["old"], batch["advantages"], batch["mask"], scale, agg_mode,
+                                   ClipRange(0.2, clip_ratio_high=0.28), is_weights=batch["is_weights"],
+                                   loss_mode=loss_mode, **extra)
+        return loss, torch.autograd.grad(loss, log_prob)[0], metrics
+
+    gspo, gspo_grad, gspo_metrics = run("gspo", mode)
+    vanilla, vanilla_grad, vanilla_metrics = run("vanilla", mode)
+    swapped_pg, swapped_pg_grad, swapped_metrics = run("vanilla", "seq-mean-token-mean", pg_only=True)
+    own_pg, own_pg_grad, _ = run("vanilla", mode, pg_only=True)
+    torch.testing.assert_close(gspo, vanilla - own_pg + swapped_pg, atol=1e-12, rtol=0)
+    assert swapped_pg_grad.abs().sum() > 0
+    torch.testing.assert_close(gspo_grad, vanilla_grad - own_pg_grad + swapped_pg_grad, atol=1e-12, rtol=0)
+    torch.testing.assert_close(gspo_metrics["pg_loss"], swapped_metrics["pg_loss"], atol=1e-12, rtol=0)
+    for name in ("pg_clipfrac", "ppo_kl", "entropy", "kl_loss"):
         torch.testing.assert_close(gspo_metrics[name], vanilla_metrics[name], atol=1e-12, rtol=0)
+
+
+def test_gspo_term_is_a_mean_over_sequences_whatever_loss_agg_mode():
+    # verl aggregates GSPO's surrogate with seq-mean-token-mean even when loss_agg_mode says otherwise; the
+    # reference (_gspo_reference) weighs each token 1 / (len_i * num_seqs). Token-mean would weigh 1 / 8.
+    inputs = _gspo_inputs()
+    log_prob = inputs.pop("log_prob").requires_grad_()
+    expected_losses, expected_grads = _gspo_reference(0.2, 0.28)
+    for mode in LOSS_AGG_MODES:
+        loss, metrics = actor_loss(log_prob, **inputs, scale=LossScale.from_mask(inputs["response_mask"], 4),
+                                   loss_agg_mode=mode, clip=GSPO_CLIP, loss_mode="gspo")
+        assert loss.item() == pytest.approx(sum(sum(r) / len(r) for r in expected_losses) / 4, abs=1e-12), mode
+        assert metrics["pg_loss"].item() == pytest.approx(loss.item(), abs=1e-12)
+        (grad,) = torch.autograd.grad(loss, log_prob)
+        torch.testing.assert_close(grad, _padded(expected_grads, 0.0))
+
+
+def test_gspo_log_ratio_clamped_above_at_10_only():
+    # Sequence 0: log s = 12 with A = -1 (unclipped branch active): value e^10 per token (verl's clamp) and no
+    # gradient. Sequence 1: log s = -25 with A = +1: value -e^-25 per token (no lower clamp; -e^-20 with one) and the
+    # unclipped gradient -A * s / (len * num_seqs) = -e^-25 / 4. ppo_kl is the unclamped -mean log ratio:
+    # -(24 - 50) / 4.
+    log_ratios = t([[12.0, 12.0], [-25.0, -25.0]])
+    old = t([[-1.0, -2.0], [-0.5, -0.7]])
+    log_prob = (old + log_ratios).requires_grad_()
+    mask, advantages = torch.ones_like(old), t([[-1.0, -1.0], [1.0, 1.0]])
+    scale = LossScale.from_mask(mask, 2)
+    per_token, metrics = gspo_loss(log_prob, old, advantages, mask, scale, ClipRange(0.2))
+    torch.testing.assert_close(per_token, t([[math.exp(10)] * 2, [-math.exp(-25)] * 2]), rtol=1e-12, atol=0)
+    assert metrics["ppo_kl"].item() == pytest.approx(26 / 4, abs=1e-12)
+    (grad,) = torch.autograd.grad(aggregate_loss(per_token, mask, "seq-mean-token-mean", scale), log_prob)
+    torch.testing.assert_close(grad, t([[0.0, 0.0], [-math.exp(-25) / 4] * 2]), rtol=1e-12, atol=0)
 
 
 def test_unknown_loss_mode_names_the_key():

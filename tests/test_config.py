@@ -42,10 +42,7 @@ def test_megatron_config_keeps_the_base_keys_and_changes_defaults():
 
 
 def test_interpolated_defaults_follow_the_keys_they_name():
-    config = compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3", "trainer.seed=7",
-                                     "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
-    actor = config.actor_rollout_ref.actor
-    assert (actor.clip_ratio_low, actor.clip_ratio_high) == (0.3, 0.3)
+    config = compose("ppo_trainer", ["trainer.seed=7", "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2"])
     assert config.data.seed == 7 and config.actor_rollout_ref.rollout.seed == 7
     assert config.actor_rollout_ref.ref.megatron.tensor_model_parallel_size == 2
 
@@ -157,6 +154,29 @@ def test_gspo_command_line_reaches_the_actor_loss_options():
     assert (options.clip.low, options.clip.high) == (0.0003, 0.0004)
 
 
+def test_clip_ratio_alone_leaves_the_clip_range_as_verl_does():
+    # verl's clip_ratio_low / high default to 0.2 themselves; clip_ratio is their fallback only when they are null.
+    clip = policy_loss_options(compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3"])).clip
+    assert (clip.low, clip.high) == (0.2, 0.2)
+    clip = policy_loss_options(compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3",
+                                                       "actor_rollout_ref.actor.clip_ratio_low=null",
+                                                       "actor_rollout_ref.actor.clip_ratio_high=0.28"])).clip
+    assert (clip.low, clip.high) == (0.3, 0.28)
+
+
+@pytest.mark.parametrize("alias, name", [("k1", "kl"), ("k2", "mse"), ("k3", "low_var_kl")])
+def test_verl_kl_estimator_aliases_are_accepted(alias, name):
+    config = compose("ppo_trainer", [f"actor_rollout_ref.actor.kl_loss_type={alias}", f"algorithm.kl_penalty={alias}"])
+    assert config.actor_rollout_ref.actor.kl_loss_type == config.algorithm.kl_penalty == alias
+
+
+def test_loss_scale_factor_only_as_the_response_length():
+    # verl's divisor of seq-mean-token-sum-norm: null or the response length (the divisor the workers use).
+    compose("ppo_trainer", ["actor_rollout_ref.actor.loss_scale_factor=2"])  # max_response_length=2
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.loss_scale_factor: 4096 is not supported"):
+        compose("ppo_trainer", ["actor_rollout_ref.actor.loss_scale_factor=4096"])
+
+
 def test_unknown_policy_loss_mode_names_the_key_and_the_modes():
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.policy_loss.loss_mode: 'gpo' is not one of "
                                           r"vanilla \| gspo$"):
@@ -229,6 +249,32 @@ def test_verl_dapo_command_line_is_accepted_and_the_features_default_off():
         config = compose(name)
         assert not config.algorithm.filter_groups.enable and not config.reward_model.overlong_buffer.enable
         assert config.data.gen_batch_size == config.data.train_batch_size
+
+
+# verl's main trainer (verl.trainer.main_ppo, reward_manager=dapo) takes the overlong shaping as reward-manager kwargs.
+MAIN_TRAINER_OVERLONG = ["+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                         "+reward_model.reward_kwargs.overlong_buffer_cfg.len=4096",
+                         "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=1.0",
+                         "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                         "+reward_model.reward_kwargs.max_resp_len=20480"]
+
+
+def test_verl_main_trainer_overlong_spelling_equals_the_recipe_one():
+    recipe = compose("ppo_megatron_trainer", DAPO_FLAGS)
+    flags = [f for f in DAPO_FLAGS if not f.startswith("reward_model.overlong_buffer")] + MAIN_TRAINER_OVERLONG
+    main_trainer = compose("ppo_megatron_trainer", flags)
+    assert main_trainer.reward_model == recipe.reward_model
+    assert main_trainer.reward_model.overlong_buffer.enable and main_trainer.reward_model.reward_kwargs == {}
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (DAPO_FLAGS + MAIN_TRAINER_OVERLONG, "reward_model.reward_kwargs.overlong_buffer_cfg"),  # both spellings
+    (["+reward_model.reward_kwargs.max_resp_len=4096"], "reward_model.reward_kwargs.max_resp_len"),
+    (["+reward_model.reward_kwargs.overlong_buffer_cfg.size=8"], "reward_model.reward_kwargs.overlong_buffer_cfg"),
+    (["+reward_model.reward_kwargs.compute_score_kwargs=1"], "reward_model.reward_kwargs.compute_score_kwargs"),
+])
+def test_reward_kwargs_rules(overrides, key):
+    assert error_key(overrides, "ppo_megatron_trainer") == key
 
 
 def test_unknown_filter_metric_names_the_key_and_the_metrics():

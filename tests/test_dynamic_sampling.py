@@ -104,11 +104,23 @@ def test_each_round_of_a_step_has_its_own_seeds_and_round_0_keeps_them():
     assert len(set(seeds[0] + seeds[1] + seeds[2] + seeds[3])) == 24
 
 
-def test_overlong_penalty_reaches_rewards_and_advantages(tmp_path):
+# DAPO's overlong shaping in the DAPO recipe's spelling and in verl's main-trainer one (reward-manager kwargs).
+OVERLONG_SPELLINGS = {
+    "recipe": ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=1",
+               "reward_model.overlong_buffer.penalty_factor=0.5"],
+    "reward_kwargs": ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+                      "+reward_model.reward_kwargs.overlong_buffer_cfg.len=1",
+                      "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+                      "+reward_model.reward_kwargs.overlong_buffer_cfg.log=False",
+                      "+reward_model.reward_kwargs.max_resp_len=2"],
+}
+
+
+@pytest.mark.parametrize("spelling", OVERLONG_SPELLINGS)
+def test_overlong_penalty_reaches_rewards_and_advantages(tmp_path, spelling):
     """Two correct responses of 1 and 2 generated tokens with L = 2, B = 1, factor 0.5: the second loses 0.5. The
     group (both right) then has a spread: GRPO gives +-1/sqrt(2) (normalised by the unbiased std of [1, 0.5])."""
-    config = compose("ppo_trainer", ["reward_model.overlong_buffer.enable=true", "reward_model.overlong_buffer.len=1",
-                                     "reward_model.overlong_buffer.penalty_factor=0.5"])
+    config = compose("ppo_trainer", OVERLONG_SPELLINGS[spelling])
     tokenizer = builtin_task.make_tokenizer(tmp_path)
     three, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in ("3", "<eos>", "<pad>"))
     batch = Batch({"responses": torch.tensor([[three, pad], [three, eos]]),

@@ -26,7 +26,8 @@ class LossScale:
     num_tokens: valid response tokens (response_mask == 1).
     num_seqs: sequences with at least one valid token. Rows without any (pad-to-divisor filler, fully rejected
         samples) are not counted, so padding a batch never changes the loss.
-    max_response_length: `data.max_response_length`, the fixed per-sequence normaliser of seq-mean-token-sum-norm.
+    max_response_length: the rollout's response length (`data.max_response_length` by default), the constant
+        divisor of seq-mean-token-sum-norm (verl's: the padded response width, which its rollouts make that).
     """
 
     num_tokens: float
@@ -66,9 +67,10 @@ def aggregate_loss(
     seq-mean-token-sum:      sum over sequences of (sum over their tokens) / num_seqs.
     seq-mean-token-mean:     sum over sequences of (mean over their tokens) / num_seqs. A sequence never spans
                              pieces, so its token mean is local.
-    seq-mean-token-sum-norm: sum over all valid tokens / (max_response_length * num_seqs) (Dr. GRPO). The divisor
-                             is a constant of the run, not the padded width of the micro batch, which varies with
-                             packing and would make the loss depend on how the batch was cut.
+    seq-mean-token-sum-norm: sum over all valid tokens / max_response_length (Dr. GRPO as verl has it: no mean
+                             over sequences, so the loss grows with the mini batch). The divisor is a constant of the
+                             run, not the padded width of the micro batch, which varies with packing and would make
+                             the loss depend on how the batch was cut.
     Empty counts are clamped to 1: an all-masked mini batch then gives 0 rather than NaN.
     """
     valid = response_mask.bool()  # [B, T]
@@ -83,7 +85,7 @@ def aggregate_loss(
         seq_lengths = valid.sum(dim=-1).clamp(min=1)  # [B]
         return (token_sums / seq_lengths).sum() / num_seqs
     if loss_agg_mode == "seq-mean-token-sum-norm":
-        return token_sums.sum() / (scale.max_response_length * num_seqs)
+        return token_sums.sum() / scale.max_response_length
     raise ValueError(f"actor.loss_agg_mode={loss_agg_mode!r} is not one of {list(LOSS_AGG_MODES)}")
 
 

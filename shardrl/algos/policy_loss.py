@@ -4,8 +4,9 @@ The surrogate is chosen by `actor.policy_loss.loss_mode` (verl's key): `vanilla`
 clip-higher and dual clip, or `gspo`, GSPO's per-sequence ratio (Zheng et al. 2025, arXiv 2507.18071).
 
 Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
-same mode and scale, so the micro-batch losses (and their gradients) add up to the mini-batch loss, and each metric
-is the micro batch's share of the mini-batch value (the trainer sums metrics over micro batches and DP ranks).
+same scale (and `loss_agg_mode`, except gspo's surrogate: seq-mean-token-mean, as in verl), so the micro-batch losses
+(and their gradients) add up to the mini-batch loss, and each metric is the micro batch's share of the mini-batch
+value (the trainer sums metrics over micro batches and DP ranks).
 """
 
 from collections.abc import Callable
@@ -16,6 +17,9 @@ import torch
 
 from shardrl.algos.aggregate import LossScale, aggregate_loss, scaled_token_mean
 from shardrl.algos.kl import LOG_RATIO_BOUND, kl_estimate
+
+# Upper bound of GSPO's log sequence ratio (verl's value); there is no lower bound.
+GSPO_LOG_RATIO_MAX = 10.0
 
 
 @dataclass(frozen=True)
@@ -95,8 +99,9 @@ def gspo_loss(
     The token mean inside s_i divides by the sequence's own token count: a sequence never spans micro batches, so
     unlike the aggregation it needs no global count. There is no dual clip (`clip.clip_ratio_c` is not used); the
     paper's clip range is tiny (low 3e-4, high 4e-4) because a per-token geometric mean stays close to 1.
+    As in verl, `actor_loss` aggregates this surrogate with seq-mean-token-mean whatever `loss_agg_mode` says.
     Metrics (shares of mini-batch token means): pg_clipfrac (the clipped branch is active: the token gets no
-    gradient), ppo_kl (k1 estimate of KL(old || current), as in ppo_clip_loss).
+    gradient), ppo_kl (k1 estimate of KL(old || current), unclamped).
     """
     valid = response_mask.bool()  # [B, T]
     # where: padding may hold inf/NaN log-probs, and a constant 0 there also keeps gradients off padding.
@@ -104,16 +109,15 @@ def gspo_loss(
     seq_log_ratio = log_ratio.sum(dim=-1) / valid.sum(dim=-1).clamp(min=1)  # [B] log s_i
     # log s_it: log_ratio - sg[log_ratio] is 0 in value, d log pi(y_it) in gradient.
     token_log_ratio = seq_log_ratio.detach()[:, None] + (log_ratio - log_ratio.detach())  # [B, T]
-    # Clamped to +-LOG_RATIO_BOUND (20: s_i within [2e-9, 4.9e8]) so exp stays finite in any dtype; a sequence past
-    # the bound gets no policy gradient (past +20 with A > 0, or -20 with A < 0, it is clipped anyway).
-    ratio = torch.clamp(token_log_ratio, -LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()  # [B, T]
+    # Clamped above at GSPO_LOG_RATIO_MAX (verl's 10: s_i <= 2.2e4) so exp stays finite; a sequence past it has
+    # value -A * e^10 and no policy gradient (with A > 0 it is clipped anyway). Below, exp underflows harmlessly to 0.
+    ratio = torch.clamp(token_log_ratio, max=GSPO_LOG_RATIO_MAX).exp()  # [B, T]
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip.low, 1.0 + clip.high)
     per_token = torch.maximum(unclipped, clipped)  # [B, T]
     metrics = {
         "pg_clipfrac": scaled_token_mean((clipped > unclipped).float(), response_mask, scale),
-        "ppo_kl": scaled_token_mean(-torch.clamp(log_prob - old_log_prob, -LOG_RATIO_BOUND, LOG_RATIO_BOUND),
-                                    response_mask, scale),
+        "ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale),
     }
     return per_token, metrics
 
@@ -125,6 +129,9 @@ PolicyLossFn = Callable[
     tuple[torch.Tensor, dict[str, torch.Tensor]],
 ]
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss}
+# Surrogates whose policy-gradient term has its own aggregation (verl: GSPO's loss is a mean over sequences of
+# token means, whatever `loss_agg_mode`); entropy and KL terms still follow `loss_agg_mode`.
+_FIXED_PG_AGG_MODES: dict[str, str] = {"gspo": "seq-mean-token-mean"}
 
 
 def actor_loss(
@@ -146,7 +153,8 @@ def actor_loss(
     """This micro batch's share of the actor loss (a scalar to call backward on) and its metrics.
 
     loss = agg(w * surrogate) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
-    - loss_mode: the surrogate, `vanilla` (ppo_clip_loss) or `gspo` (gspo_loss); the other terms do not change.
+    - loss_mode: the surrogate, `vanilla` (ppo_clip_loss) or `gspo` (gspo_loss, whose term is always aggregated
+      with seq-mean-token-mean, as in verl); the other terms do not change.
     - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
       The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
     - entropy `[B, T]`: pass it to get the `entropy` metric; required when entropy_coeff != 0.
@@ -160,7 +168,8 @@ def actor_loss(
     pg_per_token, metrics = surrogate(log_prob, old_log_prob, advantages, response_mask, scale, clip)
     if is_weights is not None:
         pg_per_token = pg_per_token * is_weights.detach()
-    loss = aggregate_loss(pg_per_token, response_mask, loss_agg_mode, scale)
+    pg_agg_mode = _FIXED_PG_AGG_MODES.get(loss_mode, loss_agg_mode)
+    loss = aggregate_loss(pg_per_token, response_mask, pg_agg_mode, scale)
     metrics["pg_loss"] = loss.detach()
     if entropy_coeff != 0.0 and entropy is None:
         raise ValueError(f"actor.entropy_coeff={entropy_coeff} needs the per-token entropy; none was computed")

@@ -26,7 +26,7 @@ CONFIG_DIR = Path(__file__).resolve().parent / "config"
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["kl", "abs", "mse", "low_var_kl"]
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]  # verl's names and their k1/k2/k3 aliases
 DType = Literal["float32", "bfloat16", "float16"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
@@ -137,11 +137,12 @@ class ActorConfig:
     ppo_max_token_len_per_gpu: PosInt
     ppo_epochs: PosInt
     shuffle: bool
-    clip_ratio: PosFloat
-    clip_ratio_low: PosFloat
-    clip_ratio_high: PosFloat
+    clip_ratio: PosFloat  # the clip range only where clip_ratio_low / high are null (their defaults are 0.2, as verl's)
+    clip_ratio_low: PosFloat | None
+    clip_ratio_high: PosFloat | None
     clip_ratio_c: Annotated[float, Min(1, strict=True)]
     loss_agg_mode: LossAggMode
+    loss_scale_factor: PosInt | None  # divisor of seq-mean-token-sum-norm; only rollout.response_length (or null)
     policy_loss: PolicyLossConfig
     entropy_coeff: float
     use_kl_loss: bool
@@ -293,6 +294,7 @@ class RewardModelConfig:
     # One scoring path serves all three; `dapo` (verl's DAPO-recipe manager) is accepted so its command lines run:
     # its overlong shaping is `overlong_buffer`, which works with any manager here.
     reward_manager: Literal["naive", "batch", "dapo"]
+    # verl's reward-manager arguments: only the DAPO manager's, which load_config moves into overlong_buffer.
     reward_kwargs: dict[str, Any]
     overlong_buffer: OverlongBufferConfig
 
@@ -475,13 +477,46 @@ class PPOConfig:
         return node
 
 
+# verl's main trainer passes `reward_model.reward_kwargs` to its reward manager; these are its DAPO manager's.
+_OVERLONG_KWARGS = ("enable", "len", "penalty_factor", "log")
+
+
+def _fold_reward_kwargs(tree: dict[str, Any]) -> dict[str, Any]:
+    """Move DAPO's overlong shaping from verl's main-trainer spelling (`+reward_model.reward_kwargs.
+    overlong_buffer_cfg.*`, `+reward_model.reward_kwargs.max_resp_len`) into `reward_model.overlong_buffer`, the
+    spelling of verl's DAPO recipe; set only one. Other reward-manager arguments are refused, as verl's managers do."""
+    reward_model = tree.get("reward_model")
+    kwargs = dict((reward_model or {}).get("reward_kwargs") or {})
+    if not kwargs:
+        return tree
+    unknown = sorted(set(kwargs) - {"overlong_buffer_cfg", "max_resp_len"})
+    if unknown:
+        raise ConfigError(f"reward_model.reward_kwargs.{unknown[0]}", "is not a reward-manager argument here; the "
+                          "known ones are verl's DAPO manager's: overlong_buffer_cfg.{enable,len,penalty_factor,log} "
+                          "and max_resp_len")
+    max_length = tree["data"]["max_response_length"]
+    if kwargs.get("max_resp_len", max_length) != max_length:
+        raise ConfigError("reward_model.reward_kwargs.max_resp_len", f"{kwargs['max_resp_len']} differs from "
+                          f"data.max_response_length={max_length}; the overlong buffer ends at the response length")
+    shaping = kwargs.get("overlong_buffer_cfg") or {}
+    key = "reward_model.reward_kwargs.overlong_buffer_cfg"
+    if not isinstance(shaping, dict) or set(shaping) - set(_OVERLONG_KWARGS):
+        raise ConfigError(key, f"expected a mapping of {', '.join(_OVERLONG_KWARGS)}; got {shaping!r}")
+    if shaping and reward_model["overlong_buffer"]["enable"]:
+        raise ConfigError(key, "and reward_model.overlong_buffer.enable=true both set the overlong shaping; set one "
+                               "(reward_kwargs.overlong_buffer_cfg: verl's main trainer; overlong_buffer: its DAPO "
+                               "recipe)")
+    overlong = reward_model["overlong_buffer"] | shaping
+    return tree | {"reward_model": reward_model | {"reward_kwargs": {}, "overlong_buffer": overlong}}
+
+
 def load_config(cfg: DictConfig) -> PPOConfig:
     """Resolve interpolations, build the typed config and check the rules that tie keys together."""
     try:
         tree = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:  # e.g. an interpolation to a missing key
         raise ConfigError(getattr(err, "full_key", None) or "<config>", str(err).splitlines()[0]) from None
-    tree = {k: v for k, v in tree.items() if k != "hydra"}
+    tree = _fold_reward_kwargs({k: v for k, v in tree.items() if k != "hydra"})
     config = build(PPOConfig, tree)
     validate(config)
     return config
