@@ -114,6 +114,16 @@ def test_cross_key_rules(overrides, key):
     assert error_key(overrides) == key
 
 
+@pytest.mark.parametrize("bypass, recompute", [("true", False), ("false", True), ("null", True)])
+def test_verl_bypass_mode_decides_the_ppo_anchor(bypass, recompute):
+    # verl >= 0.6.1: bypass_mode=true trains on the rollout's behaviour logprobs (no old-log-prob pass).
+    config = compose("ppo_trainer", [f"algorithm.rollout_correction.bypass_mode={bypass}"])
+    assert config.recompute_old_log_probs is recompute
+    assert config.algorithm.rollout_correction.decoupled is recompute
+    assert error_key(["algorithm.rollout_correction.bypass_mode=true",
+                      "algorithm.rollout_correction.rollout_is=token"]) == "algorithm.rollout_correction.rollout_is"
+
+
 def test_async_rules():
     assert error_key(["actor_rollout_ref.hybrid_engine=true"], "fully_async_ppo_trainer") == \
         "actor_rollout_ref.hybrid_engine"

@@ -323,6 +323,7 @@ class RolloutCorrectionConfig:
 
     rollout_is: Literal["token", "sequence"] | None  # truncated importance sampling level; null: off
     rollout_is_threshold: PosFloat
+    bypass_mode: bool | None  # verl's spelling of `not decoupled`; when set, load_config makes decoupled follow it
     decoupled: bool  # true: recompute old logprobs (proximal policy); false: anchor on behaviour logprobs
 
 
@@ -510,13 +511,26 @@ def _fold_reward_kwargs(tree: dict[str, Any]) -> dict[str, Any]:
     return tree | {"reward_model": reward_model | {"reward_kwargs": {}, "overlong_buffer": overlong}}
 
 
+def _fold_bypass_mode(tree: dict[str, Any]) -> dict[str, Any]:
+    """verl (>= 0.6.1) names the PPO anchor `algorithm.rollout_correction.bypass_mode`: true anchors on the behaviour
+    logprobs, our `decoupled=false`. When it is set it decides `decoupled`."""
+    algorithm = tree.get("algorithm") or {}
+    correction = algorithm.get("rollout_correction") or {}
+    bypass = correction.get("bypass_mode")
+    if bypass is None:
+        return tree
+    if not isinstance(bypass, bool):
+        raise ConfigError("algorithm.rollout_correction.bypass_mode", f"expected true, false or null, got {bypass!r}")
+    return tree | {"algorithm": algorithm | {"rollout_correction": correction | {"decoupled": not bypass}}}
+
+
 def load_config(cfg: DictConfig) -> PPOConfig:
     """Resolve interpolations, build the typed config and check the rules that tie keys together."""
     try:
         tree = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:  # e.g. an interpolation to a missing key
         raise ConfigError(getattr(err, "full_key", None) or "<config>", str(err).splitlines()[0]) from None
-    tree = _fold_reward_kwargs({k: v for k, v in tree.items() if k != "hydra"})
+    tree = _fold_bypass_mode(_fold_reward_kwargs({k: v for k, v in tree.items() if k != "hydra"}))
     config = build(PPOConfig, tree)
     validate(config)
     return config

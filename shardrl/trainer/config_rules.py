@@ -89,8 +89,9 @@ def _validate_behaviour_logprobs(config: PPOConfig) -> None:
     use_rollout_log_probs. Importance weights compare the two, so they need both."""
     correction = config.algorithm.rollout_correction
     if correction.rollout_is is not None and not correction.decoupled:
-        raise ConfigError("algorithm.rollout_correction.rollout_is", "needs decoupled=true (importance weights compare "
-                                                                     "recomputed old logprobs with behaviour logprobs)")
+        raise ConfigError("algorithm.rollout_correction.rollout_is", "needs decoupled=true, i.e. bypass_mode=false "
+                                                                     "(importance weights compare recomputed old "
+                                                                     "logprobs with behaviour logprobs)")
     async_cfg = config.async_training
     if async_cfg is not None and async_cfg.use_rollout_log_probs == correction.decoupled:
         wanted = "false" if async_cfg.use_rollout_log_probs else "true"
