@@ -75,6 +75,7 @@ VARIANTS = {  # --variants: name -> speed options; "all" runs them in this order
     "chunks4": FastPaths(TPOverlap(backward=True, chunks=4)),
     "compile": FastPaths(TPOverlap(backward=True, chunks=1), compile=True),
     "chunks2+compile": FastPaths(TPOverlap(backward=True, chunks=2), compile=True),
+    "cudnn": FastPaths(TPOverlap(backward=True, chunks=1), attention="cudnn"),
 }
 PROBE_MIB = (1, 8, 32, 128)  # all-reduce probe sizes; 32 MiB is one micro batch's [8192, 2048] bf16 activations
 QUICK_SHAPES = {
@@ -101,6 +102,7 @@ class Setup:
     sequence_parallel: bool
     distributed_optimizer: bool
     profile: bool
+    profile_rows: int
 
 
 def parse_args() -> argparse.Namespace:
@@ -119,6 +121,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--profile", action="store_true",
                    help="profile one more step; print the top-10 kernels, its host-sync count and (GPU) where they come from")
+    p.add_argument("--profile-rows", type=int, default=10, help="rows of each --profile table")
     p.add_argument("--no-tp-overlap", action="store_true",
                    help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")
     p.add_argument("--tp-comm-chunks", type=int, default=1, help="row-parallel forward pipelines this many pieces")
@@ -200,18 +203,24 @@ def sync(device: torch.device) -> None:
 
 
 def top_ops_table(prof: profile, cuda: bool, rows: int = 10) -> str:
-    """The `rows` CUDA kernels with the most total GPU time (CPU: the ops with the most self CPU time)."""
+    """The `rows` CUDA kernels with the most total GPU time and (GPU) the `rows` torch ops with the most self GPU
+    time, which names the op behind an anonymous elementwise kernel (CPU: the ops with the most self CPU time)."""
+    averages = prof.key_averages()
     if cuda:
-        events = [(e.key, e.device_time_total, e.count) for e in prof.key_averages()
-                  if e.device_type == DeviceType.CUDA]
+        tables = [("GPU kernel", [(e.key, e.device_time_total, e.count) for e in averages
+                                  if e.device_type == DeviceType.CUDA]),
+                  ("torch op (self GPU time)", [(e.key, e.self_device_time_total, e.count) for e in averages
+                                                if e.device_type == DeviceType.CPU and e.self_device_time_total > 0])]
     else:
-        events = [(e.key, e.self_cpu_time_total, e.count) for e in prof.key_averages()]
-    total = sum(t for _, t, _ in events)
-    if not events or total == 0:
-        return "profile: no kernel events recorded"
-    lines = [f"{'GPU kernel' if cuda else 'CPU op':<90} {'ms':>9} {'%':>6} {'calls':>6}"]
-    for name, t, count in sorted(events, key=lambda e: -e[1])[:rows]:
-        lines.append(f"{name[:90]:<90} {t / 1e3:9.2f} {100 * t / total:6.1f} {count:6d}")
+        tables = [("CPU op", [(e.key, e.self_cpu_time_total, e.count) for e in averages])]
+    lines = []
+    for title, events in tables:
+        total = sum(t for _, t, _ in events)
+        if not events or total == 0:
+            return "profile: no kernel events recorded"
+        lines.append(f"{title:<90} {'ms':>9} {'%':>6} {'calls':>6}")
+        for name, t, count in sorted(events, key=lambda e: -e[1])[:rows]:
+            lines.append(f"{name[:90]:<90} {t / 1e3:9.2f} {100 * t / total:6.1f} {count:6d}")
     return "\n".join(lines)
 
 
@@ -371,7 +380,8 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
             start = time.perf_counter()
             train_step()
             sync(device)
-        table = top_ops_table(prof, cuda) + "\n" + host_syncs_line(prof, time.perf_counter() - start, cuda)
+        seconds = time.perf_counter() - start
+        table = top_ops_table(prof, cuda, setup.profile_rows) + "\n" + host_syncs_line(prof, seconds, cuda)
         if cuda:
             table += "\n" + idle_gaps(train_step, device) + "\n" + sync_sites(train_step)
     return dict(times=times, peak_gib=peak_gib, profile=table)
@@ -455,7 +465,7 @@ def main() -> None:
         spec = LayoutSpec(world_size=args.world, **sizes[name])
         setup = Setup(shapes[name], sizes[name], args.seq_len, args.seqs_per_micro, args.micro_batches, args.warmup,
                       args.steps, recompute, variants, args.sequence_parallel, args.distributed_optimizer,
-                      args.profile)
+                      args.profile, args.profile_rows)
         print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, layout TP{spec.tp} DP{spec.dp} EP{spec.ep}")
         results = run_distributed(args.world, measure, setup, backend=backend, timeout=timeout)[0]
         rows = [report(name, cfg, setup, args.world, result, args.peak_tflops) for result in results]

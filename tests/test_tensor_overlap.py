@@ -1,8 +1,10 @@
 """Overlapped tensor-parallel linears (tensor_overlap.py) and the fast paths of the model, on gloo at TP2.
 
 Each result is checked against a single-process torch computation with the full weights, and the forward output
-against the plain (non-overlapped) TP path bit for bit: the chunked GEMMs and collectives compute every element
-with the same operations. Gradients take the same sums in another order, so they are compared with tolerances.
+against the plain (non-overlapped) TP path to fp32 rounding: the chunked GEMMs and collectives compute every element
+with the same operations, though a CPU BLAS may order a GEMM's sums differently for a chunk of one or two rows (seen
+on one Xeon: the 5-piece split of 7 tokens differed in the last bit). Gradients take the same sums in another order,
+so they are compared with tolerances.
 """
 
 from pathlib import Path
@@ -86,7 +88,8 @@ def overlapped_mlp(sp: bool) -> list[str]:
     for overlap in (TPOverlap(backward=True, chunks=1), TPOverlap(backward=True, chunks=2),
                     TPOverlap(backward=False, chunks=3), TPOverlap(backward=True, chunks=5)):
         got = _run_mlp(layout, t, sp, overlap)
-        assert torch.equal(got["y"], plain["y"]), overlap
+        # Same operations per element, but a BLAS may pick another kernel (and summation order) for a few rows.
+        assert_close(got["y"], plain["y"], atol=1e-6, rtol=1e-6, msg=str(overlap))
         assert_close(got["y"], _chunk(ref["y"], layout) if sp else ref["y"])
         assert_close(got["x"], _chunk(ref["x"], layout) if sp else ref["x"])
         for name in ("gate.weight", "gate.bias", "up.weight"):  # rows of this rank's output features

@@ -7,16 +7,16 @@ token attends causally to earlier tokens of its own sequence only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardrl.models.config import ModelConfig
-from shardrl.models.fast_paths import FastPaths, elementwise
+from shardrl.models.fast_paths import FastPaths
 from shardrl.models.norm import RMSNorm
-from shardrl.models.rope import apply_rope
+from shardrl.models.rope import rotate
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from shardrl.parallel.tensor_overlap import column_parallel, row_parallel
@@ -44,19 +44,23 @@ class PackedSeqs:
         return self.cos.shape[0]
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float,
+                     kernel: Literal["flash", "cudnn"] = "flash") -> Tensor:
     """q [T, nq, D], k and v [T, nkv, D] (nq a multiple of nkv) -> [T, nq, D].
 
-    The one device-specific switch: CUDA in bf16/fp16 runs the fused varlen flash kernel; everything else runs
-    `reference_attention`, which the tests compare against.
+    The one device-specific switch: CUDA in bf16/fp16 runs a fused varlen kernel, flash attention's or cuDNN's
+    (`kernel`); everything else runs `reference_attention`, which the tests compare against.
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        from torch.nn.attention.varlen import varlen_attn  # imported here: it loads torch._dynamo (seconds on CPU)
-
         group = q.shape[1] // k.shape[1]  # KV heads are repeated: `enable_gqa` is missing before torch 2.13
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [T, nq, D]
-        cu = seqs.cu_seqlens
-        return varlen_attn(q, k, v, cu, cu, seqs.max_seqlen, seqs.max_seqlen, scale=scale, window_size=(-1, 0))
+        cu, longest = seqs.cu_seqlens, seqs.max_seqlen
+        if kernel == "cudnn":  # autograd runs cuDNN's fused backward over the same packed layout
+            return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True,
+                                                           False, scale=scale)[0]
+        from torch.nn.attention.varlen import varlen_attn  # imported here: it loads torch._dynamo (seconds on CPU)
+
+        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
 
 
@@ -117,12 +121,9 @@ class Attention(nn.Module):
         v = v.unflatten(-1, (-1, self.head_dim))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        # [T, D], converted once for both q and k
-        cos, signed_sin = seqs.cos.to(q.dtype), seqs.signed_sin.to(q.dtype)
-        rope = elementwise(apply_rope, self.fast.compile)
-        q, k = rope(q, cos, signed_sin), rope(k, cos, signed_sin)
+        q, k = rotate(q, k, seqs.cos, seqs.signed_sin, self.fast.compile)
         if seqs.kv_cache is None:
-            out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
+            out = packed_attention(q, k, v, seqs, self.scale, self.fast.attention)  # [T, nq/tp, D]
         else:
             out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)
         return row_parallel(out.flatten(1), self.o_proj, self.fast.tp_overlap.chunks)

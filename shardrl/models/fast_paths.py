@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
@@ -22,10 +22,12 @@ Fn = TypeVar("Fn", bound=Callable)
 @dataclass(frozen=True)
 class FastPaths:
     """tp_overlap: how tensor-parallel collectives overlap compute; compile: `torch.compile` the elementwise
-    chains (verl's `use_torch_compile`)."""
+    chains (verl's `use_torch_compile`); attention: the fused kernel of the trainer's packed attention on CUDA in
+    half precision (`models.attention.packed_attention`)."""
 
     tp_overlap: TPOverlap = field(default_factory=TPOverlap)
     compile: bool = False
+    attention: Literal["flash", "cudnn"] = "flash"
 
 
 @functools.cache

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from shardrl.models.config import RopeConfig
+from shardrl.models.fast_paths import elementwise
 
 
 def inv_frequencies(rope: RopeConfig, head_dim: int) -> Tensor:
@@ -54,3 +55,16 @@ def apply_rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
     negation and a concatenation, and bit for bit the same (negating a factor is exact)."""
     cos, signed_sin = cos.unsqueeze(1), signed_sin.unsqueeze(1)  # [T, 1, D]
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def rotate(q: Tensor, k: Tensor, cos: Tensor, signed_sin: Tensor, compile: bool) -> tuple[Tensor, Tensor]:
+    """q [T, nq, D] and k [T, nkv, D] rotated by each token's angles (cos, signed_sin [T, D] fp32). The one device
+    switch: CUDA runs one fused kernel per tensor in fp32 (`rope_kernel.py`); everything else `apply_rope` in the
+    tensors' dtype (compiled when `compile`), the reference the tests compare against."""
+    if q.is_cuda:
+        from shardrl.models.rope_kernel import rotary  # Triton: CUDA installs only
+
+        return rotary(q, cos, signed_sin), rotary(k, cos, signed_sin)
+    cos, signed_sin = cos.to(q.dtype), signed_sin.to(q.dtype)  # converted once for both q and k
+    rope = elementwise(apply_rope, compile)
+    return rope(q, cos, signed_sin), rope(k, cos, signed_sin)

@@ -62,11 +62,36 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, group: Group, vocab
 
     logits [T, Vp/tp]: this rank's block of the (padded) vocab columns; targets [T] global token ids.
     Returns (logprobs [T], entropy [T]) in fp32, identical on every TP rank. Padded columns (id >= vocab_size)
-    are excluded. Differentiable in both outputs. Two passes over the logits (a max, then one exp pass that sums
-    exp, exp * logit and gathers the target), token chunks of `chunk_elements` at a time, two small collectives,
-    no host reads; backward keeps only `logits` and recomputes the softmax chunk by chunk.
+    are excluded. Differentiable in both outputs. Two small collectives, no host reads; backward keeps only
+    `logits` and recomputes the softmax. On CUDA one fused pass over the logits each way; elsewhere token chunks of
+    `chunk_elements` at a time (a max, then one exp pass that sums exp and exp * logit).
     """
     return _VocabParallelLogProbs.apply(logits, targets, group, vocab_size, chunk_elements)
+
+
+def block_softmax_stats(z: Tensor, chunk_elements: int) -> tuple[Tensor, Tensor, Tensor]:
+    """z [T, V'] (this rank's real vocab columns) -> (max, sum exp(z - max), sum exp(z - max) * z), each [T] fp32;
+    max -inf and sums 0 when V' is 0. The one device switch of the forward: CUDA runs one fused pass
+    (`vocab_kernels.py`), everything else token chunks of `chunk_elements` through torch, the reference."""
+    if z.is_cuda:
+        from shardrl.parallel.vocab_kernels import block_stats  # Triton: CUDA installs only
+
+        return block_stats(z, z.shape[1])
+    return softmax_stats_reference(z, chunk_elements)
+
+
+def softmax_stats_reference(z: Tensor, chunk_elements: int) -> tuple[Tensor, Tensor, Tensor]:
+    """`block_softmax_stats` in torch ops, on any device."""
+    num_tokens, num_cols = z.shape
+    z_max = z.new_full((num_tokens,), float("-inf"), dtype=torch.float32)  # [T]
+    sums = z.new_zeros(2, num_tokens, dtype=torch.float32)  # [2, T]
+    if num_cols:
+        z_max = z.amax(dim=-1).float()  # exact in any dtype
+        for lo, hi in _token_chunks(num_tokens, num_cols, chunk_elements):
+            exp = (z[lo:hi] - z_max[lo:hi, None]).exp_()  # [C, V'] fp32
+            sums[0, lo:hi] = exp.sum(-1)
+            sums[1, lo:hi] = exp.mul_(z[lo:hi]).sum(-1)
+    return z_max, sums[0], sums[1]
 
 
 def _token_chunks(num_tokens: int, num_cols: int, chunk_elements: int) -> list[tuple[int, int]]:
@@ -85,19 +110,17 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         local_target = targets - start  # [T]
         mine = (local_target >= 0) & (local_target < num_valid)  # [T] this rank holds the target column
         index = local_target.clamp(0, max(num_valid - 1, 0)).unsqueeze(-1)  # [T, 1]
-        z_max = logits.new_full((num_tokens,), float("-inf"), dtype=torch.float32)  # [T]
-        # sum exp(z - max), sum exp(z - max) * z, the target's z (held by one rank): one all-reduce for the three.
-        sums = logits.new_zeros(num_tokens, 3, dtype=torch.float32)  # [T, 3]
-        if num_valid:
-            z_max = z.amax(dim=-1).float()  # exact in any dtype
+        # Each rank's statistics relative to its own max, rescaled to the global max after one MAX all-reduce; then
+        # one SUM all-reduce for sum exp(z - max), sum exp(z - max) * z and the target's z (held by one rank).
+        block_max, block_sum_exp, block_sum_exp_z = block_softmax_stats(z, chunk_elements)  # [T] each
+        z_max = block_max
         if group is not None:
+            z_max = block_max.clone()
             dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        if num_valid:
-            for lo, hi in _token_chunks(num_tokens, num_valid, chunk_elements):
-                exp = (z[lo:hi] - z_max[lo:hi, None]).exp_()  # [C, V'/tp] fp32
-                sums[lo:hi, 0] = exp.sum(-1)
-                sums[lo:hi, 1] = exp.mul_(z[lo:hi]).sum(-1)
-            sums[:, 2] = torch.where(mine, z.gather(-1, index).squeeze(-1).float(), 0.0)
+        rescale = (block_max - z_max).exp()  # [T]; 0 on a rank with no real column
+        target_z = (torch.where(mine, z.gather(-1, index).squeeze(-1).float(), 0.0) if num_valid
+                    else torch.zeros_like(block_max))
+        sums = torch.stack([block_sum_exp * rescale, block_sum_exp_z * rescale, target_z], dim=-1)  # [T, 3]
         if group is not None:
             dist.all_reduce(sums, group=group)
         sum_exp, sum_exp_z, target_z = sums.unbind(-1)  # [T] each
@@ -113,23 +136,46 @@ class _VocabParallelLogProbs(torch.autograd.Function):
         if grad_logprob is None and grad_entropy is None:
             return None, None, None, None, None
         logits, log_norm, mean_z, index, mine = ctx.saved_tensors
-        num_valid = ctx.num_valid
-        grad = torch.zeros_like(logits) if num_valid < logits.shape[1] else torch.empty_like(logits)  # [T, V/tp]
-        # d logp / dz = onehot - p;  d entropy / dz = -p * (z - E_p[z])
-        for lo, hi in _token_chunks(logits.shape[0], num_valid, ctx.chunk_elements) if num_valid else []:
-            z = logits[lo:hi, :num_valid]  # [C, V'/tp]
-            probs = (z - log_norm[lo:hi, None]).exp_()  # [C, V'/tp] fp32
-            if grad_entropy is None:
-                g = probs.mul_(-grad_logprob[lo:hi, None])
-            else:
-                g = (z - mean_z[lo:hi, None]).mul_(grad_entropy[lo:hi, None])
-                if grad_logprob is not None:
-                    g.add_(grad_logprob[lo:hi, None])
-                g.mul_(probs).neg_()
-            if grad_logprob is not None:
-                g.scatter_add_(-1, index[lo:hi], torch.where(mine[lo:hi], grad_logprob[lo:hi], 0.0).unsqueeze(-1))
-            grad[lo:hi, :num_valid] = g
+        grad = block_logits_grad(logits, log_norm, mean_z, grad_logprob, grad_entropy, index, mine, ctx.num_valid,
+                                 ctx.chunk_elements)
         return grad, None, None, None, None
+
+
+def block_logits_grad(logits: Tensor, log_norm: Tensor, mean_z: Tensor, grad_logprob: Tensor | None,
+                      grad_entropy: Tensor | None, index: Tensor, mine: Tensor, num_valid: int,
+                      chunk_elements: int) -> Tensor:
+    """Gradient [T, V/tp] (logits' dtype; 0 in padded columns) of grad_logprob * logp(target) + grad_entropy *
+    entropy with respect to this rank's logits: d logp / dz = onehot - p, d entropy / dz = -p * (z - E_p[z]).
+    The one device switch of the backward: CUDA runs one fused pass (`vocab_kernels.py`), everything else token
+    chunks of `chunk_elements` through torch, the reference."""
+    if logits.is_cuda:
+        from shardrl.parallel.vocab_kernels import block_grad  # Triton: CUDA installs only
+
+        local_target = torch.where(mine, index.squeeze(-1), -1).to(torch.int32)  # [T]
+        return block_grad(logits, log_norm, mean_z, grad_logprob, grad_entropy, local_target, num_valid)
+    return logits_grad_reference(logits, log_norm, mean_z, grad_logprob, grad_entropy, index, mine, num_valid,
+                                 chunk_elements)
+
+
+def logits_grad_reference(logits: Tensor, log_norm: Tensor, mean_z: Tensor, grad_logprob: Tensor | None,
+                          grad_entropy: Tensor | None, index: Tensor, mine: Tensor, num_valid: int,
+                          chunk_elements: int) -> Tensor:
+    """`block_logits_grad` in torch ops, on any device."""
+    grad = torch.zeros_like(logits) if num_valid < logits.shape[1] else torch.empty_like(logits)  # [T, V/tp]
+    for lo, hi in _token_chunks(logits.shape[0], num_valid, chunk_elements) if num_valid else []:
+        z = logits[lo:hi, :num_valid]  # [C, V'/tp]
+        probs = (z - log_norm[lo:hi, None]).exp_()  # [C, V'/tp] fp32
+        if grad_entropy is None:
+            g = probs.mul_(-grad_logprob[lo:hi, None])
+        else:
+            g = (z - mean_z[lo:hi, None]).mul_(grad_entropy[lo:hi, None])
+            if grad_logprob is not None:
+                g.add_(grad_logprob[lo:hi, None])
+            g.mul_(probs).neg_()
+        if grad_logprob is not None:
+            g.scatter_add_(-1, index[lo:hi], torch.where(mine[lo:hi], grad_logprob[lo:hi], 0.0).unsqueeze(-1))
+        grad[lo:hi, :num_valid] = g
+    return grad
 
 
 @torch.no_grad()

@@ -1,0 +1,159 @@
+"""Training attention: the trainer's packed causal attention (`models.attention.packed_attention`: KV heads repeated
+to the query heads, then flash attention's varlen kernel) against the other kernels torch ships, forward and
+forward + backward, same packed inputs, same process (GPU only).
+
+Each shape is one layer's attention over one micro batch of packed sequences ([T, heads, head_dim] bf16):
+  flash-gqa     the same flash varlen kernels called with the KV heads as they are (the kernel maps each query head
+                to its KV head and sums dk/dv over the group itself): no repeat, no group-sum in backward
+  cudnn-varlen  cuDNN's fused attention over the same packed layout (cumulative sequence offsets), heads repeated:
+                the trainer's `kernel="cudnn"`
+  cudnn-varlen-gqa  the same with the KV heads as they are
+  cudnn-padded  cuDNN through SDPA on [N, heads, S, D] (only shapes whose sequences all have one length)
+Prints milliseconds per call (CUDA events, mean of the timed calls after warm-up), attention TFLOP/s (causal:
+forward 2 * 2 * s^2 / 2 * heads * head_dim per sequence, backward 2.5x that with the recomputed scores), the ratio
+to the baseline, and each variant's max |diff| in output and input gradients against the baseline. A variant the
+installed torch or GPU cannot run prints its error and is skipped.
+
+    python bench/attention_kernels.py
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+from shardrl.models.attention import PackedSeqs, packed_attention
+
+# (name, query heads, KV heads, head_dim, sequence lengths of one micro batch)
+SHAPES = [
+    ("train_mfu dense (Llama-3.2-1B)", 32, 8, 64, [4096, 4096]),
+    ("Llama-3.2-1B, mixed lengths", 32, 8, 64, [3000, 1200, 2400, 700, 900]),
+    ("Qwen2.5-3B shape", 16, 2, 128, [4096, 4096]),
+    ("Qwen3-8B at TP2", 16, 4, 128, [2048, 1536, 3072, 1536]),
+]
+WARMUP, ITERS = 3, 20
+Attention = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
+
+
+def baseline(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+    num_tokens = q.shape[0]
+    seqs = PackedSeqs(cu, max_len, q.new_empty(num_tokens, 0), q.new_empty(num_tokens, 0))
+    return packed_attention(q, k, v, seqs, scale)
+
+
+class _FlashGQA(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
+        ctx.max_len, ctx.scale = max_len, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
+            scale=ctx.scale)
+        return dq, dk, dv, None, None, None
+
+
+def flash_gqa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+    return _FlashGQA.apply(q, k, v, cu, max_len, scale)
+
+
+def cudnn_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+    num_tokens = q.shape[0]
+    seqs = PackedSeqs(cu, max_len, q.new_empty(num_tokens, 0), q.new_empty(num_tokens, 0))
+    return packed_attention(q, k, v, seqs, scale, kernel="cudnn")
+
+
+def cudnn_varlen_gqa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
+                                                   scale=scale)[0]
+
+
+def cudnn_padded(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+    num_seqs = cu.numel() - 1
+    if q.shape[0] != num_seqs * max_len:
+        raise ValueError("sequences of unequal lengths")
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    q4, k4, v4 = (x.unflatten(0, (num_seqs, max_len)).transpose(1, 2) for x in (q, k, v))  # [N, heads, S, D]
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out = F.scaled_dot_product_attention(q4, k4, v4, is_causal=True, scale=scale)
+    return out.transpose(1, 2).flatten(0, 1)
+
+
+VARIANTS: dict[str, Attention] = {"flash-gqa": flash_gqa, "cudnn-varlen": cudnn_varlen,
+                                  "cudnn-varlen-gqa": cudnn_varlen_gqa, "cudnn-padded": cudnn_padded}
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """Milliseconds per call of `fn`, mean of ITERS after WARMUP."""
+    for _ in range(WARMUP):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(ITERS):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / ITERS
+
+
+def run(attention: Attention, inputs: tuple[Tensor, ...], cu: Tensor, max_len: int, scale: float,
+        grad_out: Tensor) -> tuple[float, float, list[Tensor]]:
+    """(forward ms, forward + backward ms, [out, dq, dk, dv]) of one variant."""
+    leaves = [x.detach().requires_grad_() for x in inputs]
+    with torch.no_grad():
+        forward = timed(lambda: attention(*inputs, cu, max_len, scale))
+
+    def step() -> Tensor:
+        out = attention(*leaves, cu, max_len, scale)
+        out.backward(grad_out)
+        return out
+
+    both = timed(step)
+    for x in leaves:
+        x.grad = None
+    out = step()
+    return forward, both, [out.detach()] + [x.grad for x in leaves]
+
+
+def main() -> None:
+    if not torch.cuda.is_available():
+        raise SystemExit("attention_kernels: needs a CUDA GPU")
+    torch.manual_seed(0)
+    print(f"torch {torch.__version__}, cuDNN {torch.backends.cudnn.version()}, {torch.cuda.get_device_name()}")
+    for name, num_heads, num_kv, head_dim, lengths in SHAPES:
+        num_tokens = sum(lengths)
+        cu = torch.tensor([0] + lengths, device="cuda").cumsum(0).to(torch.int32)
+        q = torch.randn(num_tokens, num_heads, head_dim, device="cuda", dtype=torch.bfloat16)
+        k, v = (torch.randn(num_tokens, num_kv, head_dim, device="cuda", dtype=torch.bfloat16) for _ in range(2))
+        grad_out = torch.randn_like(q)
+        scale = head_dim ** -0.5
+        flops = sum(2 * 2 * s * s / 2 * num_heads * head_dim for s in lengths)  # causal forward
+        fwd, both, reference = run(baseline, (q, k, v), cu, max(lengths), scale, grad_out)
+        print(f"{name}: {len(lengths)} seqs, {num_tokens} tokens, {num_heads} q / {num_kv} kv heads, D {head_dim}")
+        print(f"  {'baseline':<13} fwd {fwd:7.3f} ms ({flops / fwd / 1e9:5.0f} TFLOP/s)  fwd+bwd {both:7.3f} ms "
+              f"({3.5 * flops / both / 1e9:5.0f} TFLOP/s)")
+        for variant, attention in VARIANTS.items():
+            try:
+                v_fwd, v_both, result = run(attention, (q, k, v), cu, max(lengths), scale, grad_out)
+            except Exception as error:  # a kernel this torch build or GPU lacks: report it, measure the rest
+                print(f"  {variant:<13} skipped: {str(error).splitlines()[0][:150]}")
+                continue
+            diffs = " ".join(f"{label} {(a.float() - b.float()).abs().max().item():.1e}"
+                             for label, a, b in zip(("out", "dq", "dk", "dv"), result, reference))
+            print(f"  {variant:<13} fwd {v_fwd:7.3f} ms ({fwd / v_fwd:4.2f}x)  fwd+bwd {v_both:7.3f} ms "
+                  f"({both / v_both:4.2f}x, {3.5 * flops / v_both / 1e9:5.0f} TFLOP/s)  max|diff| {diffs}")
+
+
+if __name__ == "__main__":
+    main()
