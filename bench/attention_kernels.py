@@ -1,18 +1,16 @@
-"""Training attention: the trainer's packed causal attention (`models.attention.packed_attention`: KV heads repeated
-to the query heads, then flash attention's varlen kernel) against the other kernels torch ships, forward and
+"""Training attention: the trainer's packed causal attention (`models.attention.packed_attention`: flash attention's
+varlen kernels with the KV heads as they are) against what it replaced and another kernel torch ships, forward and
 forward + backward, same packed inputs, same process (GPU only).
 
 Each shape is one layer's attention over one micro batch of packed sequences ([T, heads, head_dim] bf16):
-  flash-gqa     the same flash varlen kernels called with the KV heads as they are (the kernel maps each query head
-                to its KV head and sums dk/dv over the group itself): no repeat, no group-sum in backward
-  cudnn-varlen  cuDNN's fused attention over the same packed layout (cumulative sequence offsets), heads repeated:
-                the trainer's `kernel="cudnn"`
-  cudnn-varlen-gqa  the same with the KV heads as they are
-  cudnn-padded  cuDNN through SDPA on [N, heads, S, D] (only shapes whose sequences all have one length)
+  repeat-kv     the KV heads repeated to the query heads, then torch's public `varlen_attn` (the path before)
+  cudnn-padded  cuDNN through SDPA on [N, heads, S, D] (only shapes whose sequences all have one length): what a
+                faster kernel would give. cuDNN's varlen entry (`aten._cudnn_attention_forward` with sequence
+                offsets) ran ~100x slower with garbage dq/dk in torch 2.11 (docs/benchmarks.md), so it is not offered
 Prints milliseconds per call (CUDA events, mean of the timed calls after warm-up), attention TFLOP/s (causal:
 forward 2 * 2 * s^2 / 2 * heads * head_dim per sequence, backward 2.5x that with the recomputed scores), the ratio
-to the baseline, and each variant's max |diff| in output and input gradients against the baseline. A variant the
-installed torch or GPU cannot run prints its error and is skipped.
+of the baseline's time to each variant's, and each variant's max |diff| in output and input gradients against the
+baseline. A variant the installed torch or GPU cannot run prints its error and is skipped.
 
     python bench/attention_kernels.py
 """
@@ -45,37 +43,12 @@ def baseline(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: f
     return packed_attention(q, k, v, seqs, scale)
 
 
-class _FlashGQA(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
-        out, lse, rng, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu, rng, unused)
-        ctx.max_len, ctx.scale = max_len, scale
-        return out
+def repeat_kv(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
+    from torch.nn.attention.varlen import varlen_attn
 
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, cu, rng, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu, cu, ctx.max_len, ctx.max_len, 0.0, True, rng, unused,
-            scale=ctx.scale)
-        return dq, dk, dv, None, None, None
-
-
-def flash_gqa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
-    return _FlashGQA.apply(q, k, v, cu, max_len, scale)
-
-
-def cudnn_varlen(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
-    num_tokens = q.shape[0]
-    seqs = PackedSeqs(cu, max_len, q.new_empty(num_tokens, 0), q.new_empty(num_tokens, 0))
-    return packed_attention(q, k, v, seqs, scale, kernel="cudnn")
-
-
-def cudnn_varlen_gqa(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
-    return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, max_len, max_len, True, 0.0, True, False,
-                                                   scale=scale)[0]
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale, window_size=(-1, 0))
 
 
 def cudnn_padded(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
@@ -90,8 +63,7 @@ def cudnn_padded(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scal
     return out.transpose(1, 2).flatten(0, 1)
 
 
-VARIANTS: dict[str, Attention] = {"flash-gqa": flash_gqa, "cudnn-varlen": cudnn_varlen,
-                                  "cudnn-varlen-gqa": cudnn_varlen_gqa, "cudnn-padded": cudnn_padded}
+VARIANTS: dict[str, Attention] = {"repeat-kv": repeat_kv, "cudnn-padded": cudnn_padded}
 
 
 def timed(fn: Callable[[], object]) -> float:

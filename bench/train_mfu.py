@@ -75,7 +75,6 @@ VARIANTS = {  # --variants: name -> speed options; "all" runs them in this order
     "chunks4": FastPaths(TPOverlap(backward=True, chunks=4)),
     "compile": FastPaths(TPOverlap(backward=True, chunks=1), compile=True),
     "chunks2+compile": FastPaths(TPOverlap(backward=True, chunks=2), compile=True),
-    "cudnn": FastPaths(TPOverlap(backward=True, chunks=1), attention="cudnn"),
 }
 PROBE_MIB = (1, 8, 32, 128)  # all-reduce probe sizes; 32 MiB is one micro batch's [8192, 2048] bf16 activations
 QUICK_SHAPES = {

@@ -35,11 +35,11 @@ def test_rotary_kernel_matches_apply_rope(shape, dtype):
     cos, signed_sin = _tables(num_tokens, head_dim, device)
     packed = torch.randn(num_tokens, (num_heads + 2) * head_dim, device=device)  # q plus one more head each side
     x = packed[:, head_dim:-head_dim].unflatten(-1, (num_heads, head_dim)).to(dtype)  # strided when fp32
-    grad_out = torch.randn(num_tokens, num_heads, head_dim, device=device)
+    grad_out = torch.randn(num_tokens, num_heads, head_dim, device=device).to(dtype)  # what autograd hands over
 
     got_x = x.detach().requires_grad_()
     got = rotary(got_x, cos, signed_sin)
-    got.backward(grad_out.to(dtype))
+    got.backward(grad_out)
     ref_x = x.detach().double().requires_grad_()  # the reference in fp64 on the same (rounded) inputs
     ref = apply_rope(ref_x, cos.double(), signed_sin.double())
     ref.backward(grad_out.double())

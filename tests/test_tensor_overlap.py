@@ -18,9 +18,9 @@ from torch.testing import assert_close
 from shardrl.models.config import ModelConfig, RopeConfig
 from shardrl.models.fast_paths import FastPaths, elementwise
 from shardrl.models.hf_bridge import load_hf_weights
-from shardrl.models.mlp import swiglu
 from shardrl.models.norm import rms_norm
 from shardrl.models.rope import RotaryEmbedding, apply_rope
+from shardrl.parallel.activation import swiglu
 from shardrl.models.tiny import make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed

@@ -7,7 +7,7 @@ token attends causally to earlier tokens of its own sequence only.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
@@ -44,24 +44,38 @@ class PackedSeqs:
         return self.cos.shape[0]
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float,
-                     kernel: Literal["flash", "cudnn"] = "flash") -> Tensor:
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
     """q [T, nq, D], k and v [T, nkv, D] (nq a multiple of nkv) -> [T, nq, D].
 
-    The one device-specific switch: CUDA in bf16/fp16 runs a fused varlen kernel, flash attention's or cuDNN's
-    (`kernel`); everything else runs `reference_attention`, which the tests compare against.
+    The one device-specific switch: CUDA in bf16/fp16 runs flash attention's fused varlen kernels
+    (`_FlashVarlen`); everything else runs `reference_attention`, which the tests compare against.
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        group = q.shape[1] // k.shape[1]  # KV heads are repeated: `enable_gqa` is missing before torch 2.13
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)  # [T, nq, D]
-        cu, longest = seqs.cu_seqlens, seqs.max_seqlen
-        if kernel == "cudnn":  # autograd runs cuDNN's fused backward over the same packed layout
-            return torch.ops.aten._cudnn_attention_forward(q, k, v, None, cu, cu, longest, longest, True, 0.0, True,
-                                                           False, scale=scale)[0]
-        from torch.nn.attention.varlen import varlen_attn  # imported here: it loads torch._dynamo (seconds on CPU)
-
-        return varlen_attn(q, k, v, cu, cu, longest, longest, scale=scale, window_size=(-1, 0))
+        return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale)
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
+
+
+class _FlashVarlen(torch.autograd.Function):
+    """Causal flash attention over packed sequences, with the KV heads as they are: the kernels map each query head
+    to its KV head and sum dk/dv over the group themselves. torch's public `varlen_attn` takes grouped heads only
+    from 2.13 on, and repeating them first cost a copy of k and v per layer, its saved memory and a group sum in
+    backward: 1.15-1.25x slower forward, 1.04-1.06x forward + backward (`bench/attention_kernels.py`, one H200)."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
+        out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
+        dq, dk, dv = torch.ops.aten._flash_attention_backward(
+            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen, 0.0,
+            True, rng_state, unused, scale=ctx.scale)
+        return dq, dk, dv, None, None, None
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
@@ -123,7 +137,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, k, seqs.cos, seqs.signed_sin, self.fast.compile)
         if seqs.kv_cache is None:
-            out = packed_attention(q, k, v, seqs, self.scale, self.fast.attention)  # [T, nq/tp, D]
+            out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
         else:
             out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)
         return row_parallel(out.flatten(1), self.o_proj, self.fast.tp_overlap.chunks)

@@ -2,7 +2,9 @@
 
 The elementwise chains (RMSNorm, rotary, SwiGLU) are plain torch functions: eager they are the reference the tests
 compare against; with `compile` each runs as the kernels `torch.compile` fuses it into (on GPU through Triton, on
-CPU through a C++ compiler), so a chain of casts, reductions and multiplies costs one pass over memory.
+CPU through a C++ compiler), so a chain of casts, reductions and multiplies costs one pass over memory. On CUDA the
+rotary and SwiGLU chains always run as hand-written fused kernels (`rope_kernel.py`, `parallel/swiglu_kernel.py`),
+so there `compile` changes RMSNorm only.
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import torch
 
@@ -22,12 +24,10 @@ Fn = TypeVar("Fn", bound=Callable)
 @dataclass(frozen=True)
 class FastPaths:
     """tp_overlap: how tensor-parallel collectives overlap compute; compile: `torch.compile` the elementwise
-    chains (verl's `use_torch_compile`); attention: the fused kernel of the trainer's packed attention on CUDA in
-    half precision (`models.attention.packed_attention`)."""
+    chains (verl's `use_torch_compile`)."""
 
     tp_overlap: TPOverlap = field(default_factory=TPOverlap)
     compile: bool = False
-    attention: Literal["flash", "cudnn"] = "flash"
 
 
 @functools.cache

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardrl.models.config import ModelConfig
 from shardrl.models.fast_paths import FastPaths, elementwise
+from shardrl.parallel.activation import gated_silu, swiglu
 from shardrl.parallel.expert import MoELayer, MoENames
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import (
@@ -18,10 +18,6 @@ from shardrl.parallel.tensor import (
     scatter_tokens,
 )
 from shardrl.parallel.tensor_overlap import column_parallel, row_parallel
-
-
-def swiglu(gate: Tensor, up: Tensor) -> Tensor:
-    return F.silu(gate) * up
 
 
 class MLP(nn.Module):
@@ -45,7 +41,7 @@ class MLP(nn.Module):
         """x [T, H] (or this rank's SP chunk) -> same shape; `num_tokens` is T."""
         gate, up = column_parallel(x, self.column_linears, self.group, self.sequence_parallel, num_tokens,
                                    self.fast.tp_overlap.backward)  # [T, F/tp] each
-        return row_parallel(elementwise(swiglu, self.fast.compile)(gate, up), self.down_proj,
+        return row_parallel(gated_silu(gate, up, elementwise(swiglu, self.fast.compile)), self.down_proj,
                             self.fast.tp_overlap.chunks)
 
 

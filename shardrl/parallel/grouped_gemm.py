@@ -11,6 +11,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shardrl.parallel.activation import gated_silu
+
 
 def expert_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
                grouped: bool | None = None) -> Tensor:
@@ -51,7 +53,7 @@ def _grouped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down
     # grouped_mm computes x_e @ b[e] with b [E, K, N]; the transposed views are the column-major operand it prefers.
     gate = F.grouped_mm(x, w_gate.transpose(1, 2), offs=offsets)  # [N, F]
     up = F.grouped_mm(x, w_up.transpose(1, 2), offs=offsets)  # [N, F]
-    down = F.grouped_mm(F.silu(gate) * up, w_down.transpose(1, 2), offs=offsets)  # [N, H]
+    down = F.grouped_mm(gated_silu(gate, up), w_down.transpose(1, 2), offs=offsets)  # [N, H]
     return _ContiguousGrad.apply(down)
 
 
