@@ -53,7 +53,9 @@ def assert_same(actual: dict, expected: dict, what: str) -> None:
     for mode in LOSS_AGG_MODES:
         for name, ref in expected[mode].items():
             err = (actual[mode][name] - ref).abs().max() / ref.abs().max().clamp_min(1e-12)
-            assert err <= 1e-6, f"{what}, {mode}, {name}: relative error {err:.2e}"
+            # fp32 sums over other splits differ by a few ulps (1.2e-6 seen on one Xeon's BLAS); a wrong
+            # normalisation is off by a factor of the split.
+            assert err <= 1e-5, f"{what}, {mode}, {name}: relative error {err:.2e}"
 
 
 @pytest.mark.parametrize("micro_batch_size, max_token_len", CUTS, ids=["micro1", "micro4", "dynamic24tokens"])
