@@ -5,8 +5,10 @@ import importlib.util
 from unittest import mock
 
 import pytest
+import torch
 from hydra.errors import ConfigCompositionException
 
+from shardrl.algos.aggregate import LossScale, aggregate_loss
 from shardrl.trainer.config import CONFIG_DIR, compose
 from shardrl.trainer.preflight import check_launch
 from shardrl.trainer.schema import ConfigError
@@ -180,11 +182,16 @@ def test_verl_kl_estimator_aliases_are_accepted(alias, name):
     assert config.actor_rollout_ref.actor.kl_loss_type == config.algorithm.kl_penalty == alias
 
 
-def test_loss_scale_factor_only_as_the_response_length():
-    # verl's divisor of seq-mean-token-sum-norm: null or the response length (the divisor the workers use).
-    compose("ppo_trainer", ["actor_rollout_ref.actor.loss_scale_factor=2"])  # max_response_length=2
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.loss_scale_factor: 4096 is not supported"):
-        compose("ppo_trainer", ["actor_rollout_ref.actor.loss_scale_factor=4096"])
+def test_loss_scale_factor_is_the_divisor_of_seq_mean_token_sum_norm():
+    # verl's divisor of seq-mean-token-sum-norm; null falls back to the response length (2 in the default job).
+    assert policy_loss_options(compose("ppo_trainer")).max_response_length == 2
+    options = policy_loss_options(compose("ppo_trainer", [
+        "actor_rollout_ref.actor.loss_scale_factor=4096", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"]))
+    assert options.max_response_length == 4096
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    loss = aggregate_loss(per_token, mask, options.loss_agg_mode, LossScale.from_mask(mask, options.max_response_length))
+    assert loss.item() == (1 + 2 + 4 + 5 + 6) / 4096
 
 
 def test_unknown_policy_loss_mode_names_the_key_and_the_modes():

@@ -142,7 +142,7 @@ class ActorConfig:
     clip_ratio_high: PosFloat | None
     clip_ratio_c: Annotated[float, Min(1, strict=True)]
     loss_agg_mode: LossAggMode
-    loss_scale_factor: PosInt | None  # divisor of seq-mean-token-sum-norm; only rollout.response_length (or null)
+    loss_scale_factor: PosInt | None  # divisor of seq-mean-token-sum-norm; null: rollout.response_length
     policy_loss: PolicyLossConfig
     entropy_coeff: float
     use_kl_loss: bool

@@ -37,12 +37,6 @@ def validate(config: PPOConfig) -> None:
                         ("critic", config.critic.optim.betas)):
         if len(betas) != 2 or not all(0 <= b < 1 for b in betas):
             raise ConfigError(f"{name}.optim.betas", f"expected two numbers in [0, 1), got {betas}")
-    actor, response_length = config.actor_rollout_ref.actor, config.actor_rollout_ref.rollout.response_length
-    if actor.loss_scale_factor not in (None, response_length):
-        raise ConfigError("actor_rollout_ref.actor.loss_scale_factor",
-                          f"{actor.loss_scale_factor} is not supported: seq-mean-token-sum-norm divides by the "
-                          f"response length (actor_rollout_ref.rollout.response_length={response_length}); leave it "
-                          "null or set it to that")
     if config.critic.enable is False and config.algorithm.adv_estimator == "gae":
         raise ConfigError("critic.enable", "adv_estimator=gae needs a critic (values); enable it or use grpo")
     if config.reward_model.enable:

@@ -64,7 +64,8 @@ def policy_loss_options(config: PPOConfig) -> PolicyLossOptions:
         loss_agg_mode=actor.loss_agg_mode, loss_mode=actor.policy_loss.loss_mode,
         clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type, max_response_length=config.actor_rollout_ref.rollout.response_length)
+        kl_loss_type=actor.kl_loss_type,
+        max_response_length=actor.loss_scale_factor or config.actor_rollout_ref.rollout.response_length)
 
 
 def update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: int) -> UpdateOptions:
