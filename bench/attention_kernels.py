@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timing import cuda_ms
 from shardrl.models.attention import PackedSeqs, packed_attention
 
 # (name, query heads, KV heads, head_dim, sequence lengths of one micro batch)
@@ -33,7 +34,6 @@ SHAPES = [
     ("Qwen2.5-3B shape", 16, 2, 128, [4096, 4096]),
     ("Qwen3-8B at TP2", 16, 4, 128, [2048, 1536, 3072, 1536]),
 ]
-WARMUP, ITERS = 3, 20
 Attention = Callable[[Tensor, Tensor, Tensor, Tensor, int, float], Tensor]
 
 
@@ -66,32 +66,19 @@ def cudnn_padded(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scal
 VARIANTS: dict[str, Attention] = {"repeat-kv": repeat_kv, "cudnn-padded": cudnn_padded}
 
 
-def timed(fn: Callable[[], object]) -> float:
-    """Milliseconds per call of `fn`, mean of ITERS after WARMUP."""
-    for _ in range(WARMUP):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(ITERS):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / ITERS
-
-
 def run(attention: Attention, inputs: tuple[Tensor, ...], cu: Tensor, max_len: int, scale: float,
         grad_out: Tensor) -> tuple[float, float, list[Tensor]]:
     """(forward ms, forward + backward ms, [out, dq, dk, dv]) of one variant."""
     leaves = [x.detach().requires_grad_() for x in inputs]
     with torch.no_grad():
-        forward = timed(lambda: attention(*inputs, cu, max_len, scale))
+        forward = cuda_ms(lambda: attention(*inputs, cu, max_len, scale))
 
     def step() -> Tensor:
         out = attention(*leaves, cu, max_len, scale)
         out.backward(grad_out)
         return out
 
-    both = timed(step)
+    both = cuda_ms(step)
     for x in leaves:
         x.grad = None
     out = step()

@@ -3,7 +3,7 @@ what CUDA runs) against the torch reference of `parallel/vocab.py` (what ran bef
 same process (GPU only).
 
 Shapes are one micro batch of `bench/train_mfu.py` (8192 tokens) over the vocab block one rank holds. Prints
-milliseconds per call (CUDA events, mean of 10 after 2 warm-ups) for the statistics (forward) and the logits'
+milliseconds per call (CUDA events, `cuda_timing.cuda_ms`) for the statistics (forward) and the logits'
 gradient (backward, logprob and entropy upstream), the bytes each reads and writes per second, and the ratio.
 
     python bench/vocab_logprobs.py
@@ -11,27 +11,14 @@ gradient (backward, logprob and entropy upstream), the bytes each reads and writ
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import torch
 
+from cuda_timing import cuda_ms
 from shardrl.parallel.vocab import LOGPROB_CHUNK_ELEMENTS, logits_grad_reference, softmax_stats_reference
 
 # (name, tokens, vocab columns one rank holds)
 SHAPES = [("Llama-3.2-1B vocab, TP1", 8192, 128256), ("Llama-3.2-1B vocab, TP2", 8192, 64128),
           ("Qwen vocab, TP1", 8192, 151936), ("Mixtral vocab, TP1", 8192, 32000)]
-
-
-def timed(fn: Callable[[], object], warmup: int = 2, iters: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def main() -> None:
@@ -47,11 +34,11 @@ def main() -> None:
         z_max, sum_exp, sum_exp_z = softmax_stats_reference(logits, LOGPROB_CHUNK_ELEMENTS)
         log_norm, mean_z = z_max + sum_exp.log(), sum_exp_z / sum_exp
         size = logits.numel() * logits.element_size()
-        ref_fwd = timed(lambda: softmax_stats_reference(logits, LOGPROB_CHUNK_ELEMENTS))
-        fused_fwd = timed(lambda: block_stats(logits, num_cols))
-        ref_bwd = timed(lambda: logits_grad_reference(logits, log_norm, mean_z, up_lp, up_ent, targets[:, None],
+        ref_fwd = cuda_ms(lambda: softmax_stats_reference(logits, LOGPROB_CHUNK_ELEMENTS))
+        fused_fwd = cuda_ms(lambda: block_stats(logits, num_cols))
+        ref_bwd = cuda_ms(lambda: logits_grad_reference(logits, log_norm, mean_z, up_lp, up_ent, targets[:, None],
                                                       mine, num_cols, LOGPROB_CHUNK_ELEMENTS))
-        fused_bwd = timed(lambda: block_grad(logits, log_norm, mean_z, up_lp, up_ent, targets.int(), num_cols))
+        fused_bwd = cuda_ms(lambda: block_grad(logits, log_norm, mean_z, up_lp, up_ent, targets.int(), num_cols))
         print(f"{name} [{num_tokens}, {num_cols}] bf16: forward torch {ref_fwd:.3f} ms, fused {fused_fwd:.3f} ms "
               f"({size / fused_fwd / 1e6:,.0f} GB/s, {ref_fwd / fused_fwd:.1f}x); backward torch {ref_bwd:.3f} ms, "
               f"fused {fused_bwd:.3f} ms ({2 * size / fused_bwd / 1e6:,.0f} GB/s, {ref_bwd / fused_bwd:.1f}x)")

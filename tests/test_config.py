@@ -160,7 +160,8 @@ def test_gspo_command_line_reaches_the_actor_loss_options():
     assert policy_loss_options(compose("ppo_trainer")).loss_mode == "vanilla"
     options = policy_loss_options(compose("ppo_megatron_trainer", [
         "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
-        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
+        "actor_rollout_ref.actor.clip_ratio_high=0.0004",
     ]))
     assert (options.loss_mode, options.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     assert (options.clip.low, options.clip.high) == (0.0003, 0.0004)
@@ -186,11 +187,14 @@ def test_loss_scale_factor_is_the_divisor_of_seq_mean_token_sum_norm():
     # verl's divisor of seq-mean-token-sum-norm; null falls back to the response length (2 in the default job).
     assert policy_loss_options(compose("ppo_trainer")).max_response_length == 2
     options = policy_loss_options(compose("ppo_trainer", [
-        "actor_rollout_ref.actor.loss_scale_factor=4096", "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm"]))
+        "actor_rollout_ref.actor.loss_scale_factor=4096",
+        "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
+    ]))
     assert options.max_response_length == 4096
     per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
-    loss = aggregate_loss(per_token, mask, options.loss_agg_mode, LossScale.from_mask(mask, options.max_response_length))
+    scale = LossScale.from_mask(mask, options.max_response_length)
+    loss = aggregate_loss(per_token, mask, options.loss_agg_mode, scale)
     assert loss.item() == (1 + 2 + 4 + 5 + 6) / 4096
 
 
