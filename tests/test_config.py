@@ -2,6 +2,7 @@
 line naming the dotted key; verl's own spellings are accepted; launch-only checks stay out of the dry run."""
 
 import importlib.util
+import math
 from unittest import mock
 
 import pytest
@@ -124,6 +125,77 @@ def test_verl_bypass_mode_decides_the_ppo_anchor(bypass, recompute):
     assert config.algorithm.rollout_correction.decoupled is recompute
     assert error_key(["algorithm.rollout_correction.bypass_mode=true",
                       "algorithm.rollout_correction.rollout_is=token"]) == "algorithm.rollout_correction.rollout_is"
+
+
+RC = "algorithm.rollout_correction"
+
+
+def test_verl_07_rollout_correction_command_line_composes():
+    # verl 0.6.1 - 0.7's rejection keys: ratio bounds per level, a lower bound, the veto; with normalised seq IS.
+    config = compose("ppo_trainer", [
+        f"{RC}.rollout_is=sequence", f"{RC}.rollout_is_threshold=2.0", f"{RC}.rollout_is_batch_normalize=true",
+        f"{RC}.rollout_rs=geometric", f"{RC}.rollout_rs_threshold=1.001", f"{RC}.rollout_rs_threshold_lower=0.999",
+        f"{RC}.rollout_token_veto_threshold=1e-4", f"{RC}.bypass_mode=false", f"{RC}.loss_type=ppo_clip"])
+    rc = config.algorithm.rollout_correction
+    (criterion,) = rc.rejection().criteria
+    assert (criterion.name, criterion.reduction) == ("geometric", "mean")
+    assert (criterion.lower, criterion.upper) == (0.999, 1.001)
+    assert rc.rejection().veto_threshold == 1e-4 and rc.rollout_is_batch_normalize and config.recompute_old_log_probs
+
+
+def test_verl_main_rollout_rs_command_line_composes():
+    # verl after 0.7: a comma list of divergence criteria with one threshold spec each (quoted for Hydra).
+    config = compose("ppo_trainer", [f"{RC}.rollout_rs='token_k1,seq_mean_k3'",
+                                     f"{RC}.rollout_rs_threshold='0.5_2.0,0.01'"])
+    criteria = config.algorithm.rollout_correction.rejection().criteria
+    assert [(c.name, c.lower, c.upper) for c in criteria] == [
+        ("token_k1", pytest.approx(math.log(0.5)), pytest.approx(math.log(2.0))), ("seq_mean_k3", None, 0.01)]
+    # A single number is kept as a number: for k1 it is the upper ratio bound, the lower one its reciprocal.
+    (k1,) = compose("ppo_trainer", [f"{RC}.rollout_rs=seq_sum_k1", f"{RC}.rollout_rs_threshold=2"]
+                    ).algorithm.rollout_correction.rejection().criteria
+    assert (k1.lower, k1.upper) == (pytest.approx(-math.log(2.0)), pytest.approx(math.log(2.0)))
+
+
+@pytest.mark.parametrize("overrides, key", [
+    ([f"{RC}.rollout_rs=token_k9", f"{RC}.rollout_rs_threshold=2.0"], f"{RC}.rollout_rs"),
+    ([f"{RC}.rollout_rs=token"], f"{RC}.rollout_rs_threshold"),
+    ([f"{RC}.rollout_rs=seq_mean_k3", f"{RC}.rollout_rs_threshold=0.1_0.2"], f"{RC}.rollout_rs_threshold"),
+    ([f"{RC}.rollout_rs=token_k1", f"{RC}.rollout_rs_threshold=2.0", f"{RC}.rollout_rs_threshold_lower=0.5"],
+     f"{RC}.rollout_rs_threshold_lower"),
+    ([f"{RC}.rollout_rs_threshold=2.0"], f"{RC}.rollout_rs_threshold"),
+    ([f"{RC}.rollout_rs=token", f"{RC}.rollout_rs_threshold=true"], f"{RC}.rollout_rs_threshold"),
+    ([f"{RC}.rollout_token_veto_threshold=0"], f"{RC}.rollout_token_veto_threshold"),
+    ([f"{RC}.rollout_rs=token", f"{RC}.rollout_rs_threshold=2.0", f"{RC}.bypass_mode=true"], f"{RC}.rollout_rs"),
+    ([f"{RC}.rollout_token_veto_threshold=1e-4", f"{RC}.decoupled=false"], f"{RC}.rollout_token_veto_threshold"),
+    ([f"{RC}.rollout_is_batch_normalize=true"], f"{RC}.rollout_is_batch_normalize"),
+    ([f"{RC}.rollout_rs=token", f"{RC}.rollout_rs_threshold=2.0",
+      "actor_rollout_ref.rollout.calculate_log_probs=false"], "actor_rollout_ref.rollout.calculate_log_probs"),
+    ([f"{RC}.loss_type=reinforce"], f"{RC}.loss_type"),
+    ([f"{RC}.loss_type=pg"], f"{RC}.loss_type"),
+    ([f"{RC}.use_policy_gradient=1"], f"{RC}.use_policy_gradient"),
+    ([f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=token",
+      f"{RC}.rollout_is_batch_normalize=true"], f"{RC}.rollout_is_batch_normalize"),
+    ([f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", "actor_rollout_ref.actor.policy_loss.loss_mode=gspo"],
+     "actor_rollout_ref.actor.policy_loss.loss_mode"),
+])
+def test_rollout_correction_rules_name_the_key(overrides, key):
+    assert error_key(overrides) == key
+
+
+@pytest.mark.parametrize("overrides", [
+    [f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce", f"{RC}.rollout_is=token", f"{RC}.rollout_is_threshold=3"],
+    [f"{RC}.bypass_mode=true", f"{RC}.use_policy_gradient=true", f"{RC}.rollout_is=token",
+     f"{RC}.rollout_is_threshold=3"],  # verl 0.6.1's spelling of loss_type=reinforce
+])
+def test_verl_bypass_reinforce_reaches_the_actor_loss_options(overrides):
+    config = compose("ppo_trainer", overrides)
+    assert not config.recompute_old_log_probs and config.algorithm.rollout_correction.loss_type == "reinforce"
+    options = policy_loss_options(config)
+    assert (options.loss_mode, options.bypass_is) == ("reinforce", ("token", 3.0))
+    options = policy_loss_options(compose("ppo_trainer", [f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce"]))
+    assert (options.loss_mode, options.bypass_is) == ("reinforce", None)
+    options = policy_loss_options(compose("ppo_trainer", [f"{RC}.bypass_mode=true", f"{RC}.use_policy_gradient=false"]))
+    assert (options.loss_mode, options.bypass_is) == ("vanilla", None)
 
 
 def test_async_rules():

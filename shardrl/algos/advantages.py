@@ -1,7 +1,8 @@
 """The built-in advantage estimators, with the meaning verl users know under the same names.
 
-Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, remax, opo) score a response by the sum of its token
-rewards over valid tokens and give that one number to every valid token. Group estimators compare a response with the
+Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, opo) score a response by the sum of its token rewards
+over valid tokens (those of `score_mask` when given: the tokens as sampled, before rejection sampling) and give that
+one number to every valid token. Group estimators compare a response with the
 other samples of the same prompt (`index`, the prompt uid); a prompt with a single sample has no group to compare
 with and keeps its raw score (baseline 0, scale 1). Every result is zero at masked positions, and nothing stored at
 a masked position (reward, value) affects any valid one.
@@ -41,8 +42,9 @@ def _group_stats(scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
 
 
 def _sequence_scores(inputs: AdvantageInputs) -> torch.Tensor:
-    """Each response's total reward over its valid tokens `[B]`."""
-    return masked_sum(inputs.token_level_rewards, inputs.response_mask, dim=-1)
+    """Each response's total reward over its valid tokens `[B]` (`score_mask`'s, when given)."""
+    mask = inputs.response_mask if inputs.score_mask is None else inputs.score_mask
+    return masked_sum(inputs.token_level_rewards, mask, dim=-1)
 
 
 def _broadcast(per_sequence: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,8 @@
 """The actor's objective: a clipped surrogate, off-policy weights, entropy bonus, KL loss.
 
 The surrogate is chosen by `actor.policy_loss.loss_mode` (verl's key): `vanilla`, PPO's per-token ratio with
-clip-higher and dual clip, or `gspo`, GSPO's per-sequence ratio (Zheng et al. 2025, arXiv 2507.18071).
+clip-higher and dual clip, or `gspo`, GSPO's per-sequence ratio (Zheng et al. 2025, arXiv 2507.18071); in bypass
+mode `algorithm.rollout_correction.loss_type=reinforce` replaces it with REINFORCE (`reinforce`).
 
 Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
 same scale (and `loss_agg_mode`, except gspo's surrogate: seq-mean-token-mean, as in verl), so the micro-batch losses
@@ -17,6 +18,7 @@ import torch
 
 from shardrl.algos.aggregate import LossScale, aggregate_loss, scaled_token_mean
 from shardrl.algos.kl import LOG_RATIO_BOUND, kl_estimate
+from shardrl.algos.off_policy import truncated_is_weights
 
 # Upper bound of GSPO's log sequence ratio (verl's value); there is no lower bound.
 GSPO_LOG_RATIO_MAX = 10.0
@@ -122,13 +124,30 @@ def gspo_loss(
     return per_token, metrics
 
 
-PolicyLossMode = Literal["vanilla", "gspo"]
+def reinforce_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token REINFORCE loss `[B, T]` = -A * log pi: verl's bypass mode with `rollout_correction.loss_type=
+    reinforce`. No ratio and no clipping (`clip` is not used); the importance weights, if any, come from
+    `actor_loss`'s `bypass_is`. old_log_prob (the behaviour log-probs in bypass mode) only enters ppo_kl, the k1
+    estimate of KL(behaviour || current) (a share of the mini-batch token mean)."""
+    metrics = {"ppo_kl": scaled_token_mean(old_log_prob - log_prob, response_mask, scale)}
+    return -advantages * log_prob, metrics
+
+
+PolicyLossMode = Literal["vanilla", "gspo"]  # actor.policy_loss.loss_mode
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
 PolicyLossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossScale, ClipRange],
     tuple[torch.Tensor, dict[str, torch.Tensor]],
 ]
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss}
+# reinforce is chosen by algorithm.rollout_correction.loss_type (bypass mode), not by loss_mode.
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss, "reinforce": reinforce_loss}
 # Surrogates whose policy-gradient term has its own aggregation (verl: GSPO's loss is a mean over sequences of
 # token means, whatever `loss_agg_mode`); entropy and KL terms still follow `loss_agg_mode`.
 _FIXED_PG_AGG_MODES: dict[str, str] = {"gspo": "seq-mean-token-mean"}
@@ -143,6 +162,7 @@ def actor_loss(
     loss_agg_mode: str,
     clip: ClipRange,
     is_weights: torch.Tensor | None = None,
+    bypass_is: tuple[str, float] | None = None,
     entropy: torch.Tensor | None = None,
     entropy_coeff: float = 0.0,
     ref_log_prob: torch.Tensor | None = None,
@@ -153,10 +173,13 @@ def actor_loss(
     """This micro batch's share of the actor loss (a scalar to call backward on) and its metrics.
 
     loss = agg(w * surrogate) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
-    - loss_mode: the surrogate, `vanilla` (ppo_clip_loss) or `gspo` (gspo_loss, whose term is always aggregated
-      with seq-mean-token-mean, as in verl); the other terms do not change.
+    - loss_mode: the surrogate, `vanilla` (ppo_clip_loss), `gspo` (gspo_loss, whose term is always aggregated
+      with seq-mean-token-mean, as in verl) or `reinforce` (reinforce_loss); the other terms do not change.
     - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
       The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
+    - bypass_is: (rollout_is, rollout_is_threshold) of verl's bypass-mode REINFORCE (loss_mode `reinforce`): the
+      weights are the truncated ratios of the current policy to the anchor (the behaviour log-probs), per token or
+      per sequence, recomputed in every micro batch and detached.
     - entropy `[B, T]`: pass it to get the `entropy` metric; required when entropy_coeff != 0.
     - ref_log_prob `[B, T]`: pass it when `actor.use_kl_loss` is on; the KL term uses `kl_loss_type`.
     Metrics: pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower (vanilla only: the dual clip), and entropy / kl_loss
@@ -164,6 +187,11 @@ def actor_loss(
     """
     if loss_mode not in _POLICY_LOSSES:
         raise ValueError(f"actor.policy_loss.loss_mode={loss_mode!r} is not one of {list(POLICY_LOSS_MODES)}")
+    if bypass_is is not None:
+        if loss_mode != "reinforce" or is_weights is not None:
+            raise ValueError(f"bypass_is weighs the reinforce loss alone; got loss_mode={loss_mode!r} and "
+                             f"is_weights {'given' if is_weights is not None else 'none'}")
+        is_weights, _ = truncated_is_weights(log_prob.detach() - old_log_prob, response_mask, *bypass_is)
     surrogate = _POLICY_LOSSES[loss_mode]
     pg_per_token, metrics = surrogate(log_prob, old_log_prob, advantages, response_mask, scale, clip)
     if is_weights is not None:

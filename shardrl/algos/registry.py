@@ -24,6 +24,9 @@ class AdvantageInputs:
     gamma: float = 1.0  # algorithm.gamma
     lam: float = 1.0  # algorithm.lam
     norm_adv_by_std_in_grpo: bool = True  # algorithm.norm_adv_by_std_in_grpo
+    # [B, T] the tokens whose rewards make up an outcome score; None: response_mask. Under rejection sampling it is
+    # the mask as sampled, so a rejected token's reward (or a rejected sequence's score) still counts, as in verl.
+    score_mask: torch.Tensor | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]

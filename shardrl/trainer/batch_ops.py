@@ -100,14 +100,20 @@ def val_generations(batch: Batch, tokenizer, scores: np.ndarray, num: int) -> li
 def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLController | None) -> dict[str, float]:
     """The off-policy anchor and importance weights (`old_log_probs`, `is_weights`) the actor loss reads, then
     token_level_rewards (scores, minus the KL penalty of the anchor policy against the reference when the KL is in
-    the reward; the anchor is the recomputed policy, or the rollout's logprobs in bypass mode)."""
+    the reward; the anchor is the recomputed policy, or the rollout's logprobs in bypass mode), then rejection
+    sampling: `response_mask` becomes the kept tokens, which every later step (advantages, both losses and their
+    token/sequence counts) trains on, and `sampled_response_mask` keeps the tokens as generated. As in verl, the IS
+    weights and the KL penalty see the sampled tokens."""
     t, algo, metrics = batch.tensors, config.algorithm, {}
     rc = algo.rollout_correction
+    rejection = rc.rejection()
+    # In bypass mode rollout_is belongs to the REINFORCE loss, which weighs each micro batch against the current policy.
     correction = rollout_correction(t["old_log_probs"] if "old_log_probs" in t.keys() else None,
-                                    t["rollout_log_probs"], t["response_mask"], rc.rollout_is,
-                                    rc.rollout_is_threshold, rc.decoupled)
+                                    t["rollout_log_probs"], t["response_mask"], rc.rollout_is if rc.decoupled else None,
+                                    rc.rollout_is_threshold, rc.decoupled,
+                                    rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rejection=rejection)
     t["old_log_probs"] = correction.old_log_prob
-    if rc.rollout_is is not None:
+    if rc.rollout_is is not None and rc.decoupled:
         t["is_weights"] = correction.is_weights
     metrics |= {f"rollout_corr/{k}": float(v) for k, v in correction.metrics.items()}
     if algo.use_kl_in_reward:
@@ -118,15 +124,20 @@ def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLCon
     else:
         rewards = t["token_level_scores"]
     t["token_level_rewards"] = rewards
+    if rejection is not None:
+        t["sampled_response_mask"], t["response_mask"] = t["response_mask"], correction.response_mask
     return metrics
 
 
 def advantages(batch: Batch, config: PPOConfig) -> None:
+    """Advantages on the kept tokens; an outcome score still sums the rewards of all sampled tokens (verl sums the
+    whole reward row), so rejecting a token or a sequence leaves its group's baseline as it was."""
     t, algo = batch.tensors, config.algorithm
     inputs = AdvantageInputs(
         token_level_rewards=t["token_level_rewards"], response_mask=t["response_mask"],
         values=t["values"] if "values" in t.keys() else None, index=batch.non_tensors["uid"],
-        gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo)
+        gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
+        score_mask=t["sampled_response_mask"] if "sampled_response_mask" in t.keys() else None)
     t["advantages"], t["returns"] = compute_advantage(algo.adv_estimator, inputs)
 
 
@@ -138,9 +149,12 @@ def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[s
 
 
 def data_metrics(batch: Batch) -> dict[str, float]:
+    """verl's data metrics: advantages, returns and values over the trained (kept) tokens; lengths and entropy over
+    the sampled ones (they describe the generations, whatever rejection sampling kept)."""
     t = batch.tensors
     mask = t["response_mask"]
-    lengths = mask.sum(-1)
+    sampled = t["sampled_response_mask"] if "sampled_response_mask" in t.keys() else mask
+    lengths = sampled.sum(-1)
     seq_mask = torch.ones(len(batch), dtype=torch.bool)
     metrics = {
         **_masked_stats("critic/score", t["token_level_scores"].sum(-1), seq_mask),
@@ -156,5 +170,5 @@ def data_metrics(batch: Batch) -> dict[str, float]:
     if "values" in t.keys():
         metrics |= _masked_stats("critic/values", t["values"], mask)
     if "entropy" in t.keys():
-        metrics["actor/entropy"] = float((t["entropy"] * mask).sum() / mask.sum().clamp_min(1))
+        metrics["actor/entropy"] = float((t["entropy"] * sampled).sum() / sampled.sum().clamp_min(1))
     return metrics

@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from shardrl.algos.policy_loss import PolicyLossMode
+from shardrl.algos.rejection import RejectionSampling, parse_rejection
 from shardrl.parallel.layout import LayoutSpec
 from shardrl.trainer.config_rules import validate
 from shardrl.trainer.schema import ConfigError, Fraction, Max, Min, NonNegFloat, NonNegInt, PosFloat, PosInt, build
@@ -319,12 +320,24 @@ class KLControlConfig:
 
 @dataclass(frozen=True)
 class RolloutCorrectionConfig:
-    """Off-policy correction between behaviour (rollout) and trainer logprobs."""
+    """Off-policy correction between behaviour (rollout) and trainer logprobs (shardrl.algos.off_policy)."""
 
     rollout_is: Literal["token", "sequence"] | None  # truncated importance sampling level; null: off
     rollout_is_threshold: PosFloat
+    rollout_is_batch_normalize: bool  # divide the importance weights by their mean over the batch
+    rollout_rs: str | None  # rejection sampling criteria (shardrl.algos.rejection); null: off
+    rollout_rs_threshold: float | str | None  # their bounds: a number, or verl's 'lower_upper' / comma-list specs
+    rollout_rs_threshold_lower: PosFloat | None  # lower ratio bound of rollout_rs=token|sequence|geometric
+    rollout_token_veto_threshold: PosFloat | None  # drop sequences holding a token ratio below this; null: off
     bypass_mode: bool | None  # verl's spelling of `not decoupled`; when set, load_config makes decoupled follow it
+    loss_type: Literal["ppo_clip", "reinforce"]  # the policy loss of bypass mode (decoupled=false)
+    use_policy_gradient: bool | None  # verl 0.6.1's spelling of loss_type=reinforce; when set it decides loss_type
     decoupled: bool  # true: recompute old logprobs (proximal policy); false: anchor on behaviour logprobs
+
+    def rejection(self) -> RejectionSampling | None:
+        """The rejection-sampling criteria of rollout_rs* and the veto (None: off); raises RejectionSpecError."""
+        return parse_rejection(self.rollout_rs, self.rollout_rs_threshold, self.rollout_rs_threshold_lower,
+                               self.rollout_token_veto_threshold)
 
 
 @dataclass(frozen=True)
@@ -513,15 +526,23 @@ def _fold_reward_kwargs(tree: dict[str, Any]) -> dict[str, Any]:
 
 def _fold_bypass_mode(tree: dict[str, Any]) -> dict[str, Any]:
     """verl (>= 0.6.1) names the PPO anchor `algorithm.rollout_correction.bypass_mode`: true anchors on the behaviour
-    logprobs, our `decoupled=false`. When it is set it decides `decoupled`."""
+    logprobs, our `decoupled=false`. When it is set it decides `decoupled`. verl 0.6.1 named the bypass-mode loss
+    `use_policy_gradient` (true: loss_type=reinforce); when set it decides `loss_type`."""
     algorithm = tree.get("algorithm") or {}
     correction = algorithm.get("rollout_correction") or {}
-    bypass = correction.get("bypass_mode")
-    if bypass is None:
+    folded = {}
+    for key, value, target, when_true, when_false in (
+        ("bypass_mode", correction.get("bypass_mode"), "decoupled", False, True),
+        ("use_policy_gradient", correction.get("use_policy_gradient"), "loss_type", "reinforce", "ppo_clip"),
+    ):
+        if value is None:
+            continue
+        if not isinstance(value, bool):
+            raise ConfigError(f"algorithm.rollout_correction.{key}", f"expected true, false or null, got {value!r}")
+        folded[target] = when_true if value else when_false
+    if not folded:
         return tree
-    if not isinstance(bypass, bool):
-        raise ConfigError("algorithm.rollout_correction.bypass_mode", f"expected true, false or null, got {bypass!r}")
-    return tree | {"algorithm": algorithm | {"rollout_correction": correction | {"decoupled": not bypass}}}
+    return tree | {"algorithm": algorithm | {"rollout_correction": correction | folded}}
 
 
 def load_config(cfg: DictConfig) -> PPOConfig:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from shardrl.algos.rejection import RejectionSampling, RejectionSpecError
 from shardrl.trainer.schema import ConfigError
 
 if TYPE_CHECKING:
@@ -80,22 +81,57 @@ def _validate_async(config: PPOConfig) -> None:
 def _validate_behaviour_logprobs(config: PPOConfig) -> None:
     """The PPO anchor (see shardrl.algos.off_policy): decoupled=true recomputes old logprobs with the actor;
     decoupled=false anchors on the rollout's behaviour logprobs, which verl's async recipes call
-    use_rollout_log_probs. Importance weights compare the two, so they need both."""
+    use_rollout_log_probs. Importance weights and rejection sampling compare the two, so they need both."""
     correction = config.algorithm.rollout_correction
-    if correction.rollout_is is not None and not correction.decoupled:
-        raise ConfigError("algorithm.rollout_correction.rollout_is", "needs decoupled=true, i.e. bypass_mode=false "
-                                                                     "(importance weights compare recomputed old "
-                                                                     "logprobs with behaviour logprobs)")
+    rejection = _rollout_correction_rules(config)
     async_cfg = config.async_training
     if async_cfg is not None and async_cfg.use_rollout_log_probs == correction.decoupled:
         wanted = "false" if async_cfg.use_rollout_log_probs else "true"
         raise ConfigError("async_training.use_rollout_log_probs",
                           f"{str(async_cfg.use_rollout_log_probs).lower()} needs algorithm.rollout_correction."
                           f"decoupled={wanted} (true: train on behaviour logprobs; false: recompute old logprobs)")
-    needs_behaviour = not correction.decoupled or correction.rollout_is is not None
+    needs_behaviour = not correction.decoupled or correction.rollout_is is not None or rejection is not None
     if needs_behaviour and not config.actor_rollout_ref.rollout.calculate_log_probs:
         raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs",
                           "must be true: algorithm.rollout_correction reads the rollout's behaviour logprobs")
+
+
+def _rollout_correction_rules(config: PPOConfig) -> RejectionSampling | None:
+    """Which corrections each anchor can apply. Decoupled: IS weights (optionally batch-normalised) and rejection
+    sampling, once per step against the recomputed old logprobs. Bypass: PPO-clip, or with loss_type=reinforce
+    REINFORCE with IS weights of the current policy per micro batch (verl's bypass mode). Returns the rejection."""
+    correction, key = config.algorithm.rollout_correction, "algorithm.rollout_correction"
+    try:
+        rejection = correction.rejection()
+    except RejectionSpecError as err:
+        raise ConfigError(f"{key}.{err.key}", err.reason) from None
+    reinforce = correction.loss_type == "reinforce"
+    if correction.rollout_is_batch_normalize and correction.rollout_is is None:
+        raise ConfigError(f"{key}.rollout_is_batch_normalize", "true normalises importance weights; set rollout_is "
+                                                               "to token or sequence")
+    if correction.decoupled:
+        if reinforce:
+            raise ConfigError(f"{key}.loss_type", "reinforce is bypass mode's loss (verl ignores it with "
+                                                  "bypass_mode=false); set bypass_mode=true or loss_type=ppo_clip")
+        return rejection
+    if correction.rollout_is is not None and not reinforce:
+        raise ConfigError(f"{key}.rollout_is", "needs decoupled=true, i.e. bypass_mode=false (importance weights "
+                                               "compare recomputed old logprobs with behaviour logprobs), or "
+                                               "loss_type=reinforce in bypass mode")
+    if rejection is not None:
+        name = "rollout_rs" if rejection.criteria else "rollout_token_veto_threshold"
+        raise ConfigError(f"{key}.{name}", "needs decoupled=true, i.e. bypass_mode=false: rejection compares "
+                                           "recomputed old logprobs with behaviour logprobs once per step (verl's "
+                                           "bypass form re-tests every micro batch against the current policy)")
+    if reinforce and correction.rollout_is_batch_normalize:
+        raise ConfigError(f"{key}.rollout_is_batch_normalize", "is not supported with loss_type=reinforce (verl "
+                                                               "normalises per micro batch there); set it false")
+    loss_mode = config.actor_rollout_ref.actor.policy_loss.loss_mode
+    if reinforce and loss_mode != "vanilla":
+        raise ConfigError("actor_rollout_ref.actor.policy_loss.loss_mode", f"{loss_mode} cannot be combined with "
+                                                                           f"{key}.loss_type=reinforce (it replaces "
+                                                                           "the PPO surrogate); use vanilla")
+    return None
 
 
 def _validate_dapo(config: PPOConfig) -> None:

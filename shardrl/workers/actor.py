@@ -28,7 +28,8 @@ from shardrl.workers.packing import unpack_responses
 @dataclass
 class PolicyLossOptions:
     loss_agg_mode: str = "token-mean"
-    loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode: the surrogate (algos.actor_loss)
+    loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode, or reinforce (bypass loss_type): algos.actor_loss
+    bypass_is: tuple[str, float] | None = None  # reinforce's (rollout_is, threshold) vs the current policy
     clip: ClipRange = ClipRange()
     entropy_coeff: float = 0.0
     use_kl_loss: bool = False
@@ -64,9 +65,9 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
         d = mb.data
         loss, metrics = actor_loss(
             log_prob, d["old_log_probs"], d["advantages"], d["response_mask"], scale, options.loss_agg_mode,
-            options.clip, is_weights=d.get("is_weights"), entropy=entropy, entropy_coeff=options.entropy_coeff,
-            ref_log_prob=d["ref_log_prob"] if options.use_kl_loss else None, kl_loss_coef=options.kl_loss_coef,
-            kl_loss_type=options.kl_loss_type, loss_mode=options.loss_mode)
+            options.clip, is_weights=d.get("is_weights"), bypass_is=options.bypass_is, entropy=entropy,
+            entropy_coeff=options.entropy_coeff, ref_log_prob=d["ref_log_prob"] if options.use_kl_loss else None,
+            kl_loss_coef=options.kl_loss_coef, kl_loss_type=options.kl_loss_type, loss_mode=options.loss_mode)
         return loss, {**metrics, "log_probs": log_prob}
 
     return loss_fn

@@ -59,9 +59,14 @@ def critic_engine_options(config: PPOConfig, total_steps: int) -> EngineOptions:
 
 
 def policy_loss_options(config: PPOConfig) -> PolicyLossOptions:
-    actor = config.actor_rollout_ref.actor
+    """The actor loss; in bypass mode loss_type=reinforce replaces the surrogate and brings its own IS weights."""
+    actor, correction = config.actor_rollout_ref.actor, config.algorithm.rollout_correction
+    reinforce = not correction.decoupled and correction.loss_type == "reinforce"
+    weighted = reinforce and correction.rollout_is is not None
+    bypass_is = (correction.rollout_is, correction.rollout_is_threshold) if weighted else None
     return PolicyLossOptions(
-        loss_agg_mode=actor.loss_agg_mode, loss_mode=actor.policy_loss.loss_mode,
+        loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else actor.policy_loss.loss_mode,
+        bypass_is=bypass_is,
         clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
         entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type,
