@@ -134,6 +134,14 @@ def broadcast_seconds(nbytes: int, group, device: torch.device, times: int) -> f
     return repeat(lambda: dist.broadcast(buf, src=src, group=group), device, times)[0]
 
 
+def device_copy_seconds(nbytes: int, device: torch.device, times: int) -> float:
+    """One device-to-device copy of `nbytes`: the least a one-rank colocated sync must do (read the trainer's
+    weights, write the rollout's), the resident reference where no other rank exists to broadcast to."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    return repeat(lambda: dst.copy_(src), device, times)[0]
+
+
 def h2d_seconds(nbytes: int, device: torch.device, times: int) -> float:
     """Every rank copies its own `nbytes` from pinned host memory to the device at once."""
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
@@ -232,8 +240,10 @@ def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.dev
             out[mode]["copy_calls"] = max_over_ranks(copy_calls(sync.sync), device)
         if args.profile:
             out[mode]["profile"] = profiled(sync.sync, device)
-        if mode == "resident" and group is not None:
+        if mode == "resident" and group is not None and dist.get_world_size(group) > 1:
             out[mode]["reference"] = broadcast_seconds(int(per_rank), group, device, args.repeats)
+        elif mode == "resident":
+            out[mode]["reference"] = device_copy_seconds(int(per_rank), device, args.repeats)
         if mode == "offloaded":
             reads = max_over_ranks(host_reads, device)
             out[mode]["reads"] = reads
@@ -273,7 +283,10 @@ def report(kind: str, results: list[dict], args: argparse.Namespace) -> None:
     print(f"\n{kind}: {_size(params, '')} parameters ({'tiny --quick shape, fp32' if args.quick else 'random bf16'}), "
           f"{r['setup']}, {args.placement}, bucket {_size(args.bucket_mb * (1 << 20))}")
     backend = "gloo" if args.quick else "NCCL"
-    for mode, reference, target in (("resident", f"{backend} broadcast of the bytes one rollout rank receives", 0.70),
+    resident_reference = (f"{backend} broadcast of the bytes one rollout rank receives" if args.world > 1 else
+                          "one device-to-device copy of the bytes the rollout receives (one rank: nothing to "
+                          "broadcast)")
+    for mode, reference, target in (("resident", resident_reference, 0.70),
                                     ("offloaded", "pinned H2D of the bytes each trainer rank reads", 0.70)):
         m = r[mode]
         print(f"  {mode:9s}: {_size(m['total'])} into rollout shards in {m['seconds'] * 1e3:.1f} ms = "

@@ -24,7 +24,7 @@ from shardrl.sync.plan import (
     split_piece,
 )
 from shardrl.sync.shards import shard_box
-from shardrl.sync.copies import CopyBatch, HostStaging
+from shardrl.sync.copies import MEMCPY_MIN_BYTES, CopyBatch, HostStaging
 from shardrl.sync.transport import BufferInFlightError, Ring
 from shardrl.sync.verify import checksum
 
@@ -205,13 +205,18 @@ def test_host_staging_stages_a_param_once_within_its_budget():
 
 
 def test_copy_batch_issues_one_multi_tensor_copy_per_dtype_and_copies_the_rest_one_by_one():
+    """Small contiguous pairs share a multi-tensor copy per dtype; strided, converted and big pairs (which `copy_`
+    gives the copy engine on GPU) go one by one."""
     gen = torch.Generator().manual_seed(0)
     bucket = torch.zeros(64)
+    big = MEMCPY_MIN_BYTES // 4  # float32 elements of the smallest piece copied alone
     full = torch.randn(4, 6, generator=gen)
     pairs = [(bucket[0:6], torch.randn(6, generator=gen)), (bucket[8:20].view(3, 4), torch.randn(3, 4, generator=gen)),
              (torch.zeros(5, dtype=torch.bfloat16), torch.randn(5, generator=gen).bfloat16()),
              (bucket[24:32].view(4, 2), full[:, 2:4]),  # a column block: strided source
-             (bucket[32:38], torch.randn(6, generator=gen, dtype=torch.float64))]  # a dtype change
+             (bucket[32:38], torch.randn(6, generator=gen, dtype=torch.float64)),  # a dtype change
+             (torch.zeros(big), torch.randn(big, generator=gen)),  # big: alone
+             (torch.zeros(big - 1), torch.randn(big - 1, generator=gen))]  # just below: in the float32 foreach
     batch = CopyBatch()
     for dst, src in pairs:
         batch.add(dst, src)
@@ -220,6 +225,6 @@ def test_copy_batch_issues_one_multi_tensor_copy_per_dtype_and_copies_the_rest_o
     for dst, src in pairs:
         assert torch.equal(dst, src.to(dst.dtype)), (dst, src)
     top = [e.name for e in prof.events() if e.cpu_parent is None and "copy" in e.name]
-    # float32 and bfloat16 contiguous pairs: one multi-tensor copy each; the strided and the converted pair alone.
-    assert sorted(top) == ["aten::_foreach_copy_"] * 2 + ["aten::copy_"] * 2, top
-    assert batch.launches == 4 and batch.dsts == [] and batch.srcs == []
+    # float32 and bfloat16 small contiguous pairs: one multi-tensor copy each; strided, converted and big alone.
+    assert sorted(top) == ["aten::_foreach_copy_"] * 2 + ["aten::copy_"] * 3, top
+    assert batch.launches == 5 and batch.dsts == [] and batch.srcs == []

@@ -30,6 +30,7 @@ from torch import Tensor, nn
 
 from shardrl.parallel.grouped_gemm import can_use_grouped_mm, expert_ffn
 from shardrl.parallel.layout import Layout
+from shardrl.parallel.moe_rows import combine_rows, dispatch_rows
 from shardrl.parallel.spec import ShardSpec, set_spec
 from shardrl.parallel.tensor import token_split_sizes
 
@@ -128,19 +129,14 @@ class MoELayer(nn.Module):
     def _combine(self, x: Tensor, top_experts: Tensor, weights: Tensor, counts: Tensor,
                  num_tokens: int | None) -> Tensor:
         """Run every (token, expert) assignment through its expert and sum each token's k outputs by weight."""
-        local_tokens, hidden = x.shape
         order = top_experts.flatten().argsort(stable=True)  # [T*k] assignments grouped by expert
         inverse = _inverse(order)
-        # Copy each token k times, then permute: every backward is a gather (a permutation's inverse and a sum
-        # over k), never index_add's atomics, which were the slowest kernel of a bf16 MoE step on H200.
-        copies = x.unsqueeze(1).expand(local_tokens, self.top_k, hidden).reshape(-1, hidden)  # [T_r*k, H]
-        rows = permute_rows(copies, order, inverse)  # [T*k, H]
+        rows = dispatch_rows(x, order, inverse, self.top_k)  # [T*k, H]
         if self.layout.ep_etp_group is None:
             y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down)  # [T*k, H]
         else:
             y = self._experts_over_ranks(rows, counts, num_tokens)
-        y = permute_rows(y, inverse, order).view(local_tokens, self.top_k, hidden)  # [T_r, k, H]
-        return (y * weights.unsqueeze(-1)).sum(dim=1)
+        return combine_rows(y, order, inverse, weights)  # [T_r, H]
 
     def _experts_over_ranks(self, rows: Tensor, counts: Tensor, num_tokens: int | None) -> Tensor:
         """rows [N, H] sorted by global expert with `counts` [E] -> expert outputs [N, H] in the same order."""

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardrl.parallel.data import accumulate_weight_grad
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec, set_spec
 
@@ -183,6 +184,30 @@ def shard_index(layout: Layout, num_shards: int) -> int:
     return layout.tp_rank // max(tp // num_shards, 1)
 
 
+class _Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        ctx.save_for_backward(x, weight)
+        return F.linear(x, weight, bias)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weight = ctx.saved_tensors
+        wants_x, wants_weight, wants_bias = ctx.needs_input_grad
+        grad_rows = grad.reshape(-1, grad.shape[-1])  # [N, out]
+        grad_x = grad.matmul(weight) if wants_x else None
+        grad_weight = accumulate_weight_grad(weight, grad_rows, x.reshape(-1, x.shape[-1])) if wants_weight else None
+        return grad_x, grad_weight, grad_rows.sum(0) if wants_bias else None
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """F.linear; under autograd, for a weight with a fp32 `main_grad` (`GradBuffers`), its backward hands the weight
+    gradient to `accumulate_weight_grad` (fused into main_grad on CUDA)."""
+    if torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad"):
+        return _Linear.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
 def sharded_param(spec: ShardSpec, layout: Layout, dtype: torch.dtype) -> nn.Parameter:
     # Filled by the HF loader (or a test); allocation only, so huge models are never initialised twice.
     param = nn.Parameter(torch.empty(spec.local_shape(), device=layout.device, dtype=dtype))
@@ -207,7 +232,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = sharded_param(ShardSpec(f"{name}.bias", (out_size,), **split), layout, dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias)
 
 
 def pack_adjacent(linears: Sequence[ColumnParallelLinear], device: torch.device) -> None:
@@ -282,7 +307,7 @@ class RowParallelLinear(nn.Module):
             layout, dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = exit_tp(F.linear(x, self.weight), self.group, self.sequence_parallel)  # [T or T/tp, out]
+        y = exit_tp(linear(x, self.weight), self.group, self.sequence_parallel)  # [T or T/tp, out]
         return y if self.bias is None else y + self.bias
 
 
@@ -298,4 +323,4 @@ class ReplicatedLinear(nn.Module):
             layout, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return F.linear(x, self.weight)
+        return linear(x, self.weight)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from shardrl.parallel.data import accumulate_weight_grad
 from shardrl.parallel.tensor import (
     ColumnParallelLinear,
     Group,
@@ -101,8 +102,9 @@ class _ColumnParallel(torch.autograd.Function):
             grad_x, work = grad_full, dist.all_reduce(grad_full, group=ctx.group, async_op=True)
         grad_params = []  # runs while the collective does
         wants = iter(ctx.needs_input_grad[5:])
-        for grad, bias in zip(grads, ctx.has_bias):
-            grad_params.append(grad.t().mm(full) if next(wants) else None)  # [out_i/tp, H]
+        for grad, weight, bias in zip(grads, weights, ctx.has_bias):
+            # [out_i/tp, H], or None once added into the weight's main_grad
+            grad_params.append(accumulate_weight_grad(weight, grad, full) if next(wants) else None)
             if bias:
                 grad_params.append(grad.sum(0) if next(wants) else None)
         work.wait()
@@ -136,7 +138,7 @@ class _RowParallelChunked(torch.autograd.Function):
         if ctx.sequence_parallel:  # grad [T_r, out] of this rank's tokens -> [T, out]
             grad = all_gather_tokens(grad.contiguous(), ctx.group, ctx.num_tokens)
         grad_x = grad.mm(weight) if ctx.needs_input_grad[0] else None  # [T, in/tp]
-        grad_w = grad.t().mm(x) if ctx.needs_input_grad[1] else None  # [out, in/tp]
+        grad_w = accumulate_weight_grad(weight, grad, x) if ctx.needs_input_grad[1] else None  # [out, in/tp]
         return grad_x, grad_w, None, None, None
 
 

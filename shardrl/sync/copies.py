@@ -2,9 +2,12 @@
 
 A sync copies hundreds of small pieces (trainer shards -> buckets, buckets -> rollout shards, shards kept in place).
 One `copy_` each made the host, not the GPU or the link, the bottleneck (~12 us of launch per piece), so the copies
-are collected in a `CopyBatch` and issued together: pairs that are contiguous, of one dtype and on one device go
-through one multi-tensor copy per dtype (`torch._foreach_copy_`: a launch per few dozen tensors), the rest (column
-blocks, dtype changes, host -> device DMA) one `copy_` each.
+are collected in a `CopyBatch` and issued together: small pairs that are contiguous, of one dtype and on one device
+go through one multi-tensor copy per dtype (`torch._foreach_copy_`: a launch per few dozen tensors), the rest one
+`copy_` each: column blocks, dtype changes, host -> device DMA, and contiguous pieces of at least
+`MEMCPY_MIN_BYTES`, which `copy_` hands to the copy engine (cudaMemcpyAsync) at full bandwidth. The multi-tensor
+kernel moves big tensors at a fraction of that: a one-GPU sync of 6.2 GB of Qwen2.5-3B weights (434 pieces, one
+foreach launch) took 14.8 ms where one device copy of the same bytes takes 2.9 ms (H200, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ from collections import OrderedDict
 
 import torch
 from torch import Tensor
+
+MEMCPY_MIN_BYTES = 1 << 20  # a piece this big pays its own launch (~10 us host) to move at copy-engine bandwidth
 
 
 class CopyBatch:
@@ -30,7 +35,8 @@ class CopyBatch:
     def flush(self) -> None:
         groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
         for dst, src in zip(self.dsts, self.srcs):
-            if dst.dtype == src.dtype and dst.device == src.device and dst.is_contiguous() and src.is_contiguous():
+            if (dst.dtype == src.dtype and dst.device == src.device and dst.is_contiguous() and src.is_contiguous()
+                    and dst.numel() * dst.element_size() < MEMCPY_MIN_BYTES):
                 dsts, srcs = groups.setdefault(dst.dtype, ([], []))
                 dsts.append(dst.view(-1))
                 srcs.append(src.view(-1))
