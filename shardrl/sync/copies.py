@@ -32,21 +32,38 @@ class CopyBatch:
         self.dsts.append(dst)
         self.srcs.append(src)
 
-    def flush(self) -> None:
+    def flush(self) -> CopyReplay:
+        """Issue the pending copies; returns them grouped as issued, to issue again (`CopyReplay`)."""
+        replay = CopyReplay(self.dsts, self.srcs)
+        self.launches += replay.issue()
+        self.dsts, self.srcs = [], []
+        return replay
+
+
+class CopyReplay:
+    """A set of copies grouped into launches once (the grouping walks every pair in Python), issued any number of
+    times: the local copies of a resident sync are the same views every sync."""
+
+    def __init__(self, dsts: list[Tensor], srcs: list[Tensor]) -> None:
+        self.singles: list[tuple[Tensor, Tensor]] = []
         groups: dict[torch.dtype, tuple[list[Tensor], list[Tensor]]] = {}
-        for dst, src in zip(self.dsts, self.srcs):
+        for dst, src in zip(dsts, srcs):
             if (dst.dtype == src.dtype and dst.device == src.device and dst.is_contiguous() and src.is_contiguous()
                     and dst.numel() * dst.element_size() < MEMCPY_MIN_BYTES):
-                dsts, srcs = groups.setdefault(dst.dtype, ([], []))
-                dsts.append(dst.view(-1))
-                srcs.append(src.view(-1))
+                group_dsts, group_srcs = groups.setdefault(dst.dtype, ([], []))
+                group_dsts.append(dst.view(-1))
+                group_srcs.append(src.view(-1))
             else:
-                dst.copy_(src, non_blocking=True)
-                self.launches += 1
-        for dsts, srcs in groups.values():
+                self.singles.append((dst, src))
+        self.groups = list(groups.values())
+
+    def issue(self) -> int:
+        """Issue every copy; returns the launches (a multi-tensor copy counts once)."""
+        for dst, src in self.singles:
+            dst.copy_(src, non_blocking=True)
+        for dsts, srcs in self.groups:
             torch._foreach_copy_(dsts, srcs, non_blocking=True)
-            self.launches += 1
-        self.dsts, self.srcs = [], []
+        return len(self.singles) + len(self.groups)
 
 
 class HostStaging:

@@ -18,7 +18,10 @@ to the size of the largest one (`HostStaging`).
 
 The copies of a bucket or of a share of local copies go out as one `CopyBatch` (a few launches, not one per piece).
 An offloaded param that is staged is read from host memory once per sync: its local pieces are copied right after
-its first piece is packed, while its staged copy is still there (`_place_local`).
+its first piece is packed, while its staged copy is still there (`_place_local`). A share of local copies between
+device-resident params is the same set of views every sync: it is grouped once and replayed (`CopyReplay`) for as
+long as every param involved keeps its storage, which is checked each sync (cutting ~430 views out of a 3B model's
+params took ~6 ms of host time per sync, longer than the copies themselves on an H200).
 """
 
 from __future__ import annotations
@@ -31,7 +34,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from shardrl.sync.copies import CopyBatch, HostStaging
+from shardrl.sync.copies import CopyBatch, CopyReplay, HostStaging
 from shardrl.sync.plan import CHECKSUM_WORDS, TRAILER_BYTES, Bucket, Piece, RankPlan
 from shardrl.sync.shards import Shards
 from shardrl.sync.verify import check_checksums, check_full, checksum
@@ -94,6 +97,8 @@ class Transport:
         # Made once: the allocator keeps the side stream's blocks (staged params) for reuse by later syncs.
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kept_with, self.kept_apart = self._place_local()
+        # Per share of `kept_apart` (by its index in the run): the storages it was cut from, and its replay.
+        self.replays: dict[int, tuple[tuple[int, ...], CopyReplay]] = {}
         self.launches = 0  # copy calls issued during the current run
 
     def _staged_names(self) -> set[str]:
@@ -190,11 +195,37 @@ class Transport:
                 compare.append((piece.name, (dst != piece_view(buf, piece)).any()))
         self._flush(batch)
 
-    def _copy_local(self, pieces: Sequence[Piece], compare: list | None) -> None:
+    def _copy_local(self, share: int, pieces: Sequence[Piece], compare: list | None) -> None:
+        """Share `share` of the local pieces kept apart: replayed when every param it reads and writes still has
+        the storage it was cut from (none offloaded), else cut anew."""
+        storages = self._storages(pieces) if compare is None else None
+        cached = self.replays.get(share)
+        if storages is not None and cached is not None and cached[0] == storages:
+            self.launches += cached[1].issue()
+            return
         batch = CopyBatch()
         for piece in pieces:
             self._keep(piece, batch, compare)
-        self._flush(batch)
+        replay = batch.flush()
+        self.launches += batch.launches
+        if storages is not None:
+            self.replays[share] = (storages, replay)
+        else:
+            self.replays.pop(share, None)
+
+    def _storages(self, pieces: Sequence[Piece]) -> tuple[int, ...] | None:
+        """Where the params `pieces` read and write lie: each one's storage (its C++ object's address) and data
+        address; None when one is offloaded. A replay's views hold their storages alive, so no other storage can
+        take such an address; a param given new `.data` (repacked, reloaded) or moved changes one of the two."""
+        out = []
+        for piece in pieces:
+            for shards in (self.source, self.target):
+                param = shards.params[piece.hf_name]
+                storage = param.untyped_storage()
+                if storage.nbytes() == 0:
+                    return None
+                out += (storage._cdata, param.data_ptr())
+        return tuple(out)
 
     def _pack_next(self, bucket: Bucket, ring: Ring, compare: list | None) -> tuple[int, Tensor]:
         """Pack `bucket` into the next free send buffer (on the side stream on GPU); the transfer, posted from the
@@ -215,7 +246,7 @@ class Transport:
         sends = {b.step: b for b in plan.sends}
         recvs = {b.step: (i, b) for i, b in enumerate(plan.recvs)}
         steps = sorted(sends.keys() | recvs.keys())
-        local = _spread(self.kept_apart, len(steps) + 1)
+        local = enumerate(_spread(self.kept_apart, len(steps) + 1))
         self.launches = 0
         if self.side is not None:  # the trainer's last update and the rollout's padding zeroing come first
             self.side.wait_stream(torch.cuda.current_stream(self.device))
@@ -236,11 +267,11 @@ class Transport:
                 self._finish(*in_flight, send_ring, recv_ring, sums, compared)
             in_flight = (works, sent, received)
             with self._reading():
-                self._copy_local(next(local), compared)
+                self._copy_local(*next(local), compared)
         if in_flight is not None:
             self._finish(*in_flight, send_ring, recv_ring, sums, compared)
         with self._reading():
-            self._copy_local(next(local), compared)
+            self._copy_local(*next(local), compared)
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
         self.staging.clear()

@@ -1,0 +1,72 @@
+"""Replayed local copies in a colocated sync (`Transport._copy_local`): a resident sync after the first reissues the
+same grouped copies, and every change of where a param lives — updated in place, given new `.data`, offloaded and
+reloaded, the rollout repacked by sleep/wake — still leaves the rollout bitwise equal to the actor. A stale replay
+would copy from or into storage the params no longer use, which no checksum would catch (local copies have none)."""
+
+from __future__ import annotations
+
+import torch
+
+from shardrl.models.config import ModelConfig
+from shardrl.models.tiny import make_tiny_checkpoint
+from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.offload import offload, reload
+from shardrl.rollout.engine import Engine, EngineConfig
+from shardrl.sync.colocated import ColocatedSync
+from shardrl.sync.shards import Shards
+from shardrl.workers.engine import EngineOptions, ModelEngine
+
+
+def _assert_synced(actor: ModelEngine, engine: Engine, what: str) -> None:
+    source, target = Shards(actor.chunks, sending=True), Shards(engine.model)
+    for slice_ in target.slices():
+        got = target.view(slice_.hf_name, slice_.box)
+        want = source.view(slice_.hf_name, slice_.box)
+        assert torch.equal(got.cpu(), want.cpu().to(got.dtype)), f"{what}: {slice_.hf_name} differs"
+
+
+def test_replayed_local_copies_follow_every_move_of_the_params(tmp_path):
+    path = str(make_tiny_checkpoint("qwen2", tmp_path / "m"))
+    registry = GroupRegistry()
+    layout = Layout.create(LayoutSpec(1), [0], registry=registry)
+    actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(), hf_path=path)
+    engine = Engine.from_pretrained(path, Layout.create(LayoutSpec(1), [0], registry=registry),
+                                    EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64))
+    sync = ColocatedSync(actor, engine, bucket_bytes=1 << 20)
+    params = [p for chunk in actor.chunks for p in chunk.parameters()]
+    gen = torch.Generator().manual_seed(0)
+
+    def perturb() -> None:
+        with torch.no_grad():
+            for p in params:
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+
+    sync.sync()
+    _assert_synced(actor, engine, "first sync")
+    transport = sync.weights.transport
+    assert transport.replays, "a resident sync keeps its local copies for the next one"
+    replays = dict(transport.replays)
+
+    perturb()  # an optimizer step: in place
+    sync.sync()
+    _assert_synced(actor, engine, "after an in-place update (replayed)")
+    assert all(transport.replays[k][1] is replays[k][1] for k in replays), "the replay was not reused"
+
+    with torch.no_grad():  # a param given a new tensor
+        params[0].data = params[0].data.clone() + 1
+    sync.sync()
+    _assert_synced(actor, engine, "after new .data")
+
+    offload(actor.chunks)
+    sync.sync()
+    _assert_synced(actor, engine, "while offloaded")
+    reload(actor.chunks)
+    perturb()
+    sync.sync()
+    _assert_synced(actor, engine, "after reloading")
+
+    engine.sleep(offload_weights=True)
+    engine.wake_up()
+    perturb()
+    sync.sync()
+    _assert_synced(actor, engine, "after the rollout slept and woke")
