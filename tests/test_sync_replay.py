@@ -5,6 +5,7 @@ would copy from or into storage the params no longer use, which no checksum woul
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from shardrl.models.config import ModelConfig
@@ -26,11 +27,23 @@ def _assert_synced(actor: ModelEngine, engine: Engine, what: str) -> None:
 
 
 def test_replayed_local_copies_follow_every_move_of_the_params(tmp_path):
+    check_replays(tmp_path, torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_replayed_local_copies_on_cuda_graphs_follow_every_move_of_the_params(tmp_path):
+    """On CUDA the replay becomes a CUDA graph from the second sync on: the same moves must re-cut it."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    check_replays(tmp_path, torch.device("cuda"))
+
+
+def check_replays(tmp_path, device: torch.device) -> None:
     path = str(make_tiny_checkpoint("qwen2", tmp_path / "m"))
     registry = GroupRegistry()
-    layout = Layout.create(LayoutSpec(1), [0], registry=registry)
+    layout = Layout.create(LayoutSpec(1), [0], device, registry=registry)
     actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(), hf_path=path)
-    engine = Engine.from_pretrained(path, Layout.create(LayoutSpec(1), [0], registry=registry),
+    engine = Engine.from_pretrained(path, Layout.create(LayoutSpec(1), [0], device, registry=registry),
                                     EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64))
     sync = ColocatedSync(actor, engine, bucket_bytes=1 << 20)
     params = [p for chunk in actor.chunks for p in chunk.parameters()]
@@ -39,7 +52,7 @@ def test_replayed_local_copies_follow_every_move_of_the_params(tmp_path):
     def perturb() -> None:
         with torch.no_grad():
             for p in params:
-                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype))
+                p.add_(torch.randn(p.shape, generator=gen, dtype=p.dtype).to(p.device))
 
     sync.sync()
     _assert_synced(actor, engine, "first sync")
@@ -47,10 +60,12 @@ def test_replayed_local_copies_follow_every_move_of_the_params(tmp_path):
     assert transport.replays, "a resident sync keeps its local copies for the next one"
     replays = dict(transport.replays)
 
-    perturb()  # an optimizer step: in place
-    sync.sync()
-    _assert_synced(actor, engine, "after an in-place update (replayed)")
-    assert all(transport.replays[k][1] is replays[k][1] for k in replays), "the replay was not reused"
+    for step in range(2):  # optimizer steps, in place (on CUDA the second replays the graph the first recorded)
+        perturb()
+        sync.sync()
+        _assert_synced(actor, engine, f"after in-place update {step} (replayed)")
+        assert all(transport.replays[k][1] is replays[k][1] for k in replays), "the replay was not reused"
+    assert all((r.graph is not None) == (device.type == "cuda") for _, r in transport.replays.values())
 
     with torch.no_grad():  # a param given a new tensor
         params[0].data = params[0].data.clone() + 1
