@@ -57,15 +57,20 @@ def check_replays(tmp_path, device: torch.device) -> None:
     sync.sync()
     _assert_synced(actor, engine, "first sync")
     transport = sync.weights.transport
-    assert transport.replays, "a resident sync keeps its local copies for the next one"
-    replays = dict(transport.replays)
+    assert transport.replays, "a resident sync remembers its local copies for the next one"
 
-    for step in range(2):  # optimizer steps, in place (on CUDA the second replays the graph the first recorded)
+    replays = None
+    for step in range(3):  # optimizer steps, in place: CPU replays from the second sync, CUDA records a graph there
         perturb()
         sync.sync()
-        _assert_synced(actor, engine, f"after in-place update {step} (replayed)")
-        assert all(transport.replays[k][1] is replays[k][1] for k in replays), "the replay was not reused"
-    assert all((r.graph is not None) == (device.type == "cuda") for _, r in transport.replays.values())
+        _assert_synced(actor, engine, f"after in-place update {step}")
+        if replays is not None:
+            assert all(transport.replays[k][1] is r for k, (_, r) in replays.items()), "the replay was not reused"
+        replays = dict(transport.replays)
+    for _, replay in replays.values():
+        assert replay is not None and (replay.graph is not None) == (device.type == "cuda")
+        if device.type == "cuda":  # the graph holds no tensor, so a sleeping engine's weights can be freed
+            assert not replay.singles and not replay.groups
 
     with torch.no_grad():  # a param given a new tensor
         params[0].data = params[0].data.clone() + 1
@@ -80,7 +85,13 @@ def check_replays(tmp_path, device: torch.device) -> None:
     sync.sync()
     _assert_synced(actor, engine, "after reloading")
 
+    engine.sleep()  # the KV cache first, so the next drop is the weights alone
+    weights_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     engine.sleep(offload_weights=True)
+    if device.type == "cuda":
+        freed = before - torch.cuda.memory_allocated(device)
+        assert freed >= weights_bytes, f"sleep freed {freed} bytes of {weights_bytes} weight bytes: something holds them"
     engine.wake_up()
     perturb()
     sync.sync()

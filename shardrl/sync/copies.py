@@ -32,19 +32,24 @@ class CopyBatch:
         self.dsts.append(dst)
         self.srcs.append(src)
 
+    def replay(self) -> CopyReplay:
+        """The pending copies grouped into launches, not issued; the batch is left empty."""
+        replay = CopyReplay(self.dsts, self.srcs)
+        self.dsts, self.srcs = [], []
+        return replay
+
     def flush(self) -> CopyReplay:
         """Issue the pending copies; returns them grouped as issued, to issue again (`CopyReplay`)."""
-        replay = CopyReplay(self.dsts, self.srcs)
+        replay = self.replay()
         self.launches += replay.issue()
-        self.dsts, self.srcs = [], []
         return replay
 
 
 class CopyReplay:
     """A set of copies grouped into launches once (the grouping walks every pair in Python), issued any number of
     times: the local copies of a resident sync are the same views every sync. On CUDA, `record` captures them in a
-    CUDA graph, after which an issue is one launch (memcpy nodes at copy-engine speed) instead of one per big piece:
-    the caller guarantees the tensors keep their addresses while it replays.
+    CUDA graph and drops the tensors, after which an issue is one launch (memcpy nodes at copy-engine speed) instead
+    of one per big piece: the caller checks that the tensors' memory is where it was before each issue.
     """
 
     def __init__(self, dsts: list[Tensor], srcs: list[Tensor]) -> None:
@@ -73,8 +78,9 @@ class CopyReplay:
         return len(self.singles) + len(self.groups)
 
     def record(self) -> None:
-        """Capture the copies into a CUDA graph on the current (non-default) stream; nothing is copied yet. The
-        copies allocate nothing, so the graph needs no memory pool of its own beyond the capture's bookkeeping."""
+        """Capture the copies into a CUDA graph on the current (non-default) stream and let go of the tensors: the
+        graph copies between their addresses, which the caller checks before each issue. Nothing is copied yet;
+        the copies allocate nothing, so the graph needs no memory pool beyond the capture's bookkeeping."""
         if self.graph is not None or not (self.singles or self.groups):
             return
         graph = torch.cuda.CUDAGraph()
@@ -83,7 +89,7 @@ class CopyReplay:
             self.issue()
         finally:
             graph.capture_end()
-        self.graph = graph
+        self.graph, self.singles, self.groups = graph, [], []
 
 
 class HostStaging:

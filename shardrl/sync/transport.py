@@ -19,9 +19,9 @@ to the size of the largest one (`HostStaging`).
 The copies of a bucket or of a share of local copies go out as one `CopyBatch` (a few launches, not one per piece).
 An offloaded param that is staged is read from host memory once per sync: its local pieces are copied right after
 its first piece is packed, while its staged copy is still there (`_place_local`). A share of local copies between
-device-resident params is the same set of views every sync: it is grouped once and replayed (`CopyReplay`; on GPU
-from the second sync on as one CUDA graph) for as long as every param involved keeps its storage and address, which
-is checked each sync. Cutting ~430 views out of a 3B model's params and launching a copy per big piece took longer
+device-resident params is the same set of copies every sync: on GPU it is recorded as one CUDA graph once it is found
+unchanged (`CopyReplay`), on CPU its views are kept and regrouped never again, for as long as every param involved
+stays where it was, which is checked each sync. Cutting ~430 views out of a 3B model's params and launching a copy per big piece took longer
 than the copies themselves on an H200.
 """
 
@@ -98,8 +98,9 @@ class Transport:
         # Made once: the allocator keeps the side stream's blocks (staged params) for reuse by later syncs.
         self.side = torch.cuda.Stream(device) if device.type == "cuda" else None
         self.kept_with, self.kept_apart = self._place_local()
-        # Per share of `kept_apart` (by its index in the run): the storages it was cut from, and its replay.
-        self.replays: dict[int, tuple[tuple[int, ...], CopyReplay]] = {}
+        # Per share of `kept_apart` (by its index in the run): where its params were (`_addresses`) and its replay
+        # (on GPU None until it is recorded as a graph).
+        self.replays: dict[int, tuple[tuple[int, ...], CopyReplay | None]] = {}
         self.launches = 0  # copy calls issued during the current run
 
     def _staged_names(self) -> set[str]:
@@ -197,29 +198,41 @@ class Transport:
         self._flush(batch)
 
     def _copy_local(self, share: int, pieces: Sequence[Piece], compare: list | None) -> None:
-        """Share `share` of the local pieces kept apart: replayed when every param it reads and writes still has
-        the storage it was cut from (none offloaded), else cut anew."""
-        storages = self._storages(pieces) if compare is None else None
+        """Share `share` of the local pieces kept apart: replayed when every param it reads and writes is where it
+        was when the replay was made (none offloaded), else cut anew. On GPU the replay is a CUDA graph recorded
+        the second time a share is found unchanged; it holds no tensor, so sleeping engines free their weights."""
+        where = self._addresses(pieces) if compare is None else None
         cached = self.replays.get(share)
-        if storages is not None and cached is not None and cached[0] == storages:
-            if self.side is not None:  # unchanged twice: worth a graph (the side stream is current here)
-                cached[1].record()
-            self.launches += cached[1].issue()
+        if where is not None and cached is not None and cached[0] == where:
+            replay = cached[1]
+            if replay is None:  # GPU, unchanged since the last sync: record it (the side stream is current here)
+                replay = self._cut(pieces, None).replay()
+                replay.record()
+                self.replays[share] = (where, replay)
+            self.launches += replay.issue()
             return
+        batch = self._cut(pieces, compare)
+        replay = batch.flush()
+        self.launches += batch.launches
+        if where is None:
+            self.replays.pop(share, None)
+        else:  # on GPU only the addresses: views kept past the sync would keep a sleeping engine's weights alive
+            self.replays[share] = (where, None if self.side is not None else replay)
+
+    def _cut(self, pieces: Sequence[Piece], compare: list | None) -> CopyBatch:
         batch = CopyBatch()
         for piece in pieces:
             self._keep(piece, batch, compare)
-        replay = batch.flush()
-        self.launches += batch.launches
-        if storages is not None:
-            self.replays[share] = (storages, replay)
-        else:
-            self.replays.pop(share, None)
+        return batch
 
-    def _storages(self, pieces: Sequence[Piece]) -> tuple[int, ...] | None:
-        """Where the params `pieces` read and write lie: each one's storage (its C++ object's address) and data
-        address; None when one is offloaded. A replay's views hold their storages alive, so no other storage can
-        take such an address; a param given new `.data` (repacked, reloaded) or moved changes one of the two."""
+    def _addresses(self, pieces: Sequence[Piece]) -> tuple[int, ...] | None:
+        """Where the params `pieces` read and write lie, or None when one is offloaded.
+
+        On GPU, each param's data address: a graph copies between raw addresses at fixed offsets from them (a
+        param's shape and layout come from its spec), so it stays right for a param given new `.data` at the same
+        address and any move changes the key. On CPU the replay holds views, so also each storage's identity (its
+        C++ object's address, which no other storage can take while the views hold it): a view of a replaced
+        storage would copy from or into memory the param no longer uses."""
         out = []
         for piece in pieces:
             for shards in (self.source, self.target):
@@ -227,7 +240,9 @@ class Transport:
                 storage = param.untyped_storage()
                 if storage.nbytes() == 0:
                     return None
-                out += (storage._cdata, param.data_ptr())
+                out.append(param.data_ptr())
+                if self.side is None:
+                    out.append(storage._cdata)
         return tuple(out)
 
     def _pack_next(self, bucket: Bucket, ring: Ring, compare: list | None) -> tuple[int, Tensor]:
