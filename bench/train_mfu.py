@@ -119,7 +119,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--sequence-parallel", action="store_true", help="sequence parallelism with TP")
     p.add_argument("--distributed-optimizer", action="store_true")
     p.add_argument("--profile", action="store_true",
-                   help="profile one more step; print the top-10 kernels, its host-sync count and (GPU) where they come from")
+                   help="profile one more step; print its top kernels (--profile-rows), its host-sync count and (GPU) "
+                        "where they come from")
     p.add_argument("--profile-rows", type=int, default=10, help="rows of each --profile table")
     p.add_argument("--no-tp-overlap", action="store_true",
                    help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")

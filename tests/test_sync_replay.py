@@ -91,7 +91,7 @@ def check_replays(tmp_path, device: torch.device) -> None:
     engine.sleep(offload_weights=True)
     if device.type == "cuda":
         freed = before - torch.cuda.memory_allocated(device)
-        assert freed >= weights_bytes, f"sleep freed {freed} bytes of {weights_bytes} weight bytes: something holds them"
+        assert freed >= weights_bytes, f"sleep freed {freed} of {weights_bytes} weight bytes: something holds them"
     engine.wake_up()
     perturb()
     sync.sync()

@@ -19,10 +19,10 @@ to the size of the largest one (`HostStaging`).
 The copies of a bucket or of a share of local copies go out as one `CopyBatch` (a few launches, not one per piece).
 An offloaded param that is staged is read from host memory once per sync: its local pieces are copied right after
 its first piece is packed, while its staged copy is still there (`_place_local`). A share of local copies between
-device-resident params is the same set of copies every sync: on GPU it is recorded as one CUDA graph once it is found
-unchanged (`CopyReplay`), on CPU its views are kept and regrouped never again, for as long as every param involved
-stays where it was, which is checked each sync. Cutting ~430 views out of a 3B model's params and launching a copy per big piece took longer
-than the copies themselves on an H200.
+device-resident params is the same set of copies every sync, so it is replayed (`CopyReplay`) for as long as every
+param involved stays where it was, which is checked each sync: on GPU as one CUDA graph, on CPU from its kept views.
+Cutting ~430 views out of a 3B model's params and launching a copy per big piece took longer than the copies
+themselves on an H200.
 """
 
 from __future__ import annotations
@@ -199,8 +199,8 @@ class Transport:
 
     def _copy_local(self, share: int, pieces: Sequence[Piece], compare: list | None) -> None:
         """Share `share` of the local pieces kept apart: replayed when every param it reads and writes is where it
-        was when the replay was made (none offloaded), else cut anew. On GPU the replay is a CUDA graph recorded
-        the second time a share is found unchanged; it holds no tensor, so sleeping engines free their weights."""
+        was when the replay was made (none offloaded), else cut anew. On GPU the replay is a CUDA graph, recorded
+        by the first sync that finds the share unchanged; it holds no tensor, so sleeping engines free their weights."""
         where = self._addresses(pieces) if compare is None else None
         cached = self.replays.get(share)
         if where is not None and cached is not None and cached[0] == where:
