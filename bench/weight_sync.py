@@ -170,9 +170,9 @@ def build(kind: str, setup: Setup, args: argparse.Namespace, device: torch.devic
                                                      gpu_memory_utilization=0.9))
     bucket = int(args.bucket_mb * (1 << 20))
     if args.placement == "colocated":
-        sync = ColocatedSync(actor, engine, bucket)
+        sync = ColocatedSync(actor.chunks, actor.layout, actor.host_buffers, engine, bucket)
     elif actor is not None:
-        sync = DetachedSync.sender(actor, group, bucket)
+        sync = DetachedSync.sender(actor.chunks, actor.layout, actor.host_buffers, group, bucket)
     else:
         sync = DetachedSync.receiver(engine, group, bucket)
     return actor, engine, sync
@@ -223,7 +223,7 @@ def measure(kind: str, setup: Setup, args: argparse.Namespace, device: torch.dev
     out: dict = {"setup": setup.describe(), "rank": dist.get_rank(), "boxes": boxes}
     for mode in ("resident", "offloaded"):
         if mode == "offloaded" and actor is not None:
-            offload(actor.chunks)
+            offload(actor.chunks, actor.host_buffers)
         seconds, metrics = repeat(sync.sync, device, args.repeats)
         received = metrics["sync/bytes"] if engine is not None else 0.0
         host_reads = metrics["sync/bytes_sent"] + (metrics["sync/bytes_local"] if actor is not None else 0.0)

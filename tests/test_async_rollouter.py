@@ -3,9 +3,8 @@ per request and engine step, stamped with the version they hold, and finish a re
 
 The budget (window + extra prompts outstanding after a sync), the staleness bound of staleness.py (reached, never
 exceeded), pausing with and without draining (partial rollout), first-in-first-out groups trained in key order, and
-dropping stale groups with their budget returned."""
+dropping stale groups with their budget returned; the feed's pending groups are those read and not taken."""
 
-import itertools
 import math
 from collections.abc import Callable
 from types import SimpleNamespace
@@ -15,6 +14,8 @@ import pytest
 import torch
 
 from shardrl.data.batch import Batch, as_object_array
+from shardrl.data.rl_dataset import PromptLoader
+from shardrl.trainer.prompt_feed import PromptFeed
 from shardrl.trainer.rollouter import ENGINE_KEYS, Rollouter
 from shardrl.trainer.staleness import Budget
 from shardrl.trainer.tracking import Timeline
@@ -65,17 +66,26 @@ request is finished when `done(its sample seed, its token versions)`)."""
                       "response_mask": (stamped >= 0).float()}, {"uid": row.non_tensors["uid"]})
 
 
-def sample_batches():
-    """(k, rows, groups to start): 3 prompts x n=2 rows per loader batch, seeds increasing within a group."""
-    for k in itertools.count():
-        uids = [f"{k}-{p}" for p in range(PROMPTS_PER_BATCH) for _ in range(N)]
-        yield k, Batch({"sample_seed": 100 * k + torch.arange(PROMPTS_PER_BATCH * N)},
-                       {"uid": as_object_array(uids)}), range(PROMPTS_PER_BATCH)
+class Prompts:
+    """A stand-in dataset of prompts that are only their index."""
+
+    def __len__(self) -> int:
+        return 1000 * PROMPTS_PER_BATCH
+
+    def collate(self, indices: list[int]) -> Batch:
+        return Batch({"index": torch.tensor(indices)}, {})
+
+
+def sample_rows(prompts: Batch, k: int) -> Batch:
+    """n=2 rows per prompt of loader batch k, seeds increasing within a group."""
+    uids = [f"{k}-{p}" for p in range(len(prompts)) for _ in range(N)]
+    return Batch({"sample_seed": 100 * k + torch.arange(len(prompts) * N)}, {"uid": as_object_array(uids)})
 
 
 def rollouter(fake: FakeRollout, window: int, extra: int, in_order: bool = False) -> Rollouter:
     budget = Budget(per_step=0, trigger=0, window=window, extra=extra)  # the rollouter reads window and extra
-    r = Rollouter(fake, fake.layout.dp, sample_batches(), N, budget, Timeline(), lambda: 0, in_order)
+    feed = PromptFeed(PromptLoader(Prompts(), PROMPTS_PER_BATCH, shuffle=False), sample_rows, N)
+    r = Rollouter(fake, fake.layout.dp, feed, budget, Timeline(), lambda: 0, in_order)
     r.thread.start()
     return r
 
@@ -162,19 +172,25 @@ def test_stale_groups_are_dropped_and_their_budget_returned():
     assert [g.key for g in groups] == [(1, 0), (1, 1)]  # replacements, taken from the next loader batch
 
 
-def test_pending_keys_are_every_group_read_and_not_taken():
-    """What a checkpoint must generate again: started groups (finished or not) and groups read but not started,
-    less those the trainer took."""
+def test_pending_groups_are_every_group_read_and_not_taken():
+    """What a checkpoint must generate again (the feed's state): started groups (finished or not) and groups read
+    but not started, less those the trainer took."""
     fake = FakeRollout(num_replicas=1, done=lambda seed, versions: len(versions) == 2 + seed % 3)
     r = rollouter(fake, window=4, extra=0)  # batch 0's three groups and batch 1's first start; (1, 1), (1, 2) wait
     try:
         wait_until(r, lambda: len(r.queue) == 4)
         read = [(0, 0), (0, 1), (0, 2), (1, 0), (1, 1), (1, 2)]
-        assert r.pending_keys() == read
+        assert pending(r) == read
         groups, _ = r.take(2, version=0, bound=0)
-        assert r.pending_keys() == sorted(set(read) - {g.key for g in groups})
+        assert pending(r) == sorted(set(read) - {g.key for g in groups})
     finally:
         r.close()
+
+
+def pending(r: Rollouter) -> list[tuple[int, int]]:
+    state = r.feed.state_dict()
+    assert state["loader"] == {"epoch": 0, "index": state["first_batch"] * PROMPTS_PER_BATCH}
+    return [tuple(key) for key in state["pending"]]
 
 
 def long_tailed(seed: int, versions: list[int]) -> bool:
@@ -185,7 +201,8 @@ def long_tailed(seed: int, versions: list[int]) -> bool:
 @pytest.mark.parametrize("in_order, per_step, trigger, extra", [(False, 2, 2, 2), (False, 3, 1, 1), (True, 3, 1, 3)])
 def test_streaming_with_partial_rollout_keeps_the_bound_and_every_sample_once(in_order, per_step, trigger, extra):
     """Long-tailed requests paused (not drained) at every sync: no taken token is past the bound, every started
-    group is taken, dropped or still outstanding exactly once, with its n samples; in order: whole loader batches."""
+    group is taken, dropped or still outstanding exactly once, with its n samples; in order: whole loader batches.
+    The feed's pending groups are the outstanding and the not started ones."""
     window = per_step * trigger
     bound = trigger - 1 + math.ceil(extra / per_step)
     fake = FakeRollout(num_replicas=2, done=long_tailed)
@@ -209,6 +226,7 @@ def test_streaming_with_partial_rollout_keeps_the_bound_and_every_sample_once(in
                 r.resume(new_window=True)
         r.pause(drain=False)
         outstanding = [g.key for g in r.outstanding]
+        assert pending(r) == sorted(outstanding + [g.key for g in r.upcoming])  # dropped groups retired too
         started = sorted(taken + outstanding)
     finally:
         r.close()

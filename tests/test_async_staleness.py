@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shardrl.trainer.config import compose
+from shardrl.job.load import compose
 from shardrl.trainer.staleness import describe, lag_metrics, max_staleness
 
 

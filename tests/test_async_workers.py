@@ -25,8 +25,8 @@ from shardrl.parallel import layout as layout_module
 from shardrl.parallel.launch import run_distributed
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import SamplingParams
-from shardrl.trainer.config import compose
-from shardrl.trainer.plan import build_plan
+from shardrl.job.load import compose
+from shardrl.job.plan import build_plan
 from shardrl.workers import roles
 
 PROMPT_LEN, RESPONSE_LEN, N, PROMPTS = 5, 6, 4, 8

@@ -14,7 +14,7 @@ from shardrl.data.batch import Batch, as_object_array
 from shardrl.data.rl_dataset import RLDataset
 from shardrl.parallel.launch import run_distributed
 from shardrl.trainer import batch_ops
-from shardrl.trainer.config import compose
+from shardrl.job.load import compose
 
 
 def rank_loads(order: list[int], lens: list[int], num_ranks: int) -> list[int]:

@@ -5,7 +5,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from shardrl.data.builtin_task import prepare
 from shardrl.data.rl_dataset import RLDataset
-from shardrl.rewards.digits import DATA_SOURCE
+from shardrl.data.builtin_task import DATA_SOURCE
 from shardrl.rewards.registry import default_compute_score
 
 

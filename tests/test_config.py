@@ -10,9 +10,9 @@ import torch
 from hydra.errors import ConfigCompositionException
 
 from shardrl.algos.aggregate import LossScale, aggregate_loss
-from shardrl.trainer.config import CONFIG_DIR, compose
-from shardrl.trainer.preflight import check_launch
-from shardrl.trainer.schema import ConfigError
+from shardrl.job.load import CONFIG_DIR, compose
+from shardrl.job.preflight import check_launch
+from shardrl.job.errors import ConfigError
 from shardrl.workers.roles import policy_loss_options
 
 CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
@@ -305,7 +305,7 @@ def test_missing_rollout_engine_fails_at_launch_suggesting_native():
 def test_installed_rollout_engine_without_a_backend_fails_at_launch():
     """An installed vllm must not quietly run the native engine instead."""
     config = compose("ppo_trainer", ["actor_rollout_ref.rollout.name=sglang"])
-    with mock.patch("shardrl.trainer.preflight._installed", return_value=True):
+    with mock.patch("shardrl.job.preflight._installed", return_value=True):
         with pytest.raises(ConfigError, match="^actor_rollout_ref.rollout.name: sglang is installed but shardrl has "
                                               "no sglang backend yet; use actor_rollout_ref.rollout.name=native"):
             check_launch(config)

@@ -9,8 +9,10 @@ import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from shardrl.trainer.config import CONFIG_DIR, PPOConfig
-from shardrl.trainer.schema import field_paths
+from shardrl.job.load import CONFIG_DIR
+
+from shardrl.job.schema import PPOConfig
+from shardrl.job.build import field_paths
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 FIELDS = set(field_paths(PPOConfig))

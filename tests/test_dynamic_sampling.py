@@ -20,9 +20,9 @@ from shardrl.rewards import digits
 from shardrl.rewards.manager import SampleScores
 from shardrl.rewards.registry import default_compute_score
 from shardrl.trainer import batch_ops
-from shardrl.trainer.config import compose
+from shardrl.job.load import compose
 from shardrl.trainer.dynamic_sampling import collect, informative_uids, metric_values
-from shardrl.trainer.plan import build_plan
+from shardrl.job.plan import build_plan
 from shardrl.trainer.ppo import PPOTrainer, Workers
 
 

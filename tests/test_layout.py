@@ -8,7 +8,7 @@ import torch
 import torch.distributed as dist
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutError, LayoutSpec, rank_tables
+from shardrl.parallel.layout import GROUP_NAMES, GroupRegistry, Layout, LayoutError, LayoutSpec, rank_tables
 
 
 def test_rank_tables_tp2_pp2_dp2_hand_written():
@@ -56,6 +56,28 @@ def test_impossible_layouts(kwargs, message):
         LayoutSpec(**kwargs)
 
 
+def _named_accessors_agree(layout: Layout) -> bool:
+    """Every named accessor (`tp_size`, `ep_group`, ...) is `size/rank/group(name)` of a real group name."""
+    names = [name for name, value in vars(Layout).items() if isinstance(value, property)
+             and name.rpartition("_")[2] in ("size", "rank", "group")]
+    assert {"tp_size", "tp_rank", "tp_group", "ep_etp_group", "embedding_group"} <= set(names)
+    for name in names:
+        group, _, kind = name.rpartition("_")
+        assert group in GROUP_NAMES, name
+        named, looked_up = getattr(layout, name), getattr(layout, kind)(group)
+        if (named is not looked_up) if kind == "group" else (named != looked_up):
+            return False
+    return True
+
+
+def test_named_accessors_are_the_group_lookups_and_nothing_else():
+    layout = Layout.single()
+    assert _named_accessors_agree(layout)
+    for unknown in ("mp_size", "cp_group", "tp_sizes", "expert_rank"):  # never used, so never defined
+        with pytest.raises(AttributeError, match=unknown):
+            getattr(layout, unknown)
+
+
 def _two_layouts() -> dict:
     registry = GroupRegistry()  # one process, two layouts: one registry
     actor = Layout.create(LayoutSpec(world_size=4, tp=2, ep=2), registry=registry)
@@ -67,6 +89,7 @@ def _two_layouts() -> dict:
     dist.all_reduce(c, group=critic.pp_group)
     return dict(tp=t.item(), pp=c.item(), tp_rank=actor.tp_rank, ep_rank=actor.ep_rank, pp_rank=critic.pp_rank,
                 dp_size=actor.dp_size, edp_size=actor.edp_size, first=critic.is_first_stage,
+                accessors=_named_accessors_agree(actor) and _named_accessors_agree(critic),
                 # Equal rank sets, one group object: the critic's DP pairs are the actor's TP pairs, its PP pairs
                 # the actor's DP pairs.
                 shared=[critic.dp_group is actor.tp_group, critic.pp_group is actor.dp_group,
@@ -83,7 +106,7 @@ def test_layouts_coexist_on_gloo():
     assert [o["pp_rank"] for o in out] == [0, 0, 1, 1]
     assert all(o["dp_size"] == 2 and o["edp_size"] == 2 for o in out)
     assert [o["first"] for o in out] == [True, True, False, False]
-    assert all(o["shared"] == [True, True, True] for o in out)
+    assert all(o["shared"] == [True, True, True] and o["accessors"] for o in out)
     # The actor's TP (= mp = ep) pairs, DP (= edp) pairs and world; the critic makes no group of its own.
     assert [o["rank_sets"] for o in out] == [[(0, 1), (0, 2), (0, 1, 2, 3)], [(0, 1), (1, 3), (0, 1, 2, 3)],
                                              [(2, 3), (0, 2), (0, 1, 2, 3)], [(2, 3), (1, 3), (0, 1, 2, 3)]]

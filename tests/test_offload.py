@@ -6,7 +6,7 @@ import torch
 from torch import Tensor, nn
 
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.offload import offload, on_device, reload
+from shardrl.parallel.offload import HostBuffers, offload, on_device, reload
 from shardrl.parallel.optimizer import AdamW
 from shardrl.parallel.spec import ShardSpec, set_spec
 
@@ -48,11 +48,14 @@ def test_round_trip_is_bitwise_and_frees_storage():
     model, opt = trained(2)
     tensors = [t for group in groups(model, opt).values() for t in group]
     before = [t.detach().clone() for t in tensors]
-    offload(model, opt)
+    host = HostBuffers()
+    offload(model, host, opt)
     assert all(t.untyped_storage().nbytes() == 0 for t in tensors)
     assert model.experts.main_grad.untyped_storage().nbytes() == 0  # the main_grad views go with their buffer
-    host_ptrs = {t._host_copy.data_ptr() for t in tensors}
-    reload(model, opt)
+    host_ptrs = {host.get(t).data_ptr() for t in tensors}
+    assert all(torch.equal(host.host_view(t), b) for t, b in zip(tensors, before))  # what weight sync reads
+    reload(model, host, opt)
+    assert all(host.host_view(t) is None for t in tensors)  # on the device again: read there
     assert all(torch.equal(t, b) for t, b in zip(tensors, before))
     assert not host_ptrs & {t.untyped_storage().data_ptr() for t in tensors}  # the copies were separate storage
 
@@ -66,25 +69,27 @@ def test_on_device_restores_for_the_block_and_training_continues_like_never_offl
 
     model, opt = trained(1)
     twin, twin_opt = trained(1)
-    offload(model, opt)
-    with on_device(model, opt):
+    host = HostBuffers()
+    offload(model, host, opt)
+    with on_device(model, host, opt):
         assert all(p.untyped_storage().nbytes() > 0 for p in model.parameters())
         two_steps(model, opt)
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
     two_steps(twin, twin_opt)
-    reload(model, opt)
+    reload(model, host, opt)
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
 
 
 def test_flags_select_what_moves():
     model, opt = trained(1)
-    offload(model, opt, params=False, optimizer_state=False)
+    host = HostBuffers()
+    offload(model, host, opt, params=False, optimizer_state=False)
     parts = groups(model, opt)
     assert all(t.untyped_storage().nbytes() == 0 for t in parts["grads"])
     assert all(t.untyped_storage().nbytes() > 0 for t in parts["params"] + parts["optimizer_state"])
-    offload(model)  # params only; already offloaded grads are left as they are
+    offload(model, host)  # params only; already offloaded grads are left as they are
     assert all(p.untyped_storage().nbytes() == 0 for p in model.parameters())
-    reload(model, opt)
+    reload(model, host, opt)
     assert all(t.untyped_storage().nbytes() > 0 for group in groups(model, opt).values() for t in group)
 
 
@@ -92,7 +97,8 @@ def test_tensors_sharing_a_storage_move_once():
     base = torch.arange(10.0)
     module = nn.Module()
     module.a, module.b = nn.Parameter(base[:4]), nn.Parameter(base[4:])
-    offload(module)
-    assert base.untyped_storage().nbytes() == 0 and not hasattr(module.b, "_host_copy")
-    reload(module)
+    host = HostBuffers()
+    offload(module, host)
+    assert base.untyped_storage().nbytes() == 0 and host.get(module.a) is not None and host.get(module.b) is None
+    reload(module, host)
     assert torch.equal(module.a, torch.arange(4.0)) and torch.equal(module.b, torch.arange(4.0, 10.0))

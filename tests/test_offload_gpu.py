@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shardrl.parallel.offload import offload, on_device, reload
+from shardrl.parallel.offload import HostBuffers, offload, on_device, reload
 from test_offload import groups, trained
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -16,13 +16,14 @@ def test_offload_releases_cuda_memory_and_round_trips():
     num_bytes = sum(t.untyped_storage().nbytes() for t in tensors)
     torch.cuda.synchronize()
     allocated = torch.cuda.memory_allocated()
-    offload(model, opt)
+    host = HostBuffers()
+    offload(model, host, opt)
     assert allocated - torch.cuda.memory_allocated() >= num_bytes
-    assert all(t._host_copy.is_pinned() and t.untyped_storage().nbytes() == 0 for t in tensors)
-    with on_device(model, opt):
+    assert all(host.get(t).is_pinned() and t.untyped_storage().nbytes() == 0 for t in tensors)
+    with on_device(model, host, opt):
         assert torch.cuda.memory_allocated() >= allocated
         assert all(torch.equal(t, b) for t, b in zip(tensors, before))
         opt.step()  # still usable: the optimizer's and the buffers' references survived
     assert allocated - torch.cuda.memory_allocated() >= num_bytes
-    reload(model, opt)
+    reload(model, host, opt)
     assert all(t.is_cuda for t in tensors) and not torch.equal(tensors[0], before[0])  # the step happened

@@ -5,9 +5,9 @@ import json
 
 import pytest
 
-from shardrl.trainer.config import compose
-from shardrl.trainer.plan import MicroBatching, build_plan, format_plan
-from shardrl.trainer.schema import ConfigError
+from shardrl.job.load import compose
+from shardrl.job.plan import MicroBatching, build_plan, format_plan
+from shardrl.job.errors import ConfigError
 from example_command import example_overrides
 
 

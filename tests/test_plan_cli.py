@@ -10,7 +10,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 
 from shardrl.trainer import main_ppo
-from shardrl.trainer.config import CONFIG_DIR
+from shardrl.job.load import CONFIG_DIR
 from example_command import EXAMPLE_COMMAND, EXAMPLE_ENV
 
 

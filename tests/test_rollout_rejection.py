@@ -13,7 +13,7 @@ import torch
 from shardrl.algos import loss_counts
 from shardrl.data.batch import Batch
 from shardrl.trainer import batch_ops
-from shardrl.trainer.config import compose
+from shardrl.job.load import compose
 
 RC = "algorithm.rollout_correction"
 

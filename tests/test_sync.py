@@ -90,9 +90,9 @@ def _build_sync(case: Case, actor, engine, group):
     """This rank's end; detached cases share the run's sync group (made first, see `run_cases`), so a rank with
     no part in a case still joins the plan's construction."""
     if case.placement == "colocated":
-        return ColocatedSync(actor, engine, case.bucket, case.verify)
+        return ColocatedSync(actor.chunks, actor.layout, actor.host_buffers, engine, case.bucket, case.verify)
     if actor is not None:
-        return DetachedSync.sender(actor, group, case.bucket, case.verify)
+        return DetachedSync.sender(actor.chunks, actor.layout, actor.host_buffers, group, case.bucket, case.verify)
     if engine is not None:
         return DetachedSync.receiver(engine, group, case.bucket, case.verify)
     return WeightSync(group, _device(), case.bucket, case.verify)
@@ -123,7 +123,7 @@ def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group, re
         actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(), hf_path=path)
         save_hf_checkpoint(actor.chunks, actor.layout, export_dir)
         if case.offload:
-            offload(actor.chunks)
+            offload(actor.chunks, actor.host_buffers)
     config = EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64,
                           dtype=case.rollout_dtype)
     if rank in rollout_ranks:  # starts from other weights, so a missed tensor shows

@@ -10,7 +10,7 @@ from torch import nn
 
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry
-from shardrl.parallel.offload import offload
+from shardrl.parallel.offload import HostBuffers, offload
 from shardrl.parallel.spec import ShardSpec, set_spec
 from shardrl.sync.shards import Shards
 from shardrl.sync.weight_sync import WeightSync
@@ -51,8 +51,9 @@ def _sync_rank() -> dict:
                                                   expert_ids=(0, 1, 2, 3))) for name in full if "experts" in name},
         "cols": (torch.zeros(6, 4), ShardSpec("cols", (6, 8), dim=1, num_shards=2, index=rank)),
         "rows": (torch.zeros(4, 4), ShardSpec("rows", (8, 4), dim=0, num_shards=2, index=rank))})
-    offload(trainer)
-    sync = WeightSync(group, torch.device("cpu"), BUCKET, source=Shards(trainer, sending=True),
+    host = HostBuffers()
+    offload(trainer, host)
+    sync = WeightSync(group, torch.device("cpu"), BUCKET, source=Shards(trainer, sending=True, host=host),
                       target=Shards(rollout))
     metrics = sync.sync()
     half = slice(4 * rank, 4 * rank + 4)

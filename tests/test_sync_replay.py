@@ -19,7 +19,7 @@ from shardrl.workers.engine import EngineOptions, ModelEngine
 
 
 def _assert_synced(actor: ModelEngine, engine: Engine, what: str) -> None:
-    source, target = Shards(actor.chunks, sending=True), Shards(engine.model)
+    source, target = Shards(actor.chunks, sending=True, host=actor.host_buffers), Shards(engine.model)
     for slice_ in target.slices():
         got = target.view(slice_.hf_name, slice_.box)
         want = source.view(slice_.hf_name, slice_.box)
@@ -45,7 +45,7 @@ def check_replays(tmp_path, device: torch.device) -> None:
     actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(), hf_path=path)
     engine = Engine.from_pretrained(path, Layout.create(LayoutSpec(1), [0], device, registry=registry),
                                     EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64))
-    sync = ColocatedSync(actor, engine, bucket_bytes=1 << 20)
+    sync = ColocatedSync(actor.chunks, actor.layout, actor.host_buffers, engine, bucket_bytes=1 << 20)
     params = [p for chunk in actor.chunks for p in chunk.parameters()]
     gen = torch.Generator().manual_seed(0)
 
@@ -77,10 +77,10 @@ def check_replays(tmp_path, device: torch.device) -> None:
     sync.sync()
     _assert_synced(actor, engine, "after new .data")
 
-    offload(actor.chunks)
+    offload(actor.chunks, actor.host_buffers)
     sync.sync()
     _assert_synced(actor, engine, "while offloaded")
-    reload(actor.chunks)
+    reload(actor.chunks, actor.host_buffers)
     perturb()
     sync.sync()
     _assert_synced(actor, engine, "after reloading")

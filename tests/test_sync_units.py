@@ -18,8 +18,8 @@ from shardrl.sync.plan import (
     Slice,
     Transfer,
     assign_sources,
-    build_plan,
     pack_buckets,
+    plan_transfers,
     schedule,
     split_piece,
 )
@@ -55,7 +55,7 @@ def test_tp2_dp2_trainer_to_two_rollout_replicas_split_by_columns():
 def test_colocated_rank_copies_what_it_holds():
     holdings = {0: [Slice("w", (4, 6), rows(0, 2), F32)], 1: [Slice("w", (4, 6), rows(2, 4), F32)]}
     needs = {0: [Slice("w", (4, 6), rows(0, 4), torch.bfloat16)], 1: [Slice("w", (4, 6), rows(0, 4), torch.bfloat16)]}
-    plan = build_plan(holdings, needs, bucket_bytes=1024)
+    plan = plan_transfers(holdings, needs, bucket_bytes=1024)
     assert [(t.src, t.dst, t.piece.box) for t in plan.local] == [(0, 0, rows(0, 2)), (1, 1, rows(2, 4))]
     assert [(b.src, b.dst, b.step, [p.box for p in b.pieces]) for b in plan.buckets] == [
         (0, 1, 0, [rows(0, 2)]), (1, 0, 0, [rows(2, 4)])]
@@ -107,7 +107,7 @@ def test_colocated_ranks_halve_their_buckets():
     # Both ranks send and receive: two send plus two receive buffers of half a bucket each.
     holdings = {0: [Slice("w", (64, 16), ((0, 32), (0, 16)), F32)], 1: [Slice("w", (64, 16), ((32, 64), (0, 16)), F32)]}
     needs = {r: [Slice("w", (64, 16), ((0, 64), (0, 16)), F32)] for r in (0, 1)}
-    plan = build_plan(holdings, needs, bucket_bytes=1024)
+    plan = plan_transfers(holdings, needs, bucket_bytes=1024)
     assert max(b.nbytes for b in plan.buckets) + TRAILER_BYTES <= 512
     assert sum(b.nbytes for b in plan.buckets if b.src == 0) == 32 * 16 * 4
 
@@ -123,7 +123,7 @@ def test_colocated_ranks_halve_their_buckets():
 ])
 def test_plan_errors_name_the_tensor(holdings, needs, message):
     with pytest.raises(PlanError, match=message):
-        build_plan(holdings, needs, bucket_bytes=1024)
+        plan_transfers(holdings, needs, bucket_bytes=1024)
 
 
 def _reference_checksum(data: bytes) -> list[int]:

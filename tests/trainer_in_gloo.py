@@ -9,8 +9,8 @@ from transformers import AutoTokenizer
 from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, plan as dispatch_plan
 from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data.batch import Batch
-from shardrl.trainer.config import compose
-from shardrl.trainer.plan import build_plan
+from shardrl.job.load import compose
+from shardrl.job.plan import build_plan
 from shardrl.trainer.ppo import PPOTrainer, Workers
 
 

@@ -22,7 +22,8 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-from shardrl.rewards.digits import DATA_SOURCE
+DATA_SOURCE = "shardrl/digit_successor"  # scored by shardrl.rewards.digits
+
 
 SPECIAL = ["<pad>", "<eos>"]
 CHARS = list("0123456789->")  # spaces in the text are separators only: the pre-tokenizer drops them

@@ -2,20 +2,33 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
+# Arguments of `apply_chat_template` that `prompt_token_ids` sets itself: the prompt must end with the assistant
+# header, and it is rendered to text first (see there).
+_RENDER_ARGS = ("add_generation_prompt", "tokenize", "conversation")
 
-def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, Any]]]) -> list[list[int]]:
+
+def prompt_token_ids(tokenizer: PreTrainedTokenizerBase, conversations: list[list[dict[str, Any]]],
+                     template_kwargs: Mapping[str, Any] = {}) -> list[list[int]]:
     """Token ids of each conversation rendered with the tokenizer's chat template, ending with the assistant header.
 
     The template is rendered to text and then tokenized without extra special tokens: the template already writes
     every special token it wants, and a BOS added on top would make the prompt differ from what the model saw.
-    Tokenizing all texts in one call lets the fast tokenizer work on them in parallel.
+    Tokenizing all texts in one call lets the fast tokenizer work on them in parallel. `template_kwargs` (verl's
+    `data.apply_chat_template_kwargs`, e.g. Qwen3's ``enable_thinking=False``) go to `apply_chat_template`, which
+    passes those it does not take itself on to the template.
     """
-    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False) for m in conversations]
+    reserved = sorted(set(template_kwargs) & set(_RENDER_ARGS))
+    if reserved:
+        raise ValueError(f"data.apply_chat_template_kwargs.{reserved[0]}: set by shardrl when rendering prompts "
+                         f"(the prompt ends with the assistant header, rendered to text); drop it")
+    texts = [tokenizer.apply_chat_template(m, add_generation_prompt=True, tokenize=False, **template_kwargs)
+             for m in conversations]
     return tokenizer(texts, add_special_tokens=False)["input_ids"]
 
 

@@ -1,16 +1,16 @@
 """Prompt datasets in verl's RL format and a resumable, seeded batch loader over them.
 
-A row (parquet or jsonl) holds `data_source` (selects the reward function), `prompt` (chat messages),
-`ability`, `reward_model` (`{"style": ..., "ground_truth": ...}`) and `extra_info` (free-form dict). Prompts are
-rendered with the tokenizer's chat template once, when the dataset is built, so overlong prompts are found (filtered
-or reported) before training starts rather than at some later step.
+A row (parquet or jsonl) holds `data_source` (selects the reward function; verl's `data.reward_fn_key` may name
+another column for it), `prompt` (chat messages), `ability`, `reward_model` (`{"style": ..., "ground_truth": ...}`)
+and `extra_info` (free-form dict). Prompts are rendered with the tokenizer's chat template once, when the dataset is
+built, so overlong prompts are found (filtered or reported) before training starts rather than at some later step.
 """
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,8 +26,6 @@ logger = logging.getLogger(__name__)
 
 Truncation = Literal["error", "left", "right"]
 TRUNCATION_MODES = ("error", "left", "right")
-# Columns every row must have besides the prompt: data_source picks the scorer, reward_model holds the answer.
-REQUIRED_COLUMNS = ("data_source", "reward_model")
 
 
 def read_rows(path: str | Path, required: Sequence[str]) -> list[dict[str, Any]]:
@@ -56,7 +54,12 @@ def read_rows(path: str | Path, required: Sequence[str]) -> list[dict[str, Any]]
 
 
 class RLDataset:
-    """Tokenized prompts with their reward fields, from one or more files (rows kept in file order)."""
+    """Tokenized prompts with their reward fields, from one or more files (rows kept in file order).
+
+    `data_source_key` (verl's `data.reward_fn_key`): the column that picks each row's reward function, required
+    in place of `data_source` and carried into batches under its own name. `chat_template_kwargs` (verl's
+    `data.apply_chat_template_kwargs`): extra arguments for rendering the prompts, see `prompt_token_ids`.
+    """
 
     def __init__(
         self,
@@ -67,6 +70,8 @@ class RLDataset:
         filter_overlong_prompts: bool = False,
         prompt_key: str = "prompt",
         max_samples: int = -1,
+        data_source_key: str = "data_source",
+        chat_template_kwargs: Mapping[str, Any] = {},
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -76,6 +81,8 @@ class RLDataset:
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
         self.prompt_key = prompt_key
+        self.data_source_key = data_source_key
+        self.chat_template_kwargs = dict(chat_template_kwargs)
         self.pad_token_id = pad_id(tokenizer)
         self.rows: list[dict[str, Any]] = []
         self.prompt_ids: list[list[int]] = []  # after truncation, unpadded
@@ -93,12 +100,13 @@ class RLDataset:
             )
 
     def _add_file(self, path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
-        rows = read_rows(path, [self.prompt_key, *REQUIRED_COLUMNS])
+        # Besides the prompt, every row needs the column that picks its scorer and the answer in reward_model.
+        rows = read_rows(path, [self.prompt_key, self.data_source_key, "reward_model"])
         for number, row in enumerate(rows):
             if not isinstance(row[self.prompt_key], list):
                 raise ValueError(f"{path} row {number}: {self.prompt_key!r} must be a list of chat messages, got "
                                  f"{type(row[self.prompt_key]).__name__} (data.prompt_key={self.prompt_key})")
-        ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows])
+        ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows], self.chat_template_kwargs)
         for number, (row, row_ids) in enumerate(zip(rows, ids)):
             if len(row_ids) > self.max_prompt_length:
                 if self.filter_overlong_prompts:
@@ -126,8 +134,8 @@ class RLDataset:
         """Rows `indices` as a Batch.
 
         tensors: input_ids, attention_mask, position_ids `[B, max_prompt_length]`, left-padded.
-        non_tensors: raw_prompt (messages), raw_prompt_ids (unpadded ids), data_source, ability, reward_model,
-        extra_info.
+        non_tensors: raw_prompt (messages), raw_prompt_ids (unpadded ids), data_source (None where a row has none),
+        ability, reward_model, extra_info, and the `data_source_key` column when it is another.
         """
         padded = [left_pad(self.prompt_ids[i], self.max_prompt_length, self.pad_token_id) for i in indices]
         input_ids, attention_mask, position_ids = (torch.stack(column) for column in zip(*padded))
@@ -135,11 +143,12 @@ class RLDataset:
         non_tensors = {
             "raw_prompt": [row[self.prompt_key] for row in rows],
             "raw_prompt_ids": [self.prompt_ids[i] for i in indices],
-            "data_source": [row["data_source"] for row in rows],
+            "data_source": [row.get("data_source") for row in rows],
             "ability": [row.get("ability") for row in rows],
             "reward_model": [row["reward_model"] for row in rows],
             "extra_info": [row.get("extra_info") or {} for row in rows],
         }
+        non_tensors[self.data_source_key] = [row[self.data_source_key] for row in rows]  # data_source by default
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         return Batch(tensors, non_tensors)
 

@@ -15,6 +15,9 @@ written with torch.distributed.checkpoint (DCP) and keyed by HF tensor names.
 * Small objects (optimizer step count, scheduler, trainer state, each rank's RNG states) are pickled by DCP.
 * Atomic: all ranks write into ``.<name>.tmp`` next to the target; the first rank adds the side files (HF config,
   tokenizer, `META_FILE`), fsyncs and renames it into place. `mark_latest` then points ``<root>/latest`` at a step.
+* Parts (verl's `checkpoint.save_contents` / `load_contents`): "model" (the weights), "optimizer" (master weights,
+  moments, step count) and "extra" (the scheduler's position, the RNG states) are saved and loaded as asked;
+  "hf_model" names the HF export, which `save_hf_checkpoint` writes and nothing here reads.
 
 Collective functions are called on every rank of the layout and communicate over its "world" group only, so a role
 whose ranks are part of a larger world (a trainer pool beside a detached rollout pool) checkpoints alone.
@@ -28,7 +31,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -62,6 +65,8 @@ FORMAT_VERSION = 1
 HF_EXTRA_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                   "added_tokens.json", "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja")
 _STEP_DIR = re.compile(r"global_step_(\d+)")
+CHECKPOINT_PARTS = ("model", "optimizer", "extra")  # what save and load handle by default: all of it
+KNOWN_PARTS = (*CHECKPOINT_PARTS, "hf_model")
 
 
 # ---------------------------------------------------------------------------------------------- save
@@ -72,14 +77,20 @@ def checkpoint_dir(root: str | Path, step: int) -> Path:
 
 def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layout, *, optimizer: AdamW | None = None,
                     scheduler: LRScheduler | None = None, trainer_state: dict[str, Any] | None = None,
-                    hf_dir: str | Path | None = None, rng: bool = True) -> Path:
+                    hf_dir: str | Path | None = None, rng: bool = True,
+                    contents: Collection[str] = CHECKPOINT_PARTS) -> Path:
     """Atomically write this role's checkpoint directory `path`; collective over the layout.
 
     `chunks`: this rank's model chunks (one per virtual pipeline stage). The optimizer's master weights and moments,
     the scheduler's position and `trainer_state` (small picklable values: step, data-loader position, ...) are
-    included when given, every rank's RNG states when `rng`. The HF config.json and, from `hf_dir`, the tokenizer
+    included when given, every rank's RNG states when `rng`. `contents` (verl's `save_contents`) narrows that to
+    the parts it lists: weights with "model", the optimizer with "optimizer", scheduler and RNG with "extra".
+    `trainer_state` is written whenever given, whatever `contents` says: a resume needs it (verl's trainer, too,
+    saves its data-loader state apart from the contents). The HF config.json and, from `hf_dir`, the tokenizer
     files are stored alongside so `dist-to-hf` needs nothing else. An existing checkpoint at `path` is replaced.
     """
+    parts = _parts(contents, "save_contents")
+    save_rng, save_optimizer = rng and "extra" in parts, optimizer is not None and "optimizer" in parts
     path, coordinator, group = Path(path), layout.local_rank == 0, layout.group("world")
     tmp = path.parent / f".{path.name}.tmp"
     if coordinator:
@@ -88,14 +99,14 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
         tmp.mkdir(parents=True)
     _barrier(group)
     params = unique_params(chunks)
-    state: dict[str, Any] = model_entries(params, layout, writing=True)
-    if rng:
+    state: dict[str, Any] = model_entries(params, layout, writing=True) if "model" in parts else {}
+    if save_rng:
         state[f"rng/{layout.local_rank}"] = _rng_state()
     objects: dict[str, Any] = {}
-    if optimizer is not None:
+    if save_optimizer:
         state |= optimizer_entries(optimizer, params, layout, writing=True)[0]
         objects["optimizer"] = {"num_steps": optimizer.num_steps}
-    if scheduler is not None:
+    if scheduler is not None and "extra" in parts:
         objects["scheduler"] = scheduler.state_dict()
     if trainer_state is not None:
         objects["trainer"] = trainer_state
@@ -107,8 +118,8 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
                  no_dist=group is None)
     if coordinator:
         meta = dict(format_version=FORMAT_VERSION, world_size=layout.spec.world_size, layout=asdict(layout.spec),
-                    distributed_optimizer=optimizer.grads.shard if optimizer is not None else None,
-                    contents=["model", *(["rng"] if rng else []), *objects])
+                    distributed_optimizer=optimizer.grads.shard if save_optimizer else None,
+                    contents=[*(["model"] if "model" in parts else []), *(["rng"] if save_rng else []), *objects])
         _write_side_files(tmp, meta, chunks[0].config.hf_config, hf_dir)
         _commit(tmp, path)
     _barrier(group)
@@ -156,10 +167,11 @@ def _fsync(path: Path) -> None:
         os.close(fd)
 
 
-def mark_latest(root: str | Path, step: int, max_to_keep: int | None = None) -> None:
-    """Point `<root>/latest` at `checkpoint_dir(root, step)` (atomically replaced), then keep only the
-    `max_to_keep` most recent step directories up to `step` (later ones belong to a run this one diverged from).
-    Called by one process, after every role has saved."""
+def mark_latest(root: str | Path, step: int, max_to_keep: int | Mapping[str, int | None] | None = None) -> None:
+    """Point `<root>/latest` at `checkpoint_dir(root, step)` (atomically replaced), then prune: with an int, keep
+    only the `max_to_keep` most recent step directories up to `step` (later ones belong to a run this one diverged
+    from); with a mapping role -> count (verl's max_actor_ckpt_to_keep, max_critic_ckpt_to_keep), the same per role,
+    see `prune_roles`. None keeps everything. Called by one process, after every role has saved."""
     root, target = Path(root), checkpoint_dir(root, step)
     if not target.is_dir():
         raise CheckpointError(f"{target}: no such checkpoint directory; save it before marking it latest")
@@ -172,13 +184,50 @@ def mark_latest(root: str | Path, step: int, max_to_keep: int | None = None) -> 
     _fsync(root)
     if max_to_keep is None:
         return
-    if max_to_keep < 1:
-        raise ValueError(f"max_ckpt_to_keep={max_to_keep}: keep at least 1 checkpoint, or None for all")
-    steps = sorted(int(m[1]) for d in root.iterdir() if (m := _STEP_DIR.fullmatch(d.name)) and d.is_dir())
+    if isinstance(max_to_keep, Mapping):
+        prune_roles(root, step, max_to_keep)
+        return
+    _check_keep("max_ckpt_to_keep", max_to_keep)
+    steps = _saved_steps(root)
     keep = [s for s in steps if s <= step][-max_to_keep:]  # `steps` is sorted
     for s in steps:
         if s not in keep:
             shutil.rmtree(checkpoint_dir(root, s))
+
+
+def prune_roles(root: str | Path, step: int, max_to_keep: Mapping[str, int | None]) -> None:
+    """Keep, of each role in `max_to_keep` (a sub-directory name of the step directories, e.g. "actor"), its
+    directories in the newest `max_to_keep[role]` step directories up to `step` that hold one (None: all); later
+    steps' (a run this one diverged from) go. A role's HF export beside it (`<role>_hf`) goes with it. A step
+    directory left with none of these roles goes entirely; `step` itself keeps every role, as every count is >= 1.
+    """
+    root = Path(root)
+    for role, keep in max_to_keep.items():
+        _check_keep(f"max_{role}_ckpt_to_keep", keep)
+    steps = _saved_steps(root)
+    for role, keep in max_to_keep.items():
+        if keep is None:
+            continue
+        holding = [s for s in steps if (checkpoint_dir(root, s) / role).is_dir()]
+        kept = [s for s in holding if s <= step][-keep:]  # `steps` is sorted
+        for s in holding:
+            if s not in kept:
+                for directory in (checkpoint_dir(root, s) / role, checkpoint_dir(root, s) / f"{role}_hf"):
+                    if directory.is_dir():
+                        shutil.rmtree(directory)
+    for s in steps:
+        if s != step and not any((checkpoint_dir(root, s) / role).is_dir() for role in max_to_keep):
+            shutil.rmtree(checkpoint_dir(root, s))
+
+
+def _check_keep(key: str, keep: int | None) -> None:
+    if keep is not None and keep < 1:
+        raise ValueError(f"{key}={keep}: keep at least 1 checkpoint, or None for all")
+
+
+def _saved_steps(root: Path) -> list[int]:
+    """The steps of the step directories under `root`, sorted."""
+    return sorted(int(m[1]) for d in root.iterdir() if (m := _STEP_DIR.fullmatch(d.name)) and d.is_dir())
 
 
 def find_latest(root: str | Path) -> Path | None:
@@ -195,46 +244,69 @@ def find_latest(root: str | Path) -> Path | None:
 # ---------------------------------------------------------------------------------------------- load
 def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layout, *,
                     optimizer: AdamW | None = None, scheduler: LRScheduler | None = None,
-                    restore_rng: bool = True, skip: Collection[str] = ()) -> dict[str, Any] | None:
+                    restore_rng: bool = True, skip: Collection[str] = (),
+                    contents: Collection[str] = CHECKPOINT_PARTS) -> dict[str, Any] | None:
     """Load a checkpoint saved by `save_checkpoint` at any layout into this rank's `chunks` (and the optimizer's
     master weights and moments, the scheduler, the RNG states when asked); collective over the layout. `skip`: HF
     names of model tensors not to read (they are left zero).
 
+    `contents` (verl's `load_contents`) narrows what is read to the parts it lists; "model" is required, since a
+    resume without the weights is not a resume. Without "optimizer" the optimizer's moments and step count are left
+    as they are and its master weights are taken from the loaded weights; without "extra" the scheduler and the RNG
+    states are left as they are. A part asked for that the checkpoint does not hold is an error.
+
     Returns the saved `trainer_state` (None if none was saved). RNG states are per rank: at another world size,
     rank r takes those of saved rank r % saved world size.
     """
+    parts = _parts(contents, "load_contents")
+    if "model" not in parts:
+        raise ValueError(f"load_contents={sorted(parts)}: must include 'model'; a resume without the weights is "
+                         f"not a resume")
+    load_optimizer = optimizer is not None and "optimizer" in parts
+    load_scheduler = scheduler is not None and "extra" in parts
+    load_rng = restore_rng and "extra" in parts
     path, group = Path(path), layout.group("world")
     params = unique_params(chunks)
-    meta = _read_meta(path, chunks[0].config, optimizer is not None)
+    meta = _read_meta(path, chunks[0].config, load_optimizer, load_scheduler)
     state: dict[str, Any] = {key: entry for key, entry in model_entries(params, layout, writing=False).items()
                              if key[len(MODEL_PREFIX):] not in skip}
-    if optimizer is not None:
+    if load_optimizer:
         entries, optim_state = optimizer_entries(optimizer, params, layout, writing=False)
         state |= entries | {"optimizer": None}
-    if scheduler is not None:
+    if load_scheduler:
         state["scheduler"] = None
     if "trainer" in meta["contents"]:
         state["trainer"] = None
     rng_key = f"rng/{layout.local_rank % meta['world_size']}"
-    if restore_rng:
+    if load_rng:
         state[rng_key] = None
     _agree(_check_keys(path, state), group)
     with torch.no_grad():  # what no checkpoint stores (vocab padding rows and their state) is zero
-        for tensor in [*params, *(optimizer.state_tensors() if optimizer is not None else [])]:
+        for tensor in [*params, *(optimizer.state_tensors() if load_optimizer else [])]:
             tensor.zero_()
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")  # single process: supported
         dcp.load(state, storage_reader=dcp.FileSystemReader(path), planner=ShardLoadPlanner(), process_group=group,
                  no_dist=group is None)
-    if optimizer is not None:
+    if load_optimizer:
         # The state was read into the optimizer's own tensors; this sets the step count and publishes the master
         # weights into the model (over DP with the distributed optimizer).
         optimizer.load_state_dict({"num_steps": state["optimizer"]["num_steps"], "params": optim_state["params"]})
-    if scheduler is not None:
+    elif optimizer is not None:
+        optimizer.copy_params_to_master()  # or the next update would bring back the weights it was built with
+    if load_scheduler:
         scheduler.load_state_dict(state["scheduler"])
-    if restore_rng:
+    if load_rng:
         _set_rng_state(state[rng_key])
     return state.get("trainer")
+
+
+def _parts(contents: Collection[str], key: str) -> set[str]:
+    """`contents` as a set, checked against the part names verl's `checkpoint.<key>` takes."""
+    unknown = sorted(set(contents) - set(KNOWN_PARTS))
+    if unknown:
+        raise ValueError(f"{key}: unknown part {unknown[0]!r}; expected some of {', '.join(KNOWN_PARTS)}")
+    return set(contents)
 
 
 def load_model_from_dist(chunks: Sequence[nn.Module], layout: Layout, path: str | Path,
@@ -262,9 +334,9 @@ def _read_dcp_metadata(path: Path) -> Metadata:
     return dcp.FileSystemReader(path).read_metadata()
 
 
-def _read_meta(path: Path, config: ModelConfig, need_optimizer: bool) -> dict[str, Any]:
-    """The checkpoint's `META_FILE`, after checking the directory, the architecture and the optimizer state (every
-    rank sees the same files, so every rank raises)."""
+def _read_meta(path: Path, config: ModelConfig, need_optimizer: bool, need_scheduler: bool) -> dict[str, Any]:
+    """The checkpoint's `META_FILE`, after checking the directory, the architecture and that it holds the weights
+    and the optimizer and scheduler state asked for (every rank sees the same files, so every rank raises)."""
     if not (path / ".metadata").is_file() or not (path / META_FILE).is_file():
         raise CheckpointError(f"{path}: no shardrl checkpoint here (missing .metadata or {META_FILE})")
     meta = json.loads((path / META_FILE).read_text())
@@ -273,9 +345,16 @@ def _read_meta(path: Path, config: ModelConfig, need_optimizer: bool) -> dict[st
         if saved.family != config.family:
             raise CheckpointError(f"{path}: checkpoint of a {saved.architecture} model; this model is a "
                                   f"{config.architecture}")
+    held = ", ".join(meta["contents"]) or "nothing"
+    if "model" not in meta["contents"]:
+        raise CheckpointError(f"{path}: holds no model weights (contents: {held}), so nothing can resume from it; "
+                              f"save with 'model' in save_contents")
     if need_optimizer and "optimizer" not in meta["contents"]:
-        raise CheckpointError(f"{path}: holds no optimizer state (contents: {', '.join(meta['contents'])}); load "
-                              f"it without an optimizer, or with load_model_from_dist")
+        raise CheckpointError(f"{path}: holds no optimizer state (contents: {held}); load it without an optimizer, "
+                              f"or with load_model_from_dist")
+    if need_scheduler and "scheduler" not in meta["contents"]:
+        raise CheckpointError(f"{path}: holds no LR scheduler state, part 'extra' (contents: {held}); load it "
+                              f"without 'extra' in load_contents")
     return meta
 
 

@@ -3,12 +3,15 @@
 Keys absent from config.json take the defaults of transformers' config class of the family (5.x), listed in
 `_DEFAULTS`; both the current `rope_parameters` and the older `rope_theta` / `rope_scaling` keys are read. Reading
 needs no transformers import, so workers start fast. The family decides the HF names and the optional pieces
-(biases, q/k norm, shared expert).
+(biases, q/k norm, shared expert). `model.override_config` (verl's key) changes config.json fields before any of
+this is read, see `apply_overrides`.
 """
 
 from __future__ import annotations
 
+import difflib
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -74,13 +77,14 @@ class ModelConfig:
     hf_config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)  # config.json, for export
 
     @classmethod
-    def from_pretrained(cls, path: str | Path) -> ModelConfig:
-        """Read `<path>/config.json` (or a config.json file path)."""
+    def from_pretrained(cls, path: str | Path, overrides: Mapping[str, Any] = {}) -> ModelConfig:
+        """Read `<path>/config.json` (or a config.json file path), with `overrides` of its fields applied first
+        (`apply_overrides`), so the model built from it, and the config.json exported with it, follow them."""
         path = Path(path)
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
             raise ModelConfigError(f"{file}: no config.json found")
-        return cls.from_dict(json.loads(file.read_text()))
+        return cls.from_dict(apply_overrides(json.loads(file.read_text()), overrides))
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:
@@ -106,6 +110,72 @@ class ModelConfig:
             mlp_bias=bool(cfg["mlp_bias"]), qk_norm=family in ("qwen3", "qwen3_moe"),
             initializer_range=float(cfg["initializer_range"]), moe=_moe(family, cfg), hf_config=dict(raw),
         )
+
+
+class OverrideError(ModelConfigError):
+    """A `model.override_config` entry names a field the model family's config does not have; `field` is its name
+    (for the caller to report under its own config key)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def apply_overrides(raw: dict[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """config.json fields `raw` with `overrides` (verl's `model.override_config`) applied; `raw` is not modified.
+
+    verl sets each entry on the transformers config object before building the model; here each entry replaces the
+    config.json field of that name (a mapping value replaces the whole field, e.g. all of `rope_scaling`), so the
+    same fields and values mean the same model. An entry must name a field of the family's transformers config
+    (`_FIELDS`) or one config.json has: a typo would otherwise change nothing, silently. The legacy `rope_theta` and
+    `rope_scaling` update `rope_parameters` when config.json keeps RoPE there (transformers 5 does, and ignores
+    them then), so an override of either always reaches the model.
+    """
+    if not overrides:
+        return raw
+    family = ARCHITECTURES.get((raw.get("architectures") or [None])[0])
+    known = set(raw) | (_COMMON_FIELDS | _FIELDS[family] if family is not None else set())
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        what = f"the {FAMILY_PREFIX[family]} config" if family is not None else "this config.json"
+        close = difflib.get_close_matches(unknown[0], known, n=1)
+        hint = f"did you mean {close[0]!r}?" if close else "fix the name or drop the entry"
+        raise OverrideError(unknown[0], f"model.override_config.{unknown[0]}: not a field of {what}; {hint}")
+    out = {**raw, **overrides}
+    rope = raw.get("rope_parameters")
+    if rope and "rope_parameters" not in overrides and {"rope_theta", "rope_scaling"} & set(overrides):
+        # rope_scaling replaces the scaling (null: none); theta is rope_theta's if given, else as it was.
+        scaling = (overrides["rope_scaling"] or {"rope_type": "default"}) if "rope_scaling" in overrides else rope
+        theta = overrides.get("rope_theta", scaling.get("rope_theta", rope.get("rope_theta")))
+        out["rope_parameters"] = {**scaling, **({"rope_theta": theta} if theta is not None else {})}
+    return out
+
+
+# Fields of transformers' (5.x) config classes of each family that `apply_overrides` accepts besides those
+# config.json has: the `PretrainedConfig` fields and the decoder fields all families share, then each family's own.
+# Legacy names shardrl still reads count too: rope_theta, rope_scaling, torch_dtype, head_dim (read by every
+# family's attention when present), and the expert count under the other of num_experts / num_local_experts.
+_COMMON_FIELDS = frozenset({
+    "_name_or_path", "architectures", "chunk_size_feed_forward", "dtype", "id2label", "is_encoder_decoder",
+    "label2id", "model_type", "output_attentions", "output_hidden_states", "problem_type", "return_dict",
+    "transformers_version", "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+    "num_attention_heads", "num_key_value_heads", "hidden_act", "max_position_embeddings", "initializer_range",
+    "rms_norm_eps", "use_cache", "tie_word_embeddings", "rope_parameters", "attention_dropout", "bos_token_id",
+    "eos_token_id", "pad_token_id",
+    "rope_theta", "rope_scaling", "torch_dtype", "head_dim",  # legacy
+})
+_QWEN_WINDOW = frozenset({"sliding_window", "use_sliding_window", "layer_types", "max_window_layers"})
+_ROUTER = frozenset({"num_experts_per_tok", "output_router_logits", "router_aux_loss_coef"})
+_QWEN_MOE = _ROUTER | {"decoder_sparse_step", "mlp_only_layers", "moe_intermediate_size", "norm_topk_prob"}
+_FIELDS: dict[Family, frozenset[str]] = {
+    "llama": frozenset({"attention_bias", "mlp_bias", "pretraining_tp"}),
+    "qwen2": _QWEN_WINDOW,
+    "qwen3": _QWEN_WINDOW | {"attention_bias"},
+    "mixtral": _ROUTER | {"num_local_experts", "num_experts", "router_jitter_noise", "sliding_window"},
+    "qwen2_moe": _QWEN_WINDOW | _QWEN_MOE | {"num_experts", "qkv_bias", "shared_expert_intermediate_size"},
+    "qwen3_moe": _QWEN_MOE | {"num_local_experts", "num_experts", "attention_bias", "sliding_window",
+                              "use_sliding_window"},
+}
 
 
 # transformers' defaults for keys a config.json may leave out (sizes have no defaults here: they must be given).

@@ -278,21 +278,130 @@ class Layout:
         local = ranks.index(me)
         return cls(spec, ranks, local, torch.device(device), spec.coords(local), groups, group_ranks, registry)
 
-    # Convenience accessors: `layout.tp_size`, `layout.tp_rank`, `layout.tp_group`, likewise for every group name.
     def size(self, name: str) -> int:
+        """Ranks in this process's group `name` (one of `GROUP_NAMES`)."""
         return len(self.group_ranks[name])
 
     def rank(self, name: str) -> int:
+        """This process's index inside its group `name`."""
         return self.group_ranks[name].index(self.ranks[self.local_rank])
 
     def group(self, name: str) -> dist.ProcessGroup | None:
+        """This process's group `name`; None when it is the process alone."""
         return self.groups[name]
 
-    def __getattr__(self, attr: str):
-        name, _, kind = attr.rpartition("_")
-        if name in GROUP_NAMES and kind in ("size", "rank", "group"):
-            return getattr(Layout, kind)(self, name)
-        raise AttributeError(attr)
+    # Named accessors for the groups the code base reads, so each is typed and can be followed to its definition.
+    # Only the names in use exist; for any other group call size/rank/group(name).
+
+    @property
+    def tp_size(self) -> int:
+        """Tensor-parallel ranks: how many shards of each dense weight one copy of the model is cut into."""
+        return self.size("tp")
+
+    @property
+    def tp_rank(self) -> int:
+        """Which tensor-parallel shard of the dense weights this rank holds."""
+        return self.rank("tp")
+
+    @property
+    def tp_group(self) -> dist.ProcessGroup | None:
+        """The tensor-parallel group: the dense layers' collectives."""
+        return self.group("tp")
+
+    @property
+    def cp_size(self) -> int:
+        """Context-parallel ranks (each holding a piece of every sequence)."""
+        return self.size("cp")
+
+    @property
+    def dp_size(self) -> int:
+        """Data-parallel replicas of the dense weights: how many ways a batch is split."""
+        return self.size("dp")
+
+    @property
+    def dp_rank(self) -> int:
+        """Which data-parallel replica this rank is: which share of a batch it takes."""
+        return self.rank("dp")
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup | None:
+        """The data-parallel group: the dense replicas of this rank's shards."""
+        return self.group("dp")
+
+    @property
+    def pp_size(self) -> int:
+        """Pipeline stages."""
+        return self.size("pp")
+
+    @property
+    def pp_rank(self) -> int:
+        """This rank's pipeline stage."""
+        return self.rank("pp")
+
+    @property
+    def pp_group(self) -> dist.ProcessGroup | None:
+        """The pipeline group: the stages holding the rest of this rank's copy of the model."""
+        return self.group("pp")
+
+    @property
+    def dp_cp_group(self) -> dist.ProcessGroup | None:
+        """Data- and context-parallel ranks together: where dense gradients are reduced when CP is on."""
+        return self.group("dp_cp")
+
+    @property
+    def ep_size(self) -> int:
+        """Expert-parallel ranks: how many ways an MoE layer's experts are divided."""
+        return self.size("ep")
+
+    @property
+    def ep_rank(self) -> int:
+        """Which run of experts this rank holds."""
+        return self.rank("ep")
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup | None:
+        """The expert-parallel group: the ranks holding the other experts of a layer."""
+        return self.group("ep")
+
+    @property
+    def etp_size(self) -> int:
+        """Expert tensor-parallel ranks: how many shards each expert's weights are cut into."""
+        return self.size("etp")
+
+    @property
+    def etp_rank(self) -> int:
+        """Which expert tensor-parallel shard this rank holds."""
+        return self.rank("etp")
+
+    @property
+    def etp_group(self) -> dist.ProcessGroup | None:
+        """The expert tensor-parallel group: the experts' collectives."""
+        return self.group("etp")
+
+    @property
+    def edp_size(self) -> int:
+        """Expert data-parallel replicas of this rank's expert shards."""
+        return self.size("edp")
+
+    @property
+    def ep_etp_size(self) -> int:
+        """Ranks of the MoE token dispatch (EP x ETP)."""
+        return self.size("ep_etp")
+
+    @property
+    def ep_etp_group(self) -> dist.ProcessGroup | None:
+        """The MoE layers' token dispatch group (EP x ETP)."""
+        return self.group("ep_etp")
+
+    @property
+    def world_group(self) -> dist.ProcessGroup | None:
+        """Every rank of the layout (checkpoints; other roles' ranks take no part)."""
+        return self.group("world")
+
+    @property
+    def embedding_group(self) -> dist.ProcessGroup | None:
+        """The first and last pipeline stage, which both hold the tied embedding; None on the middle stages."""
+        return self.group("embedding")
 
     @property
     def is_first_stage(self) -> bool:

@@ -67,9 +67,21 @@ class AdamW:
         _, count = self.grads.owner(buf)
         numel = sum(end - start for start, end in buf.buckets) // count
         master = torch.zeros(numel, dtype=torch.float32, device=buf.data.device)
+        self._fill_master(buf, master)
+        return _State(master, torch.zeros_like(master), torch.zeros_like(master))
+
+    def _fill_master(self, buf: GradBuffer, master: Tensor) -> None:
+        """master <- this rank's owned part of `buf`'s params (in fp32)."""
         for param, lo, hi, pos in self.grads.fragments(buf):
             master[pos:pos + hi - lo] = param.detach().reshape(-1)[lo:hi]
-        return _State(master, torch.zeros_like(master), torch.zeros_like(master))
+
+    @torch.no_grad()
+    def copy_params_to_master(self) -> None:
+        """Take the master weights from the model's params again, as at construction; moments and step count stay.
+        For params set behind the optimizer's back (a checkpoint's weights loaded without its optimizer state): the
+        next update would otherwise start from, and publish, the old master values."""
+        for buf, state in zip(self.grads.buffers, self.states):
+            self._fill_master(buf, state.master)
 
     def zero_grad(self) -> None:
         self.grads.zero()
@@ -193,29 +205,42 @@ ScheduleStyle = Literal["constant", "cosine", "linear"]
 
 class LRScheduler:
     """Sets ``optimizer.lr`` for each step: linear warmup from 0 to the optimizer's initial lr, then constant, cosine
-    or linear decay to ``min_lr_ratio * lr`` at `total_steps`, held there afterwards.
+    or linear decay to ``min_lr_ratio * lr`` at step `decay_steps` (default `total_steps`), held there afterwards.
 
     Step ``n`` counts the `step()` calls so far, and the first update runs at ``lr_at(0)`` (0 with warmup, as in verl
-    and Megatron). ``warmup_steps`` < 0 or None: ``int(warmup_steps_ratio * total_steps)`` steps. With
-    ``progress = (n - warmup) / (total_steps - warmup)`` clipped to [0, 1]:
+    and Megatron). ``warmup_steps`` < 0 or None: ``int(warmup_steps_ratio * decay_steps)`` steps. With
+    ``progress = (n - warmup) / (decay_steps - warmup)`` clipped to [0, 1]:
     cosine ``min + (lr - min) * (1 + cos(2 pi num_cycles progress)) / 2`` (num_cycles 0.5: one half wave down);
     linear ``lr - (lr - min) * progress``.
+
+    `decay_steps` is Megatron's ``lr_decay_steps`` as verl's Megatron optimizer passes it to
+    ``OptimizerParamScheduler`` (verl/utils/megatron/optimizer.py): the step, counted from 0 with the warmup
+    included, at which the decay reaches the minimum, so the decay itself lasts ``decay_steps - warmup`` steps and
+    later steps run at the minimum (Megatron's cosine is the half wave, num_cycles 0.5). verl defaults it to
+    ``total_training_steps`` (None here: `total_steps`) and takes the warmup ratio of it, as done here. The constant
+    style ignores it: Megatron returns the peak before looking at it.
     """
 
     def __init__(self, optimizer: AdamW, *, total_steps: int, warmup_steps: int | None = -1,
                  warmup_steps_ratio: float = 0.0, style: ScheduleStyle = "constant", min_lr_ratio: float = 0.0,
-                 num_cycles: float = 0.5) -> None:
+                 num_cycles: float = 0.5, decay_steps: int | None = None) -> None:
         if style not in ("constant", "cosine", "linear"):
             raise ValueError(f"lr schedule style {style!r}: expected constant, cosine or linear")
+        if decay_steps is not None and decay_steps < 1:
+            raise ValueError(f"lr_decay_steps={decay_steps}: expected a positive step count, or None for "
+                             f"total_training_steps")
+        decay_end = total_steps if decay_steps is None else decay_steps
         if warmup_steps is None or warmup_steps < 0:
-            if warmup_steps_ratio > 0 and total_steps <= 0:
+            if warmup_steps_ratio > 0 and decay_end <= 0:
                 raise ValueError(f"warmup_steps_ratio={warmup_steps_ratio} needs total_steps > 0, got {total_steps}")
-            warmup_steps = int(warmup_steps_ratio * max(total_steps, 0))
-        if style != "constant" and total_steps <= warmup_steps:
-            raise ValueError(f"{style} lr decay needs total_steps > warmup steps, got total_steps={total_steps}, "
+            warmup_steps = int(warmup_steps_ratio * max(decay_end, 0))
+        if style != "constant" and decay_end <= warmup_steps:
+            what = "total_steps" if decay_steps is None else "lr_decay_steps"
+            raise ValueError(f"{style} lr decay needs {what} > warmup steps, got {what}={decay_end}, "
                              f"warmup_steps={warmup_steps}")
         self.optimizer, self.peak_lr = optimizer, optimizer.lr
         self.total_steps, self.warmup_steps, self.style = total_steps, warmup_steps, style
+        self.decay_end = decay_end  # the step the decay reaches min_lr at
         self.min_lr, self.num_cycles = min_lr_ratio * optimizer.lr, num_cycles
         self.num_steps = 0
         optimizer.lr = self.lr_at(0)
@@ -225,7 +250,7 @@ class LRScheduler:
             return self.peak_lr * step / self.warmup_steps
         if self.style == "constant":
             return self.peak_lr
-        progress = min((step - self.warmup_steps) / (self.total_steps - self.warmup_steps), 1.0)
+        progress = min((step - self.warmup_steps) / (self.decay_end - self.warmup_steps), 1.0)
         if self.style == "cosine":
             factor = 0.5 * (1.0 + math.cos(2.0 * math.pi * self.num_cycles * progress))
         else:

@@ -3,6 +3,8 @@ score on its last response token.
 
 Batch keys read (verl's names): tensors `responses` `[B, T]` (response token ids) and `response_mask` `[B, T]` (1
 on tokens the policy generated); non-tensors `data_source`, `reward_model` (dict with `ground_truth`), `extra_info`.
+The column that names each sample's source, and so its reward function, is `data_source` unless `data_source_key`
+(verl's `data.reward_fn_key`) names another.
 """
 
 from __future__ import annotations
@@ -72,16 +74,21 @@ def overlong_penalty(lengths: torch.Tensor, max_length: int, buffer_length: int,
 
 
 def score_responses(
-    batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn
+    batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn, *, data_source_key: str = "data_source"
 ) -> tuple[torch.Tensor, dict[str, list[Any]]]:
-    """Sequence scores `[B]` and per-sample extras (other keys of dict results, None where a sample had none)."""
+    """Sequence scores `[B]` and per-sample extras (other keys of dict results, None where a sample had none).
+    `score_fn` gets each sample's `data_source_key` column as its data source."""
+    if data_source_key not in batch.non_tensors:
+        raise ValueError(f"data.reward_fn_key={data_source_key!r}: the batch has no such column; it has "
+                         f"{sorted(batch.non_tensors)}")
+    sources = batch.non_tensors[data_source_key]
     responses, mask = batch.tensors["responses"], batch.tensors["response_mask"].bool()  # [B, T]
     texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(responses, mask)], skip_special_tokens=True)
     scores: list[float] = []
     extras: dict[str, list[Any]] = {}
     for i, text in enumerate(texts):
         result = score_fn(
-            batch.non_tensors["data_source"][i],
+            sources[i],
             text,
             batch.non_tensors["reward_model"][i]["ground_truth"],
             batch.non_tensors["extra_info"][i],
@@ -100,14 +107,15 @@ def score_responses(
 
 
 def compute_token_level_scores(
-    batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn, overlong: OverlongShaping | None = None
+    batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn, overlong: OverlongShaping | None = None,
+    *, data_source_key: str = "data_source",
 ) -> SampleScores:
     """Score every response, add the overlong penalty when shaping, and place the result on the last token.
 
     A response's length is its count of generated tokens (`response_mask`), the count the rollout stops at
-    `max_length`.
+    `max_length`. `data_source_key`: see `score_responses`.
     """
-    scores, extras = score_responses(batch, tokenizer, score_fn)  # [B]
+    scores, extras = score_responses(batch, tokenizer, score_fn, data_source_key=data_source_key)  # [B]
     mask = batch.tensors["response_mask"]  # [B, T]
     shaped = scores
     if overlong is not None:

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from shardrl.data.builtin_task import DATA_SOURCE as BUILTIN_TASK
 from shardrl.rewards import digits, gsm8k
 
 ScoreFn = Callable[..., "float | dict[str, Any]"]
@@ -21,7 +22,7 @@ ScoreFn = Callable[..., "float | dict[str, Any]"]
 # data_source -> fn(solution_str, ground_truth) -> float
 _RULE_SCORERS: dict[str, Callable[[str, Any], float]] = {
     "openai/gsm8k": gsm8k.compute_score,
-    digits.DATA_SOURCE: digits.compute_score,
+    BUILTIN_TASK: digits.compute_score,
 }
 
 

@@ -98,15 +98,25 @@ class Engine:
 
     @torch.no_grad()
     def update_weights(self, weights: Iterable[tuple[str, Tensor]], version: int | None = None) -> None:
-        """Load full HF tensors (any subset, streamed one at a time) into this rank's shards, through the same shard
-        specs as checkpoint loading; then `policy_version` becomes `version` (default: one more).
+        """Load full HF tensors (any non-empty subset, streamed one at a time) into this rank's shards, through the
+        same shard specs as checkpoint loading; then `policy_version` becomes `version` (default: one more).
 
         Requests still running keep the KV cache their earlier tokens computed under the old weights; `abort()`
         before and `resume()` after re-prefill them under the new ones."""
+        loaded = 0
         for name, full in weights:
             if name not in self._names:
                 raise EngineError(f"update_weights: {name!r} is not a tensor of this {self.model_config.architecture}")
             load_hf_tensor(*self._names[name], full)
+            loaded += 1
+        if not loaded:
+            raise EngineError("update_weights: no tensors given; after weights were written into the shards in "
+                              "place (weight sync), call set_policy_version instead")
+        self.set_policy_version(version)
+
+    def set_policy_version(self, version: int | None = None) -> None:
+        """New weights are in place (written into this rank's shards by `update_weights` or by weight sync): tokens
+        sampled from now on carry `version` (default: one more) as their policy version."""
         self._drop_ahead()  # its tokens would carry the new version but come from the old weights
         self.policy_version = self.policy_version + 1 if version is None else version
 

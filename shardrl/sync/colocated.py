@@ -9,32 +9,43 @@ together; offloaded actor params are read from pinned host memory and stay offlo
 from __future__ import annotations
 
 import datetime
+from collections.abc import Sequence
+from typing import Protocol
 
-from shardrl.parallel.layout import LayoutError
-from shardrl.rollout.engine import Engine
+from torch import nn
+
+from shardrl.parallel.layout import Layout, LayoutError
+from shardrl.parallel.offload import HostBuffers
 from shardrl.sync.shards import Shards
-from shardrl.sync.weight_sync import Verify, WeightSync
-from shardrl.workers.engine import ModelEngine
+from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync
+
+
+class SleepingRollout(SyncedRollout, Protocol):
+    """A rollout engine sharing its GPU with the actor: asleep while the actor trains, woken around a sync."""
+
+    def wake_up(self, kv_cache: bool = True) -> None: ...
 
 
 class ColocatedSync:
-    def __init__(self, actor: ModelEngine, rollout: Engine, bucket_bytes: int, verify: Verify = "checksum",
+    def __init__(self, chunks: Sequence[nn.Module], layout: Layout, host: HostBuffers, rollout: SleepingRollout,
+                 bucket_bytes: int, verify: Verify = "checksum",
                  timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
-        """Collective over the actor's and rollout's ranks (builds the plan). Both layouts must come from one
-        `GroupRegistry`: the sync group over their ranks is then the actor's world group, made nowhere anew."""
+        """`chunks`, `layout`: this rank's actor model chunks and their layout; `host`: where the actor's offloaded
+        params are. Collective over the actor's and rollout's ranks (builds the plan). Both layouts must come from
+        one `GroupRegistry`: the sync group over their ranks is then the actor's world group, made nowhere anew."""
         self.rollout = rollout
-        registry = actor.layout.registry
+        registry = layout.registry
         if rollout.layout.registry is not registry:
             raise LayoutError("colocated sync: the actor's and the rollout's layouts were built with different "
                               "GroupRegistry objects; pass one registry to both Layout.create calls")
-        group = registry.sync_group(actor.layout.ranks + rollout.layout.ranks, timeout)
-        source = Shards(actor.chunks, sending=True, first_stage=actor.layout.is_first_stage)
-        self.weights = WeightSync(group, rollout.device, bucket_bytes, verify, source, Shards(rollout.model))
+        group = registry.sync_group(layout.ranks + rollout.layout.ranks, timeout)
+        source = Shards(chunks, sending=True, first_stage=layout.is_first_stage, host=host)
+        self.weights = WeightSync(group, rollout.layout.device, bucket_bytes, verify, source, Shards(rollout.model))
 
     def sync(self, version: int | None = None) -> dict[str, float]:
         """Actor -> rollout; the rollout's `policy_version` becomes `version` (default: one more)."""
         self.rollout.wake_up(kv_cache=False)
         metrics = self.weights.sync()
-        self.rollout.update_weights((), version)  # nothing left to load: this only sets the policy version
+        self.rollout.set_policy_version(version)
         self.rollout.wake_up()
         return metrics

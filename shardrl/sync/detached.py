@@ -12,34 +12,39 @@ loops (the rollout with no request mid-step: abort/resume around it for partial 
 
 from __future__ import annotations
 
-import torch.distributed as dist
+from collections.abc import Sequence
 
-from shardrl.rollout.engine import Engine
+import torch.distributed as dist
+from torch import nn
+
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.offload import HostBuffers
 from shardrl.sync.shards import Shards
-from shardrl.sync.weight_sync import Verify, WeightSync
-from shardrl.workers.engine import ModelEngine
+from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync
 
 
 class DetachedSync:
-    def __init__(self, weights: WeightSync, rollout: Engine | None) -> None:
+    def __init__(self, weights: WeightSync, rollout: SyncedRollout | None) -> None:
         self.weights, self.rollout = weights, rollout
 
     @classmethod
-    def sender(cls, actor: ModelEngine, group: dist.ProcessGroup, bucket_bytes: int,
-               verify: Verify = "checksum") -> DetachedSync:
-        """The trainer side, on every actor rank. Collective over the group (with `receiver` on the rollout ranks)."""
-        source = Shards(actor.chunks, sending=True, first_stage=actor.layout.is_first_stage)
-        return cls(WeightSync(group, actor.layout.device, bucket_bytes, verify, source=source), None)
+    def sender(cls, chunks: Sequence[nn.Module], layout: Layout, host: HostBuffers, group: dist.ProcessGroup,
+               bucket_bytes: int, verify: Verify = "checksum") -> DetachedSync:
+        """The trainer side, on every actor rank: its model `chunks`, their `layout` and `host`, where its offloaded
+        params are. Collective over the group (with `receiver` on the rollout ranks)."""
+        source = Shards(chunks, sending=True, first_stage=layout.is_first_stage, host=host)
+        return cls(WeightSync(group, layout.device, bucket_bytes, verify, source=source), None)
 
     @classmethod
-    def receiver(cls, rollout: Engine, group: dist.ProcessGroup, bucket_bytes: int,
+    def receiver(cls, rollout: SyncedRollout, group: dist.ProcessGroup, bucket_bytes: int,
                  verify: Verify = "checksum") -> DetachedSync:
         """The rollout side, on every rollout rank."""
-        return cls(WeightSync(group, rollout.device, bucket_bytes, verify, target=Shards(rollout.model)), rollout)
+        target = Shards(rollout.model)
+        return cls(WeightSync(group, rollout.layout.device, bucket_bytes, verify, target=target), rollout)
 
     def sync(self, version: int | None = None) -> dict[str, float]:
         """Trainer -> rollout; on the rollout side `policy_version` becomes `version` (default: one more)."""
         metrics = self.weights.sync()
         if self.rollout is not None:
-            self.rollout.update_weights((), version)  # only sets the policy version: the weights are in place
+            self.rollout.set_policy_version(version)
         return metrics

@@ -129,8 +129,8 @@ def intersect(a: Box, b: Box) -> Box | None:
     return box if all(start < stop for start, stop in box) else None
 
 
-def build_plan(holdings: Mapping[int, Sequence[Slice]], needs: Mapping[int, Sequence[Slice]],
-               bucket_bytes: int) -> SyncPlan:
+def plan_transfers(holdings: Mapping[int, Sequence[Slice]], needs: Mapping[int, Sequence[Slice]],
+                   bucket_bytes: int) -> SyncPlan:
     """The whole plan from every trainer rank's holdings and every rollout rank's needs (global ranks)."""
     transfers = assign_sources(holdings, needs)
     remote = [t for t in transfers if t.src != t.dst]

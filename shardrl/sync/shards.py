@@ -2,7 +2,8 @@
 the plan) and the tensor view of any box of an HF tensor inside its local shard.
 
 Trainer parameters may be offloaded (`shardrl.parallel.offload`: device storage resized to 0, the bytes kept in a
-pinned host copy); their boxes are then views of that host copy, read in place: nothing is reloaded to the device.
+pinned host copy, in the `HostBuffers` the trainer passes here); their boxes are then views of that host copy, read
+in place: nothing is reloaded to the device.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from collections.abc import Iterator, Sequence
 
 from torch import Tensor, nn
 
+from shardrl.parallel.offload import HostBuffers
 from shardrl.parallel.spec import ShardSpec, get_spec
 from shardrl.sync.plan import Box, Slice
 
@@ -48,21 +50,15 @@ def box_view(local: Tensor, spec: ShardSpec, box: Box) -> Tensor:
     return view
 
 
-def _host_view(param: Tensor) -> Tensor | None:
-    """The pinned host copy of an offloaded parameter, laid out like the parameter; None when it is on the device.
-    offload.py keeps the whole storage's bytes in `_host_copy` while the device storage is resized to 0."""
-    host = getattr(param, "_host_copy", None)
-    if host is None or param.untyped_storage().nbytes() != 0:
-        return None
-    return host.view(param.dtype).as_strided(param.shape, param.stride(), param.storage_offset())
-
-
 class Shards:
     """A model's local shards by HF name (expert params by their name template). `sending`: the trainer side, which
     skips the tied LM-head copies of later pipeline stages (the first stage's embedding is the one exported,
-    see spec.py)."""
+    see spec.py). `host`: where the model's offloaded params are (None: the model is never offloaded, as the rollout's
+    shards, which are only written on the device)."""
 
-    def __init__(self, model: Model, sending: bool = False, first_stage: bool = True) -> None:
+    def __init__(self, model: Model, sending: bool = False, first_stage: bool = True,
+                 host: HostBuffers | None = None) -> None:
+        self.host = host
         chunks = model if isinstance(model, Sequence) else [model]
         unique = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
         self.params: dict[str, nn.Parameter] = {}
@@ -86,12 +82,15 @@ class Shards:
     def view(self, hf_name: str, box: Box) -> Tensor:
         """`box` of `hf_name` in this rank's shard: a device view, or a host view when the param is offloaded."""
         param = self.params[hf_name]
-        host = _host_view(param)
+        host = self._host_view(param)
         return box_view(param.detach() if host is None else host, get_spec(param), box)
 
     def offloaded(self, hf_name: str) -> bool:
         """Whether `view` of this tensor reads the pinned host copy (the param is offloaded)."""
-        return _host_view(self.params[hf_name]) is not None
+        return self._host_view(self.params[hf_name]) is not None
+
+    def _host_view(self, param: Tensor) -> Tensor | None:
+        return None if self.host is None else self.host.host_view(param)
 
     def padding(self) -> Iterator[Tensor]:
         """Views of the padded rows past the real vocabulary (kept zero, as the checkpoint loader leaves them)."""

@@ -3,21 +3,39 @@
 A rank may be a sender (it holds trainer shards), a receiver (rollout shards) or both (colocated). Construction is
 collective over the sync group: every rank contributes the `Slice`s it holds or needs, and every rank computes the
 same plan from them, so the rollout side learns what it will receive without building the trainer's layout.
+
+`ColocatedSync` and `DetachedSync` take the trainer's side as what it is made of (model chunks, layout, the host
+buffers of offloaded params) and the rollout engine as `SyncedRollout`: the few things a sync touches of it.
 """
 
 from __future__ import annotations
 
 import time
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
-from shardrl.sync.plan import Slice, SyncPlan, build_plan
+from shardrl.parallel.layout import Layout
+from shardrl.sync.plan import Slice, SyncPlan, plan_transfers
 from shardrl.sync.shards import Shards
 from shardrl.sync.transport import Transport
 
 Verify = Literal["checksum", "full"]
+
+
+class SyncedRollout(Protocol):
+    """What weight sync uses of a rollout engine (`shardrl.rollout.engine.Engine` is one): the model whose shards
+    it writes, the layout they are laid out by, and the call that stamps the new policy version once they are in."""
+
+    @property
+    def model(self) -> nn.Module: ...
+
+    @property
+    def layout(self) -> Layout: ...
+
+    def set_policy_version(self, version: int | None = None) -> None: ...
 
 
 def _gather(group: dist.ProcessGroup | None, item: object) -> tuple[list[int], list]:
@@ -41,7 +59,7 @@ class WeightSync:
         self.rank = ranks[0] if group is None else dist.get_rank()
         holdings = {r: held for r, (held, _) in zip(ranks, every) if held is not None}
         needs = {r: needed for r, (_, needed) in zip(ranks, every) if needed is not None}
-        self.plan: SyncPlan = build_plan(holdings, needs, bucket_bytes)
+        self.plan: SyncPlan = plan_transfers(holdings, needs, bucket_bytes)
         self.transport = Transport(self.plan.for_rank(self.rank), group, self.device, source, target)
 
     def sync(self) -> dict[str, float]:

@@ -13,8 +13,8 @@ import torch
 from shardrl.algos import AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, rollout_correction
 from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
-from shardrl.rewards.manager import OverlongShaping, SampleScores, compute_token_level_scores
-from shardrl.trainer.config import PPOConfig
+from shardrl.rewards.manager import SampleScores, compute_token_level_scores
+from shardrl.job.options import AlgorithmOptions, LoopOptions, RewardOptions
 
 # Which validation samples `trainer.log_val_generations` shows: a fixed seed, so every validation of every run shows
 # the answers to the same prompts and they can be compared.
@@ -27,17 +27,17 @@ def assign_uids(prompts: Batch) -> Batch:
     return prompts
 
 
-def with_sample_seeds(samples: Batch, config: PPOConfig, step: int, gen_round: int = 0) -> Batch:
+def with_sample_seeds(samples: Batch, seed: int, step: int, gen_round: int = 0) -> Batch:
     """A sampling seed per row from (trainer.seed, step, generation round, row): generation then depends on nothing
     but the weights and the data, so a resumed run samples exactly what the uninterrupted one did. Validation uses
     step -1. A step's extra rounds (dynamic sampling) start 2**24 seeds apart, so rounds of fewer rows than that
     share no seed."""
-    base = (config.trainer.seed * 1_000_003 + (step + 1) * 65_537 + gen_round * 2**24) % 2**31
+    base = (seed * 1_000_003 + (step + 1) * 65_537 + gen_round * 2**24) % 2**31
     samples.tensors["sample_seed"] = base + torch.arange(len(samples), dtype=torch.long)
     return samples
 
 
-def balance_over_dp(batch: Batch, config: PPOConfig, actor_dp: int,
+def balance_over_dp(batch: Batch, loop: LoopOptions, actor_dp: int,
                     critic_dp: int | None) -> tuple[Batch, dict[str, float]]:
     """`trainer.balance_batch`: reorder whole samples so each of the actor's DP ranks gets a near-equal token count
     (prompt + response, from the attention mask), keeping every optimizer step's samples (see `dp_balanced_order`).
@@ -47,10 +47,10 @@ def balance_over_dp(batch: Batch, config: PPOConfig, actor_dp: int,
     hold other samples than without balancing). Metrics are verl's `global_seqlen/*`: per-rank token sums of the
     contiguous split before (min, max, minmax_diff) and after (balanced_min, balanced_max) reordering.
     """
-    n = config.actor_rollout_ref.rollout.n
-    rows = config.actor_rollout_ref.actor.ppo_mini_batch_size * n // actor_dp
+    n = loop.samples_per_prompt
+    rows = loop.actor_mini_batch_size * n // actor_dp
     if critic_dp == actor_dp:
-        rows = math.gcd(rows, config.critic.ppo_mini_batch_size * n // actor_dp)
+        rows = math.gcd(rows, loop.critic_mini_batch_size * n // actor_dp)
     lengths = batch.tensors["attention_mask"].sum(-1)  # [B]
     order = dp_balanced_order(lengths.tolist(), actor_dp, rows)
     before = lengths.view(actor_dp, -1).sum(-1)  # [DP]
@@ -62,13 +62,11 @@ def balance_over_dp(batch: Batch, config: PPOConfig, actor_dp: int,
     return batch.take(order), metrics
 
 
-def score(batch: Batch, tokenizer, score_fn, config: PPOConfig) -> tuple[Batch, SampleScores]:
+def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions) -> tuple[Batch, SampleScores]:
     """`token_level_scores` `[B, R]` (with `reward_model.overlong_buffer`'s shaping when enabled; validation too, as
     verl's DAPO recipe scores it) and the per-sample scores and extras."""
-    overlong = config.reward_model.overlong_buffer
-    shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
-                              overlong.log) if overlong.enable else None
-    scores = compute_token_level_scores(batch, tokenizer, score_fn, shaping)
+    scores = compute_token_level_scores(batch, tokenizer, score_fn, reward.overlong,
+                                        data_source_key=reward.data_source_key)
     batch.tensors["token_level_scores"] = scores.token_level
     return batch, scores
 
@@ -97,16 +95,17 @@ def val_generations(batch: Batch, tokenizer, scores: np.ndarray, num: int) -> li
     return [{"input": inputs[i], "output": outputs[i], "score": float(scores[i])} for i in chosen]
 
 
-def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLController | None) -> dict[str, float]:
+def apply_rewards_and_correction(batch: Batch, algo: AlgorithmOptions,
+                                 kl_ctrl: KLController | None) -> dict[str, float]:
     """The off-policy anchor and importance weights (`old_log_probs`, `is_weights`) the actor loss reads, then
     token_level_rewards (scores, minus the KL penalty of the anchor policy against the reference when the KL is in
     the reward; the anchor is the recomputed policy, or the rollout's logprobs in bypass mode), then rejection
     sampling: `response_mask` becomes the kept tokens, which every later step (advantages, both losses and their
     token/sequence counts) trains on, and `sampled_response_mask` keeps the tokens as generated. As in verl, the IS
     weights and the KL penalty see the sampled tokens."""
-    t, algo, metrics = batch.tensors, config.algorithm, {}
-    rc = algo.rollout_correction
-    rejection = rc.rejection()
+    t, metrics = batch.tensors, {}
+    rc = algo.correction
+    rejection = rc.rejection
     # In bypass mode rollout_is belongs to the REINFORCE loss, which weighs each micro batch against the current policy.
     correction = rollout_correction(t["old_log_probs"] if "old_log_probs" in t.keys() else None,
                                     t["rollout_log_probs"], t["response_mask"], rc.rollout_is if rc.decoupled else None,
@@ -116,9 +115,9 @@ def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLCon
     if rc.rollout_is is not None and rc.decoupled:
         t["is_weights"] = correction.is_weights
     metrics |= {f"rollout_corr/{k}": float(v) for k, v in correction.metrics.items()}
-    if algo.use_kl_in_reward:
-        rewards, kl_metrics = apply_kl_penalty(t["token_level_scores"], t["old_log_probs"], t["ref_log_prob"],
-                                               t["response_mask"], kl_ctrl.value, algo.kl_penalty)
+    if algo.kl_in_reward is not None:
+        rewards, kl_metrics = apply_kl_penalty(t["token_level_scores"], t["old_log_probs"], t["ref_log_probs"],
+                                               t["response_mask"], kl_ctrl.value, algo.kl_in_reward.estimator)
         kl_ctrl.update(float(kl_metrics["reward_kl_penalty"]), n_steps=len(batch))
         metrics |= {f"actor/{k}": float(v) for k, v in kl_metrics.items()}
     else:
@@ -129,10 +128,10 @@ def apply_rewards_and_correction(batch: Batch, config: PPOConfig, kl_ctrl: KLCon
     return metrics
 
 
-def advantages(batch: Batch, config: PPOConfig) -> None:
+def advantages(batch: Batch, algo: AlgorithmOptions) -> None:
     """Advantages on the kept tokens; an outcome score still sums the rewards of all sampled tokens (verl sums the
     whole reward row), so rejecting a token or a sequence leaves its group's baseline as it was."""
-    t, algo = batch.tensors, config.algorithm
+    t = batch.tensors
     inputs = AdvantageInputs(
         token_level_rewards=t["token_level_rewards"], response_mask=t["response_mask"],
         values=t["values"] if "values" in t.keys() else None, index=batch.non_tensors["uid"],

@@ -25,7 +25,7 @@ import numpy as np
 from shardrl.data.batch import Batch
 from shardrl.rewards.manager import SampleScores
 from shardrl.trainer.batch_ops import reward_metrics
-from shardrl.trainer.config import FilterMetric
+from shardrl.job.schema import FilterMetric
 
 
 def metric_values(batch: Batch, scores: SampleScores, metric: FilterMetric) -> np.ndarray:

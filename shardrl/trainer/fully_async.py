@@ -12,10 +12,12 @@ they are paused in the engine and continue under the new weights (their tokens c
 One-step-off (one_step_off.py) is this schedule with a batch per step, a sync every step, one batch of run-ahead and
 the batches taken whole, in loader order.
 
-Checkpoints: the rollouter reads prompts ahead of the trainer, so the loader's own position would skip the prompts
-queued or generating at a save. The saved position is instead the start of the oldest loader batch with a group not
-yet trained, with the keys (loader batch, row) of every such group; a resumed run generates exactly those groups
-again (under the checkpoint's weights, with their original sampling seeds) before reading on.
+Prompts and checkpoints: when the schedule starts, the trainer hands its loader to a prompt feed (prompt_feed.py)
+that the rollouter owns and reads on its thread; from then on the trainer asks the feed (its own lock) for what a
+checkpoint saves and for the epoch, and never touches the loader. The rollouter reads prompts ahead of the trainer,
+so the saved position is the start of the oldest loader batch with a group not yet trained, with the keys (loader
+batch, row) of every such group; a resumed run generates exactly those groups again (under the checkpoint's weights,
+with their original sampling seeds) before reading on.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from typing import Any
 from shardrl.data.batch import Batch
 from shardrl.trainer import batch_ops, staleness
 from shardrl.trainer.ppo import PPOTrainer
+from shardrl.trainer.prompt_feed import PromptFeed
 from shardrl.trainer.rollouter import Rollouter
 
 IDLE_PHASES = ("wait_rollout", "pause_rollout")  # the trainer's phases that wait for the rollouter
@@ -34,23 +37,19 @@ IDLE_PHASES = ("wait_rollout", "pause_rollout")  # the trainer's phases that wai
 class FullyAsyncTrainer(PPOTrainer):
     rollouter: Rollouter | None = None
     in_order = False  # take groups first finished first (fully async) or whole batches in loader order
-    # The loader's state before each loader batch the rollouter may still need (by batch index), the index of the
-    # next batch to read, and after a resume the groups to generate again: {batch index: rows}.
-    batch_starts: dict[int, dict[str, int]]
-    next_batch: int | None = None
-    resumed_groups: dict[int, set[int]] | None = None
+    restored_loader: dict[str, Any] | None = None  # a checkpoint's loader state, for the feed the schedule builds
 
     def partial_rollout(self) -> bool:
         """Whether a sync pauses the requests in flight (continued under the new weights) instead of draining."""
-        return self.config.async_training.partial_rollout
+        return self.plan.async_training.partial_rollout
 
     def schedule(self) -> Iterator[dict[str, Any]]:
-        budget = staleness.budget(self.config)
-        self.batch_starts = {}
-        if self.next_batch is None:  # not resumed from an async checkpoint: batch k trains at step k
-            self.next_batch = self.global_step
-        self.rollouter = Rollouter(self.workers.rollout, self.workers.rollout.layout.dp, self._sample_batches(),
-                                   self.config.actor_rollout_ref.rollout.n, budget, self.timeline,
+        budget = staleness.budget(self.plan)
+        # Batch k trains at step k unless an async checkpoint says otherwise; the feed owns the loader from now on.
+        feed = PromptFeed(self.loader, self.sample_rows, self.loop.samples_per_prompt, self.global_step)
+        if self.restored_loader is not None:
+            feed.load_state_dict(self.restored_loader)
+        self.rollouter = Rollouter(self.workers.rollout, self.workers.rollout.layout.dp, feed, budget, self.timeline,
                                    lambda: self.global_step, self.in_order)
         self.rollouter.thread.start()
         try:
@@ -90,42 +89,17 @@ class FullyAsyncTrainer(PPOTrainer):
             self.rollouter.resume(new_window=False)
 
     def loader_state(self) -> dict[str, Any]:
-        """The start of the oldest loader batch with a group not yet trained, and the keys of all such groups (see
-        the module docstring); read under the rollouter's lock, so no batch is read meanwhile."""
+        """The feed's state (see prompt_feed.py): where a resumed run reads on, and the groups it generates again."""
         if self.rollouter is None:
             return super().loader_state()
-        with self.rollouter.cond:
-            pending = self.rollouter.pending_keys()
-            first = pending[0][0] if pending else self.next_batch
-            loader = self.batch_starts[first] if pending else self.loader.state_dict()
-            for k in [k for k in self.batch_starts if k < first]:  # no longer needed by any checkpoint; under the
-                del self.batch_starts[k]  # lock, as the rollouter's thread adds batches to it
-        return {"loader": loader, "first_batch": first, "pending": [list(key) for key in pending]}
+        return self.rollouter.feed.state_dict()
 
     def restore_loader(self, state: dict[str, Any]) -> None:
-        """A fully async checkpoint's state (a synchronous one's is the loader's own: nothing was in flight)."""
-        if "first_batch" not in state:
-            super().restore_loader(state)
-            return
-        self.loader.load_state_dict(state["loader"])
-        self.next_batch = state["first_batch"]
-        self.resumed_groups = {}
-        for k, row in state["pending"]:
-            self.resumed_groups.setdefault(k, set()).add(row)
+        """Kept for the feed, which loads it when the schedule starts (an async checkpoint's state or a synchronous
+        one's, the loader's own)."""
+        self.restored_loader = state
 
-    def _sample_batches(self) -> Iterator[tuple[int, Batch, list[int]]]:
-        """(k, the sample rows of the k-th loader batch seeded as the synchronous step k seeds its batch, the rows
-        of its groups to start). After a resume the batches up to the last one with a pending group yield only
-        those groups; the others all of theirs."""
-        k, resumed = self.next_batch, self.resumed_groups or {}
-        last_resumed = max(resumed, default=-1)
-        batches = self.prompt_batches()
-        while True:
-            self.batch_starts[k] = self.loader.state_dict()
-            samples = self.sample_rows(next(batches), k)
-            self.next_batch = k + 1
-            rows = sorted(resumed.get(k, ())) if k <= last_resumed else list(
-                range(len(samples) // self.config.actor_rollout_ref.rollout.n))
-            if rows:
-                yield k, samples, rows
-            k += 1
+    def epoch(self) -> int:
+        if self.rollouter is None:
+            return super().epoch()
+        return self.rollouter.feed.epoch()

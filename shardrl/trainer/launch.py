@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
+import torch
 from transformers import AutoTokenizer
 
 from shardrl.algos import make_kl_controller
@@ -12,16 +13,18 @@ from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
 from shardrl.data import builtin_task
 from shardrl.data.chat import pad_id
 from shardrl.data.rl_dataset import PromptLoader, RLDataset
+from shardrl.job.plan import JobPlan
 from shardrl.rewards.registry import default_compute_score, load_custom_reward
-from shardrl.trainer.config import PPOConfig
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
-from shardrl.trainer.plan import Plan
 from shardrl.trainer.plots import write_plots
 from shardrl.trainer.ppo import PPOTrainer, Workers
 from shardrl.trainer.tracking import Tracker
-from shardrl.workers.detached import DetachedActorWorker, RolloutWorker
-from shardrl.workers.hybrid import ActorRolloutRefWorker, CriticWorker
+from shardrl.workers.actor import ActorRefWorker
+from shardrl.workers.critic import CriticWorker
+from shardrl.workers.detached import DetachedActorWorker
+from shardrl.workers.hybrid import ActorRolloutRefWorker
+from shardrl.workers.rollout import RolloutWorker
 
 TRAINERS = {"sync": PPOTrainer, "one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}
 
@@ -30,61 +33,65 @@ TRAINERS = {"sync": PPOTrainer, "one_step_off": OneStepOffTrainer, "fully_async"
 class RunPaths:
     run_dir: Path
     model: str
+    critic_model: str
     tokenizer: str
     train_files: list[str]
     val_files: list[str] | None
 
 
-def resolve_paths(config: PPOConfig) -> RunPaths:
+def resolve_paths(plan: JobPlan) -> RunPaths:
     """The user's model and data, or (null paths) the built-in task made under the run directory."""
-    run_dir = Path(config.trainer.default_local_dir)
-    model, data = config.actor_rollout_ref.model, config.data
+    run_dir, data = Path(plan.loop.run_dir), plan.data
     builtin = None
-    if model.path is None or data.train_files is None:
-        builtin = builtin_task.prepare(run_dir / "builtin_task", seed=config.trainer.seed)
-    model_path = model.path or builtin["model"]
-    tokenizer = model.tokenizer or (data.tokenizer if data.tokenizer else model_path)
-    train = _as_list(data.train_files) if data.train_files is not None else [builtin["train_files"]]
+    if plan.model_path is None or data.train_files is None:
+        builtin = builtin_task.prepare(run_dir / "builtin_task", seed=plan.loop.seed)
+    model_path = plan.model_path or builtin["model"]
+    tokenizer = data.tokenizer or model_path
+    train = data.train_files if data.train_files is not None else [builtin["train_files"]]
     if data.val_files is not None:
-        val = _as_list(data.val_files)
+        val = data.val_files
     else:
         val = [builtin["val_files"]] if data.train_files is None else None
-    return RunPaths(run_dir, model_path, tokenizer, train, val)
+    return RunPaths(run_dir, model_path, plan.critic_model_path or model_path, tokenizer, train, val)
 
 
-def _as_list(files: str | list[str]) -> list[str]:
-    return [files] if isinstance(files, str) else list(files)
+def validation_prompts(dataset: RLDataset, batch_size: int | None, shuffle: bool, seed: int):
+    """The validation batch: the first `batch_size` prompts (all when null), in file order or (validation_shuffle)
+    in an order drawn from the data seed."""
+    rows = list(range(len(dataset)))
+    if shuffle:
+        rows = torch.randperm(len(dataset), generator=torch.Generator().manual_seed(seed)).tolist()
+    return dataset.collate(rows[:min(len(dataset), batch_size or len(dataset))])
 
 
-def train(config: PPOConfig, plan: Plan) -> None:
-    paths = resolve_paths(config)
-    data, trainer = config.data, config.trainer
-    tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer)
+def train(plan: JobPlan) -> None:
+    paths = resolve_paths(plan)
+    data = plan.data
+    tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer, trust_remote_code=data.trust_remote_code)
 
     def dataset(files: list[str], max_samples: int) -> RLDataset:
         return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
-                         data.prompt_key, max_samples)
+                         data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs)
 
     # A loader batch is a generation round: train_batch_size prompts, unless dynamic sampling asks for other rounds.
     loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.gen_batch_size, data.shuffle,
                           data.seed)
-    total_steps = training_steps(config, plan, loader)
+    plan = plan.with_total_steps(training_steps(plan, loader))
     val_prompts = None
     if paths.val_files:
-        val = dataset(paths.val_files, data.val_max_samples)
-        val_prompts = val.collate(list(range(min(len(val), data.val_batch_size or len(val)))))
-    custom = config.custom_reward_function
-    score_fn = load_custom_reward(custom.path, custom.name) if custom.path else default_compute_score
-    algo = config.algorithm
-    kl_ctrl = (make_kl_controller(algo.kl_ctrl.type, algo.kl_ctrl.kl_coef, algo.kl_ctrl.target_kl,
-                                  algo.kl_ctrl.horizon) if algo.use_kl_in_reward else None)
+        val_prompts = validation_prompts(dataset(paths.val_files, data.val_max_samples), data.val_batch_size,
+                                         data.validation_shuffle, data.seed)
+    reward = plan.reward
+    score_fn = load_custom_reward(reward.custom_path, reward.custom_name) if reward.custom_path else \
+        default_compute_score
+    kl = plan.algorithm.kl_in_reward
+    kl_ctrl = make_kl_controller(kl.controller, kl.coef, kl.target_kl, kl.horizon) if kl is not None else None
 
-    init_ray(**config.ray_kwargs.ray_init)
-    group, workers = start_workers(config, plan, paths.model, total_steps, pad_id(tokenizer))
-    tracker = Tracker(list(trainer.logger), paths.run_dir, trainer.project_name, trainer.experiment_name,
-                      dataclasses.asdict(config))
-    ppo = TRAINERS[config.mode](config, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl,
-                                total_steps)
+    init_ray(**plan.cluster.ray_init)
+    group, workers = start_workers(plan, paths, pad_id(tokenizer))
+    tracking = plan.tracking
+    tracker = Tracker(tracking.loggers, paths.run_dir, tracking.project, tracking.experiment, tracking.config)
+    ppo = TRAINERS[plan.mode](plan, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl)
     try:
         ppo.fit()
         workers.actor.save_hf(str(paths.run_dir / "hf_export"))
@@ -94,37 +101,43 @@ def train(config: PPOConfig, plan: Plan) -> None:
         group.shutdown()
 
 
-def training_steps(config: PPOConfig, plan: Plan, loader: PromptLoader) -> int:
+def training_steps(plan: JobPlan, loader: PromptLoader) -> int:
     """trainer.total_training_steps, else the data's prompts (total_epochs over the loader; fully async:
     rollout.total_rollout_steps samples when set) in steps of `plan.step_prompts` prompts."""
-    if config.trainer.total_training_steps:
-        return config.trainer.total_training_steps
-    prompts = len(loader) * loader.batch_size * config.trainer.total_epochs
-    if config.rollout is not None and config.rollout.total_rollout_steps:
-        prompts = config.rollout.total_rollout_steps // plan.samples_per_prompt
+    loop = plan.loop
+    if loop.total_training_steps:
+        return loop.total_training_steps
+    prompts = len(loader) * loader.batch_size * loop.total_epochs
+    if loop.total_rollout_steps:
+        prompts = loop.total_rollout_steps // plan.samples_per_prompt
     return max(1, prompts // plan.step_prompts)
 
 
-def start_workers(config: PPOConfig, plan: Plan, model_path: str, total_steps: int,
-                  pad_token_id: int) -> tuple[WorkerGroup, Workers]:
+def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[WorkerGroup, Workers]:
     """One worker group, one torch.distributed world: the trainer pool's ranks, then (detached placement) the
     rollout pool's. Colocated, the actor's ranks also host the rollout engine (hybrid engine)."""
-    trainer = config.trainer
-    pools = [ResourcePool("trainer", trainer.nnodes, trainer.n_gpus_per_node, plan.device)]
-    worker_args = dict(config=config, plan=plan, model_path=model_path, total_steps=total_steps)
-    actor_args = {**worker_args, "pad_token_id": pad_token_id}
+    cluster = plan.cluster
+    pools = [ResourcePool("trainer", cluster.trainer_nodes, cluster.trainer_gpus_per_node, plan.device)]
     on_trainer = dict(ranks=plan.trainer_ranks)
+    actor_spec = plan.roles["actor"].spec
     if plan.placement == "colocated":
-        roles = [Role("actor", ActorRolloutRefWorker, actor_args, plan.roles["actor"].spec,
-                      {"rollout": plan.roles["rollout"].spec}, **on_trainer)]
+        actor = Role("actor", ActorRolloutRefWorker,
+                     dict(actor=plan.actor, ref=plan.ref, rollout=plan.rollout, model_path=paths.model,
+                          pad_token_id=pad_token_id), actor_spec, {"rollout": plan.rollout.spec}, **on_trainer)
+        roles = [actor]
     else:
-        pools.append(ResourcePool("rollout", config.rollout.nnodes, config.rollout.n_gpus_per_node, plan.device))
-        rollout_args = dict(config=config, plan=plan, model_path=model_path, pad_token_id=pad_token_id)
-        roles = [Role("actor", DetachedActorWorker, actor_args, plan.roles["actor"].spec, **on_trainer),
-                 Role("rollout", RolloutWorker, rollout_args, plan.roles["rollout"].spec, ranks=plan.rollout_ranks)]
-    if config.use_critic:
-        roles.append(Role("critic", CriticWorker, worker_args, plan.roles["critic"].spec, **on_trainer))
-    group = WorkerGroup(pools, roles)
-    workers = Workers(group.role("actor"), group.role("critic") if config.use_critic else None,
+        pools.append(ResourcePool("rollout", cluster.rollout_nodes, cluster.rollout_gpus_per_node, plan.device))
+        actor = Role("actor", DetachedActorWorker,
+                     dict(actor=plan.actor, ref=plan.ref, weight_sync=plan.rollout.weight_sync,
+                          model_path=paths.model), actor_spec, **on_trainer)
+        rollout = Role("rollout", RolloutWorker, dict(options=plan.rollout, model_path=paths.model,
+                                                      pad_token_id=pad_token_id), plan.rollout.spec,
+                       ranks=plan.rollout_ranks)
+        roles = [actor, rollout]
+    if plan.critic is not None:
+        roles.append(Role("critic", CriticWorker, dict(options=plan.critic, model_path=paths.critic_model),
+                          plan.critic.model.spec, **on_trainer))
+    group = WorkerGroup(pools, roles, collective_timeout=cluster.collective_timeout)
+    workers = Workers(group.role("actor"), group.role("critic") if plan.critic is not None else None,
                       group.role("rollout") if plan.placement == "detached" else None)
     return group, workers

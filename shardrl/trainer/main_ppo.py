@@ -1,6 +1,6 @@
 """Entry point: ``python -m shardrl.trainer.main_ppo [--config-name=NAME] [key=value ...]`` (verl's command line).
 
-Configs live in `shardrl/trainer/config/`. A relative ``--config-path`` (verl users pass ``--config-path=./config``)
+Configs live in `shardrl/job/config/`. A relative ``--config-path`` (verl users pass ``--config-path=./config``)
 is looked up in this package first and then in the current directory, whatever the cwd is. With
 ``trainer.dry_run=true`` the config is validated and the plan printed; invalid input prints one line
 ``error: <dotted.key>: <reason>`` on stderr and exits 2.
@@ -14,12 +14,12 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from shardrl.trainer.config import load_config
-from shardrl.trainer.plan import build_plan, format_plan
-from shardrl.trainer.preflight import check_launch
-from shardrl.trainer.schema import ConfigError
+from shardrl.job.errors import ConfigError
+from shardrl.job.load import CONFIG_DIR, load_config
+from shardrl.job.plan import format_plan, plan_job
+from shardrl.job.preflight import check_launch
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = CONFIG_DIR.parent  # a relative --config-path is looked up here first (`./config`: the packaged ones)
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
 
 
@@ -27,17 +27,17 @@ def run(cfg: DictConfig) -> int:
     """Validate, plan, and (dry run) print the plan; returns the exit status."""
     try:
         config = load_config(cfg)
-        plan = build_plan(config)
-        if config.trainer.dry_run:
+        plan = plan_job(config)
+        if plan.dry_run:
             print(format_plan(plan, config))
             return 0
-        check_launch(config)
+        check_launch(plan)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     from shardrl.trainer.launch import train  # heavy imports (Ray, models) only when training starts
 
-    train(config, plan)
+    train(plan)
     return 0
 
 
@@ -63,7 +63,7 @@ def absolute_config_args(argv: list[str], cwd: Path) -> list[str]:
     return out
 
 
-@hydra.main(config_path="config", config_name="ppo_trainer", version_base=None)
+@hydra.main(config_path=str(CONFIG_DIR), config_name="ppo_trainer", version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     sys.exit(run(cfg))
 

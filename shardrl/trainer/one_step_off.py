@@ -20,4 +20,4 @@ class OneStepOffTrainer(FullyAsyncTrainer):
     in_order = True
 
     def partial_rollout(self) -> bool:
-        return bool(self.config.async_training.partial_rollout)
+        return bool(self.plan.async_training.partial_rollout)

@@ -22,7 +22,7 @@ from shardrl.data.rl_dataset import PromptLoader
 from shardrl.models.checkpoint import checkpoint_dir, find_latest, mark_latest
 from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
-from shardrl.trainer.config import PPOConfig
+from shardrl.job.plan import JobPlan
 from shardrl.trainer.tracking import Timeline, Tracker
 
 
@@ -38,17 +38,19 @@ class Workers:
 
 
 class PPOTrainer:
-    def __init__(self, config: PPOConfig, workers: Workers, loader: PromptLoader, val_prompts: Batch | None,
-                 tokenizer, score_fn, tracker: Tracker, kl_ctrl: KLController | None, total_steps: int) -> None:
-        self.config, self.workers, self.loader, self.val_prompts = config, workers, loader, val_prompts
+    def __init__(self, plan: JobPlan, workers: Workers, loader: PromptLoader, val_prompts: Batch | None,
+                 tokenizer, score_fn, tracker: Tracker, kl_ctrl: KLController | None) -> None:
+        """`plan`: the compiled job, its total steps bound (`JobPlan.with_total_steps`)."""
+        self.plan, self.workers, self.loader, self.val_prompts = plan, workers, loader, val_prompts
         self.tokenizer, self.score_fn, self.tracker, self.kl_ctrl = tokenizer, score_fn, tracker, kl_ctrl
-        self.total_steps = total_steps
+        self.loop, self.algorithm = plan.loop, plan.algorithm
+        self.total_steps = plan.loop.total_steps
         self.timeline = Timeline()
         self.global_step = 0
         self.policy_version = 0  # of the actor's weights (see staleness.py)
         # The colocated worker syncs its rollout when it is built; a detached pool gets its weights in fit().
         self.rollout_version: int | None = 0 if workers.rollout is None else None
-        self.max_staleness = staleness.max_staleness(config)
+        self.max_staleness = staleness.max_staleness(plan)
 
     def step(self, prompts: Batch, more_prompts: Iterable[Batch] = ()) -> dict[str, Any]:
         """generate -> score -> train (log-probs, values, advantages, updates) -> sync: the synchronous schedule.
@@ -65,11 +67,11 @@ class PPOTrainer:
         `data.train_batch_size` groups with a spread from as many rounds as that takes (dynamic_sampling.py)."""
         batches = itertools.chain([prompts], more_prompts)
         rounds = (self.score(self.generate(p, step, gen_round), step) for gen_round, p in enumerate(batches))
-        groups = self.config.algorithm.filter_groups
-        if not groups.enable:
+        groups = self.algorithm.filter_groups
+        if groups is None:
             batch, scores = next(rounds)
             return batch, batch_ops.reward_metrics(scores.extras)
-        return dynamic_sampling.collect(rounds, groups.metric, self.config.data.train_batch_size,
+        return dynamic_sampling.collect(rounds, groups.metric, self.loop.train_batch_size,
                                         groups.max_num_gen_batches)
 
     def generate(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
@@ -79,39 +81,39 @@ class PPOTrainer:
     def sample_rows(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
         """`rollout.n` rows per prompt (one per sample, grouped by uid), seeded by (seed, step, round, row): what
         they generate depends only on the weights and the data."""
-        samples = batch_ops.assign_uids(prompts).repeat(self.config.actor_rollout_ref.rollout.n)
-        return batch_ops.with_sample_seeds(samples, self.config, step, gen_round)
+        samples = batch_ops.assign_uids(prompts).repeat(self.loop.samples_per_prompt)
+        return batch_ops.with_sample_seeds(samples, self.loop.seed, step, gen_round)
 
     def score(self, batch: Batch, step: int) -> tuple[Batch, SampleScores]:
         with self.timeline.phase(step, "reward"):
-            return batch_ops.score(batch, self.tokenizer, self.score_fn, self.config)
+            return batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
         """On a scored batch: balance -> log-probs (old, ref) -> values -> advantages -> update critic, actor."""
         w, t = self.workers, self.timeline
         metrics: dict[str, Any] = {}
-        if self.config.trainer.balance_batch:
+        if self.loop.balance_batch:
             with t.phase(step, "balance"):
-                batch, metrics = batch_ops.balance_over_dp(batch, self.config, w.actor.layout.dp,
+                batch, metrics = batch_ops.balance_over_dp(batch, self.loop, w.actor.layout.dp,
                                                            w.critic.layout.dp if w.critic is not None else None)
         metrics |= staleness.lag_metrics(batch.tensors["policy_versions"], batch.tensors["response_mask"],
                                          self.policy_version, self.max_staleness)
-        if self.config.recompute_old_log_probs:
+        if self.plan.actor.log_prob is not None:  # recompute the old logprobs (else PPO anchors on behaviour's)
             with t.phase(step, "old_log_prob"):
                 batch = batch.union(w.actor.compute_log_prob(batch))
-        if self.config.use_reference_policy:
+        if self.plan.ref is not None:
             with t.phase(step, "ref"):
                 batch = batch.union(w.actor.compute_ref_log_prob(batch))
         if w.critic is not None:
             with t.phase(step, "values"):
                 batch = batch.union(w.critic.compute_values(batch))
         with t.phase(step, "adv"):
-            metrics |= batch_ops.apply_rewards_and_correction(batch, self.config, self.kl_ctrl)
-            batch_ops.advantages(batch, self.config)
+            metrics |= batch_ops.apply_rewards_and_correction(batch, self.algorithm, self.kl_ctrl)
+            batch_ops.advantages(batch, self.algorithm)
         if w.critic is not None:
             with t.phase(step, "update_critic"):
                 metrics |= _prefixed("critic", w.critic.update_critic(batch, step))
-        if step >= self.config.trainer.critic_warmup:
+        if step >= self.loop.critic_warmup:
             with t.phase(step, "update_actor"):
                 metrics |= _prefixed("actor", w.actor.update_actor(batch, step))
             self.policy_version = step + 1
@@ -151,15 +153,15 @@ class PPOTrainer:
             yield from self.loader
 
     def validate(self) -> dict[str, float]:
-        n = self.config.actor_rollout_ref.rollout.val_kwargs.n
-        samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.config, -1)
+        n = self.loop.val_samples_per_prompt
+        samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.loop.seed, -1)
         batch = self.workers.generator.generate_sequences(samples, validate=True)
-        batch, sample_scores = batch_ops.score(batch, self.tokenizer, self.score_fn, self.config)
+        batch, sample_scores = batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
-        if self.config.trainer.log_val_generations:
+        if self.loop.log_val_generations:
             self.tracker.log_generations(self.global_step, batch_ops.val_generations(
-                batch, self.tokenizer, scores, self.config.trainer.log_val_generations))
-        sources = batch.non_tensors["data_source"]
+                batch, self.tokenizer, scores, self.loop.log_val_generations))
+        sources = batch.non_tensors[self.plan.reward.data_source_key]
         metrics = {f"val-core/{s}/reward/mean@1": float(scores[sources == s].mean()) for s in set(sources)}
         metrics["val-core/reward/mean"] = float(np.mean(scores))
         # A reward function's extras (e.g. `acc` beside a shaped score) as verl's val-aux metrics.
@@ -174,11 +176,11 @@ class PPOTrainer:
                  "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
         root = self.tracker.run_dir
         self.workers.actor.save_checkpoint(str(root), self.global_step, state)
-        if "hf_model" in self.config.actor_rollout_ref.actor.checkpoint.save_contents:  # verl's key for it
+        if self.loop.save_hf:  # "hf_model" in actor.checkpoint.save_contents, verl's key for it
             self.workers.actor.save_hf(str(checkpoint_dir(root, self.global_step) / "actor_hf"))
         if self.workers.critic is not None:
             self.workers.critic.save_checkpoint(str(root), self.global_step, state)
-        mark_latest(root, self.global_step, self.config.trainer.max_actor_ckpt_to_keep)
+        mark_latest(root, self.global_step, self.loop.max_ckpt_to_keep["actor"])
 
     def loader_state(self) -> dict[str, Any]:
         """Where a resumed run continues reading prompts (synchronous: the loader's position after this step)."""
@@ -187,11 +189,15 @@ class PPOTrainer:
     def restore_loader(self, state: dict[str, Any]) -> None:
         self.loader.load_state_dict(state)
 
+    def epoch(self) -> int:
+        """The loader's epoch (the async modes ask their prompt feed: its thread reads the loader)."""
+        return self.loader.state_dict()["epoch"]
+
     def resume(self) -> None:
-        trainer = self.config.trainer
-        if trainer.resume_mode == "disable":
+        loop = self.loop
+        if loop.resume_mode == "disable":
             return
-        step_dir = find_latest(self.tracker.run_dir) if trainer.resume_mode == "auto" else trainer.resume_from_path
+        step_dir = find_latest(self.tracker.run_dir) if loop.resume_mode == "auto" else loop.resume_from_path
         if step_dir is None:
             return
         state = self.workers.actor.load_checkpoint(str(step_dir))[0]
@@ -205,11 +211,11 @@ class PPOTrainer:
         print(f"resumed from {step_dir} at step {self.global_step}")
 
     def fit(self) -> None:
-        trainer = self.config.trainer
+        loop = self.loop
         self.resume()
-        print(staleness.describe(self.config))
+        print(staleness.describe(self.plan))
         self.sync_weights(-1)
-        if self.val_prompts is not None and trainer.val_before_train:
+        if self.val_prompts is not None and loop.val_before_train:
             self.tracker.log(self.global_step, self.validate())
         start = time.perf_counter()
         progress = self.tracker.progress(self.total_steps, self.global_step, self.timeline)
@@ -219,14 +225,14 @@ class PPOTrainer:
                 step_done()
                 self.global_step += 1
                 last = self.global_step >= self.total_steps
-                if self.val_prompts is not None and trainer.test_freq > 0 and (
-                        last or self.global_step % trainer.test_freq == 0):
+                if self.val_prompts is not None and loop.test_freq > 0 and (
+                        last or self.global_step % loop.test_freq == 0):
                     metrics |= self.validate()
                 metrics["timing_s/step_total"] = time.perf_counter() - start
                 metrics["training/global_step"] = self.global_step
-                metrics["training/epoch"] = self.loader.state_dict()["epoch"]
+                metrics["training/epoch"] = self.epoch()
                 self.tracker.log(self.global_step, metrics)
-                if trainer.save_freq > 0 and (last or self.global_step % trainer.save_freq == 0):
+                if loop.save_freq > 0 and (last or self.global_step % loop.save_freq == 0):
                     self.save()
                 if last:
                     return

@@ -7,6 +7,13 @@ allows (staleness.Budget: `window + extra` outstanding after each sync), hands f
 pauses it for a weight sync. Each replica's engine is kept saturated by RolloutWorker.stream, which refills freed
 slots from its own backlog; the rollouter only has to keep enough requests outstanding.
 
+Threads and locks: the trainer's thread calls the methods of the first section below, the rollouter's thread runs
+the second. What both touch (the groups, the budget, the pause handshake, the stats) is guarded by `cond`;
+`replica_load` is the rollouter's thread's alone. The rollouter owns the prompt feed (prompt_feed.py) it starts groups
+from: its thread reads groups from it, `take` retires those the trainer took or dropped, and the trainer reads the
+feed's checkpoint state and epoch through the feed's methods (`feed.state_dict()`, `feed.epoch()`), never the loader.
+The feed has its own lock, taken after `cond` where both are held.
+
 It also accounts where the rollout pool's time goes (`take_stats`): engine steps (prefill, decode, the decode batch
 size), the call overhead around them (Ray, packing samples) and the time it stood idle between calls (budget spent,
 paused for a sync).
@@ -17,7 +24,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -25,6 +32,7 @@ import torch
 
 from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
+from shardrl.trainer.prompt_feed import PromptFeed
 from shardrl.trainer.staleness import Budget
 from shardrl.trainer.tracking import Timeline
 
@@ -58,15 +66,13 @@ class Group:
 class Rollouter:
     """Keeps the rollout pool busy within the staleness budget; thread-safe towards the trainer's calls."""
 
-    def __init__(self, rollout: RoleHandle, num_replicas: int,
-                 sample_batches: Iterator[tuple[int, Batch, Sequence[int]]],
-                 group_size: int, budget: Budget, timeline: Timeline, trainer_step: Callable[[], int],
-                 in_order: bool = False) -> None:
-        self.rollout, self.num_replicas, self.sample_batches = rollout, num_replicas, sample_batches
-        self.group_size, self.window, self.extra, self.in_order = group_size, budget.window, budget.extra, in_order
+    def __init__(self, rollout: RoleHandle, num_replicas: int, feed: PromptFeed, budget: Budget, timeline: Timeline,
+                 trainer_step: Callable[[], int], in_order: bool = False) -> None:
+        self.rollout, self.num_replicas, self.feed = rollout, num_replicas, feed
+        self.group_size, self.window, self.extra, self.in_order = feed.group_size, budget.window, budget.extra, in_order
         self.timeline, self.trainer_step = timeline, trainer_step
         self.cond = threading.Condition()
-        self.upcoming: deque[Group] = deque()  # taken from the loader, not started
+        self.upcoming: deque[Group] = deque()  # read from the feed, not started
         self.outstanding: deque[Group] = deque()  # started, not taken by the trainer, in start order
         self.running: dict[str, Group] = {}  # by uid
         self.queue: deque[Group] = deque()  # finished, first finished first
@@ -104,12 +110,6 @@ class Rollouter:
             metrics = {"async/queue_groups": float(len(self.queue)), "async/running_groups": float(len(self.running)),
                        "async/dropped_samples": float(self.dropped)}
         return sorted(groups, key=lambda g: g.key), metrics
-
-    def pending_keys(self) -> list[tuple[int, int]]:
-        """Keys of the groups read from the loader and not yet taken by the trainer (not started, running or
-        finished), in key order: what a checkpoint saved now must generate again after a resume."""
-        with self.cond:
-            return sorted(g.key for g in [*self.upcoming, *self.outstanding])
 
     def take_stats(self) -> dict[str, float]:
         """Where the rollout pool's time went since the last call (seconds, per replica): `rollout/engine_s` in
@@ -162,6 +162,7 @@ class Rollouter:
     def _remove(self, group: Group) -> None:
         self.outstanding.remove(group)
         self.queue.remove(group)
+        self.feed.retire([group.key])
 
     def _raise_error(self) -> None:
         if self.error is not None:
@@ -210,9 +211,7 @@ class Rollouter:
         new = []
         while len(new) < count:
             if not self.upcoming:
-                k, samples, rows = next(self.sample_batches)
-                n = self.group_size
-                self.upcoming.extend(Group((k, row), samples.take(range(row * n, (row + 1) * n))) for row in rows)
+                self.upcoming.extend(Group(key, rows) for key, rows in self.feed.read())
             new.append(self.upcoming.popleft())
         self.budget -= len(new)
         self.running.update((g.rows.non_tensors["uid"][0], g) for g in new)

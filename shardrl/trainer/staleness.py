@@ -32,7 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shardrl.trainer.config import PPOConfig
+from shardrl.job.plan import JobPlan
 
 
 @dataclass(frozen=True)
@@ -46,30 +46,30 @@ class Budget:
     extra: int  # how many it may start beyond them
 
 
-def budget(config: PPOConfig) -> Budget:
+def budget(plan: JobPlan) -> Budget:
     """fully_async: the flags above. one_step_off: a batch per step, a sync every step and one batch of run-ahead
     (the next batch generates while the current one trains), which is a bound of 1."""
-    a = config.async_training
-    if a.mode == "one_step_off":
-        per_step = config.data.train_batch_size
+    a = plan.async_training
+    if plan.mode == "one_step_off":
+        per_step = plan.loop.train_batch_size
         return Budget(per_step, 1, per_step, per_step)
-    per_step = a.require_batches * config.actor_rollout_ref.actor.ppo_mini_batch_size
+    per_step = a.require_batches * plan.loop.actor_mini_batch_size
     window = a.trigger_parameter_sync_step * per_step
     return Budget(per_step, a.trigger_parameter_sync_step, window, math.floor(a.staleness_threshold * window))
 
 
-def max_staleness(config: PPOConfig) -> int:
-    """The largest lag (versions) a trained token can have under the config's schedule; see the module docstring."""
-    if config.mode == "sync":
+def max_staleness(plan: JobPlan) -> int:
+    """The largest lag (versions) a trained token can have under the plan's schedule; see the module docstring."""
+    if plan.mode == "sync":
         return 0
-    b = budget(config)
+    b = budget(plan)
     return b.trigger - 1 + math.ceil(b.extra / b.per_step)
 
 
-def describe(config: PPOConfig) -> str:
+def describe(plan: JobPlan) -> str:
     """The line the trainer prints at start."""
-    bound = max_staleness(config)
-    return (f"{config.mode} mode: samples may be up to {bound} version{'s' if bound != 1 else ''} old "
+    bound = max_staleness(plan)
+    return (f"{plan.mode} mode: samples may be up to {bound} version{'s' if bound != 1 else ''} old "
             f"(a token's lag = trainer version - the version that sampled it)")
 
 

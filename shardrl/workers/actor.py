@@ -1,41 +1,34 @@
 """Actor and reference-policy work on one rank: log-probabilities and PPO updates over a `ModelEngine`.
 
 Plain functions over an engine and a `Batch` (this rank's data-parallel share, identical on its TP/PP ranks), so
-they are unit-testable without Ray; the worker classes only hold the engine and call these.
+they are unit-testable without Ray, and `ActorRefWorker`, which holds the engines and calls them: the policy being
+trained plus the optional reference policy, with their checkpoints. Every placement builds on it (the hybrid engine
+in hybrid.py, the detached trainer pool in detached.py), so both take the same `ActorOptions` / `RefOptions` from
+the plan. Parts the options offload stay in host memory between calls; weight sync reads offloaded params there.
+
+Every worker takes the process's `GroupRegistry` (`registry`; the Ray rank host passes the one all roles of its
+process share) and builds all its layouts from it; without one it makes its own, for a process hosting only it.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from shardrl.algos import ClipRange, LossScale, actor_loss
+from shardrl.algos import LossScale, actor_loss
+from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.data.batch import Batch
+from shardrl.job.options import ActorOptions, ForwardBatching, PolicyLossOptions, RefOptions, UpdateOptions
+from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
+from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.models.transformer import Transformer
-from shardrl.workers.engine import (
-    MicroBatch,
-    ModelEngine,
-    UpdateOptions,
-    make_micro_batches,
-    stack_outputs,
-    train_epochs,
-)
+from shardrl.parallel.layout import GroupRegistry
+from shardrl.workers.engine import MicroBatch, ModelEngine, make_micro_batches, stack_outputs, train_epochs
 from shardrl.workers.packing import unpack_responses
-
-
-@dataclass
-class PolicyLossOptions:
-    loss_agg_mode: str = "token-mean"
-    loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode, or reinforce (bypass loss_type): algos.actor_loss
-    bypass_is: tuple[str, float] | None = None  # reinforce's (rollout_is, threshold) vs the current policy
-    clip: ClipRange = ClipRange()
-    entropy_coeff: float = 0.0
-    use_kl_loss: bool = False
-    kl_loss_coef: float = 0.0
-    kl_loss_type: str = "low_var_kl"
-    max_response_length: int = 1
+from shardrl.workers.role_model import build_engine, resident, unpadded_rows
 
 
 def _logprobs(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: float) -> tuple[Tensor, Tensor]:
@@ -44,7 +37,7 @@ def _logprobs(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: f
 
 
 @torch.no_grad()
-def compute_log_prob(engine: ModelEngine, batch: Batch, micro_batch_size: int | None, max_token_len: int | None,
+def compute_log_prob(engine: ModelEngine, batch: Batch, batching: ForwardBatching,
                      temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Log-probabilities and entropies `[B, R]` of `batch["responses"]` under the engine's current weights."""
 
@@ -52,7 +45,8 @@ def compute_log_prob(engine: ModelEngine, batch: Batch, micro_batch_size: int | 
         log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
         return hidden.new_zeros(()), {"log_probs": log_prob, "entropy": entropy}
 
-    micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, micro_batch_size, max_token_len)
+    micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
+                                                batching.max_token_len)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
     return stack_outputs(outputs, "log_probs", restore).cpu(), stack_outputs(outputs, "entropy", restore).cpu()
 
@@ -66,7 +60,7 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
         loss, metrics = actor_loss(
             log_prob, d["old_log_probs"], d["advantages"], d["response_mask"], scale, options.loss_agg_mode,
             options.clip, is_weights=d.get("is_weights"), bypass_is=options.bypass_is, entropy=entropy,
-            entropy_coeff=options.entropy_coeff, ref_log_prob=d["ref_log_prob"] if options.use_kl_loss else None,
+            entropy_coeff=options.entropy_coeff, ref_log_prob=d["ref_log_probs"] if options.use_kl_loss else None,
             kl_loss_coef=options.kl_loss_coef, kl_loss_type=options.kl_loss_type, loss_mode=options.loss_mode)
         return loss, {**metrics, "log_probs": log_prob}
 
@@ -78,6 +72,58 @@ def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, up
     """PPO epochs over mini batches of `batch`; one optimizer step per mini batch; metrics per step."""
     keys = ["old_log_probs", "advantages", "response_mask"]
     keys += [k for k in ("is_weights",) if k in batch.tensors.keys()]
-    keys += ["ref_log_prob"] if loss.use_kl_loss else []
+    keys += ["ref_log_probs"] if loss.use_kl_loss else []
     return train_epochs(engine, batch, update, keys, lambda scale: policy_loss_fn(loss, scale, temperature),
                         loss.max_response_length)
+
+
+class ActorRefWorker:
+    def __init__(self, actor: ActorOptions, ref: RefOptions | None, model_path: str,
+                 registry: GroupRegistry | None = None) -> None:
+        torch.manual_seed(actor.seed)
+        self.options, self.ref_options, self.model_path = actor, ref, model_path
+        self.registry = GroupRegistry() if registry is None else registry  # actor, ref and rollout layouts share it
+        self.actor = build_engine(actor.model, model_path, self.registry)
+        self.ref = build_engine(ref.model, model_path, self.registry) if ref is not None else None
+
+    def _actor_resident(self):
+        return resident(self.actor, self.options.model)
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        with self._actor_resident():
+            log_probs, entropy = compute_log_prob(self.actor, batch, self.options.log_prob, self.options.temperature)
+        return Batch({"old_log_probs": log_probs, "entropy": entropy})
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        with resident(self.ref, self.ref_options.model):
+            log_probs, _ = compute_log_prob(self.ref, batch, self.ref_options.log_prob, self.options.temperature)
+        return Batch({"ref_log_probs": log_probs})
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def update_actor(self, batch: Batch, step: int) -> dict[str, list[float]]:
+        update = dataclasses.replace(self.options.update, seed=self.options.update.seed + step)
+        with self._actor_resident():
+            return update_policy(self.actor, unpadded_rows(batch), self.options.loss, update,
+                                 self.options.temperature)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:
+        with self._actor_resident():
+            save_checkpoint(checkpoint_dir(root, step) / "actor", self.actor.chunks, self.actor.layout,
+                            optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
+                            trainer_state=trainer_state, hf_dir=self.model_path)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, step_dir: str) -> dict:
+        """Restore the actor (weights, optimizer, schedule, RNG); the controller syncs the rollout after it."""
+        with self._actor_resident():
+            return load_checkpoint(Path(step_dir) / "actor", self.actor.chunks, self.actor.layout,
+                                   optimizer=self.actor.optimizer, scheduler=self.actor.scheduler)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def save_hf(self, out_dir: str) -> None:
+        """The actor as an HF checkpoint transformers loads (collective; the layout's first rank writes)."""
+        with self._actor_resident():
+            save_hf_checkpoint(self.actor.chunks, self.actor.layout, out_dir)

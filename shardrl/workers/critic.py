@@ -1,22 +1,24 @@
-"""Critic work on one rank: values and value-loss updates over a value-head `ModelEngine` (see actor.py)."""
+"""Critic work on one rank: values and value-loss updates over a value-head `ModelEngine` (plain functions, see
+actor.py), and `CriticWorker`, which holds the engine and calls them with its `CriticOptions`."""
 
 from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
 
 import torch
 from torch import Tensor
 
 from shardrl.algos import LossScale, value_loss
+from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.data.batch import Batch
+from shardrl.job.options import CriticOptions, ForwardBatching, UpdateOptions
+from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from shardrl.models.transformer import Transformer
-from shardrl.workers.engine import (
-    MicroBatch,
-    ModelEngine,
-    UpdateOptions,
-    make_micro_batches,
-    stack_outputs,
-    train_epochs,
-)
+from shardrl.parallel.layout import GroupRegistry
+from shardrl.workers.engine import MicroBatch, ModelEngine, make_micro_batches, stack_outputs, train_epochs
 from shardrl.workers.packing import unpack_responses
+from shardrl.workers.role_model import build_engine, resident, unpadded_rows
 
 
 def _values(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> Tensor:
@@ -25,12 +27,12 @@ def _values(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> Tensor:
 
 
 @torch.no_grad()
-def compute_values(engine: ModelEngine, batch: Batch, micro_batch_size: int | None,
-                   max_token_len: int | None) -> Tensor:
+def compute_values(engine: ModelEngine, batch: Batch, batching: ForwardBatching) -> Tensor:
     def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         return hidden.new_zeros(()), {"values": _values(chunk, hidden, mb)}
 
-    micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, micro_batch_size, max_token_len)
+    micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
+                                                batching.max_token_len)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
     return stack_outputs(outputs, "values", restore).cpu()
 
@@ -46,3 +48,39 @@ def update_critic(engine: ModelEngine, batch: Batch, update: UpdateOptions, loss
 
     return train_epochs(engine, batch, update, ["values", "returns", "response_mask"], make_loss_fn,
                         max_response_length)
+
+
+class CriticWorker:
+    def __init__(self, options: CriticOptions, model_path: str, registry: GroupRegistry | None = None) -> None:
+        torch.manual_seed(options.seed)
+        self.options = options
+        self.critic = build_engine(options.model, model_path, registry, optional_weights=("score.weight",))
+
+    def _resident(self):
+        return resident(self.critic, self.options.model)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:
+        with self._resident():
+            save_checkpoint(checkpoint_dir(root, step) / "critic", self.critic.chunks, self.critic.layout,
+                            optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, rng=False)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def load_checkpoint(self, step_dir: str) -> None:
+        with self._resident():
+            load_checkpoint(Path(step_dir) / "critic", self.critic.chunks, self.critic.layout,
+                            optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, restore_rng=False)
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def compute_values(self, batch: Batch) -> Batch:
+        with self._resident():
+            values = compute_values(self.critic, batch, self.options.values)
+        return Batch({"values": values})
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def update_critic(self, batch: Batch, step: int) -> dict[str, list[float]]:
+        o = self.options
+        update = dataclasses.replace(o.update, seed=o.update.seed + step)
+        with self._resident():
+            return update_critic(self.critic, unpadded_rows(batch), update, o.loss_agg_mode, o.cliprange_value,
+                                 o.max_response_length)

@@ -1,142 +1,32 @@
-"""Workers of the detached placement (the async modes): the trainer pool's actor and the rollout pool's engine, in
-one torch.distributed world, trainer ranks first (`Plan.trainer_ranks`, then `Plan.rollout_ranks`).
-
-`DetachedActorWorker` is the colocated `ActorRefWorker` (the same batch normalisation from `plan.roles["actor"]`, the
-same log-prob and update code, the same offload handling) plus the sending end of `DetachedSync`.
-
-`RolloutWorker` builds only its own layout and the weight-sync group, nothing of the trainer's TP x PP x EP, so a
-rollout pool need not fit the trainer's layout. Its engine serves in two ways: `generate_sequences` (a whole batch,
-as the colocated worker) and `stream` (requests added and finished samples returned over many short calls: the
-async modes' rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
-replica stay in lockstep without coordinating among themselves.
+"""The trainer pool's actor in the detached placement (the async modes): `ActorRefWorker` (the same options, the
+same log-prob and update code, the same offload handling) plus the sending end of `DetachedSync`. Its rollout pool
+counterpart is `workers.rollout.RolloutWorker`; both are in one torch.distributed world, trainer ranks first.
 
 Both workers make the sync group from the registry their layouts use (one group per rank set in a process; see
-`parallel.layout.GroupRegistry`).
+`parallel.layout.GroupRegistry`), before their layouts, in the same order on every rank.
 """
 
 from __future__ import annotations
 
-from collections import deque
-
-import torch
-
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
-from shardrl.data.batch import Batch
-from shardrl.models.config import ModelConfig
-from shardrl.parallel.layout import GroupRegistry, Layout
-from shardrl.rollout.engine import Engine, EngineStats
-from shardrl.rollout.request import SamplingParams
+from shardrl.job.options import ActorOptions, RefOptions, WeightSyncOptions
+from shardrl.parallel.layout import GroupRegistry
 from shardrl.sync.detached import DetachedSync
-from shardrl.trainer.config import PPOConfig
-from shardrl.trainer.plan import Plan
-from shardrl.workers import roles
-from shardrl.workers.hybrid import ActorRefWorker
-from shardrl.workers.rollout import generate, prompt_ids_of, samples_batch
-
-
-REFILL_CHUNK = 8  # stream() admits new requests once 1/8 of the engine's slots are free
-Backlog = deque[tuple[list[int], SamplingParams, Batch]]  # (prompt ids, sampling params, prompt row) per request
-
-
-def _sync_group(plan: Plan, registry: GroupRegistry):
-    return registry.sync_group(plan.trainer_ranks + plan.rollout_ranks, collective_timeout())
+from shardrl.workers.actor import ActorRefWorker
 
 
 class DetachedActorWorker(ActorRefWorker):
-    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, total_steps: int, pad_token_id: int,
+    def __init__(self, actor: ActorOptions, ref: RefOptions | None, weight_sync: WeightSyncOptions, model_path: str,
                  registry: GroupRegistry | None = None) -> None:
         registry = GroupRegistry() if registry is None else registry
-        group = _sync_group(plan, registry)
-        super().__init__(config, plan, model_path, total_steps, pad_token_id, registry)
-        sync = config.actor_rollout_ref.rollout.weight_sync
-        self.weight_sync = DetachedSync.sender(self.actor, group, sync.bucket_size_mb << 20, sync.verify)
+        group = registry.sync_group(weight_sync.ranks, collective_timeout())
+        super().__init__(actor, ref, model_path, registry)
+        self.weight_sync = DetachedSync.sender(self.actor.chunks, self.actor.layout, self.actor.host_buffers, group,
+                                               weight_sync.bucket_bytes, weight_sync.verify)
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int) -> dict[str, float]:
         """Send the actor's weights to the rollout pool (with `RolloutWorker.sync_weights` at the same time);
         offloaded params are read from host memory and stay there."""
         return self.weight_sync.sync(version)
-
-
-class RolloutWorker:
-    def __init__(self, config: PPOConfig, plan: Plan, model_path: str, pad_token_id: int,
-                 registry: GroupRegistry | None = None) -> None:
-        torch.manual_seed(config.trainer.seed)
-        self.config, self.pad_token_id = config, pad_token_id
-        self.response_length = config.actor_rollout_ref.rollout.response_length
-        registry = GroupRegistry() if registry is None else registry
-        group = _sync_group(plan, registry)
-        role = plan.roles["rollout"]
-        layout = Layout.create(role.spec, role.ranks, timeout=collective_timeout(), registry=registry)
-        # Weights arrive by the first sync; until then the engine holds a random init.
-        self.engine = Engine(ModelConfig.from_pretrained(model_path), layout, roles.rollout_engine_config(config))
-        sync = config.actor_rollout_ref.rollout.weight_sync
-        self.weight_sync = DetachedSync.receiver(self.engine, group, sync.bucket_size_mb << 20, sync.verify)
-        self.prompts: dict[str, Batch] = {}  # request id -> its prompt row, while the request runs
-        self.backlog: Backlog = deque()  # streamed requests not yet in the engine
-
-    @dispatch_mode(Dispatch.DP_COMPUTE)
-    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
-        """One response per row, as `ActorRolloutRefWorker.generate_sequences`. Streamed requests still running wait
-        meanwhile (paused and resumed, under the same weights)."""
-        self.engine.abort(keep=True)
-        params = roles.sampling_params(self.config, prompts.tensors["sample_seed"], validate)
-        samples = generate(self.engine, prompts, params, self.response_length, self.pad_token_id)
-        self.engine.resume()
-        return samples
-
-    @dispatch_mode(Dispatch.PER_REPLICA)
-    def stream(self, prompts: Batch | None, max_steps: int) -> tuple[Batch | None, dict[str, float]]:
-        """Take one request per row of `prompts` (None: nothing new), run at most `max_steps` engine steps (fewer
-        when the engine runs out of work) and return the samples that finished meanwhile, whichever call queued them
-        (None if none did), with what the engine did (`rollouter.ENGINE_KEYS`, and its `slots`). Samples keep their
-        prompt row's columns, `sample_seed` included.
-
-        New requests wait in a backlog and enter the engine in refill chunks (`admit`)."""
-        if prompts is not None:
-            params = roles.sampling_params(self.config, prompts.tensors["sample_seed"])
-            self.backlog.extend((ids, p, prompts.take([row]))
-                                for row, (ids, p) in enumerate(zip(prompt_ids_of(prompts), params)))
-        self.engine.stats = EngineStats()
-        finished = []
-        for _ in range(max_steps):
-            admit(self.engine, self.backlog, self.prompts)
-            if not self.engine.has_unfinished():
-                break
-            finished += self.engine.step()
-        stats = self.engine.stats
-        report = {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
-                  "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
-                  "prefill_tokens": stats.prefill_tokens, "graph_capture_s": stats.graph_capture_seconds,
-                  "slots": self.engine.max_running}
-        if not finished:
-            return None, report
-        rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
-        samples = samples_batch(rows, finished, self.response_length, self.pad_token_id)
-        samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
-        return samples, report
-
-    @dispatch_mode(Dispatch.ONE_TO_ALL)
-    def sync_weights(self, version: int) -> dict[str, float]:
-        """Receive the trainer's weights (with `DetachedActorWorker.sync_weights` at the same time). Requests in
-        flight are paused around the transfer and continue under the new weights, re-prefilled from prompt and tokens
-        so far: a partial rollout, whose later tokens carry `version`. The controller drains them first when it
-        wants every sample from one version."""
-        self.engine.abort(keep=True)
-        metrics = self.weight_sync.sync(version)
-        self.engine.resume()
-        return metrics
-
-
-def admit(engine: Engine, backlog: Backlog, prompts: dict[str, Batch]) -> None:
-    """Move requests from `backlog` into `engine` (recording each one's prompt row under its request id): as many as
-    have a free slot, once `slots / REFILL_CHUNK` slots are free or the whole backlog fits. Each admission is a
-    prefill step that stalls every running sequence's decode, so the slots that finishing sequences free are refilled
-    in batches rather than with one prefill per finished sequence; the engine stays at least 7/8 full meanwhile."""
-    free = engine.free_capacity()
-    if not backlog or free < min(-(-engine.max_running // REFILL_CHUNK), len(backlog)):
-        return
-    for _ in range(min(free, len(backlog))):
-        ids, params, row = backlog.popleft()
-        prompts[engine.submit(ids, params)[0]] = row

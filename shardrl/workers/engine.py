@@ -17,44 +17,18 @@ from torch import Tensor
 from shardrl.algos import LossScale, loss_counts
 from shardrl.data.balance import split_by_token_budget
 from shardrl.data.batch import Batch
+from shardrl.job.options import EngineOptions, UpdateOptions
 from shardrl.models.config import ModelConfig
-from shardrl.models.fast_paths import FastPaths
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
+from shardrl.parallel.offload import HostBuffers
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
 from shardrl.workers.packing import Packed, pack
 
 # loss_fn(last chunk, hidden [T, H] of the last stage, micro batch) -> (scalar loss, outputs dict of tensors)
 LossFn = Callable[[Transformer, Tensor, "MicroBatch"], tuple[Tensor, dict[str, Tensor]]]
-
-
-@dataclass
-class OptimOptions:
-    lr: float
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
-    weight_decay: float = 0.01
-    clip_grad: float | None = 1.0
-    distributed: bool = False
-    total_steps: int = 1
-    warmup_steps: int | None = -1
-    warmup_ratio: float = 0.0
-    decay_style: str = "constant"
-    min_lr_ratio: float = 0.0
-
-
-@dataclass
-class EngineOptions:
-    sequence_parallel: bool = False
-    recompute: bool = False
-    dtype: torch.dtype = torch.float32
-    value_head: bool = False
-    moe_aux_loss_coef: float = 0.0
-    moe_z_loss_coef: float = 0.0
-    optim: OptimOptions | None = None  # None: inference only (reference policy)
-    fast: FastPaths = field(default_factory=FastPaths)  # TP communication overlap, compiled elementwise kernels
 
 
 @dataclass
@@ -77,6 +51,7 @@ class ModelEngine:
         copies the weights into its fp32 master copy. `optional_weights`: HF names that may be missing (a critic's
         value head)."""
         self.config, self.layout, self.options = config, layout, options
+        self.host_buffers = HostBuffers()  # host copies of its offloaded tensors; weight sync reads params there
         pp, vpp = layout.pp_size, layout.spec.vpp
         self.chunks = []
         for chunk in range(vpp):
@@ -97,9 +72,11 @@ class ModelEngine:
             params = [p for chunk in self.chunks for p in chunk.parameters()]
             self.optimizer = AdamW(params, layout, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                    clip_grad=o.clip_grad, distributed=o.distributed)
+            if o.total_steps is None:
+                raise ValueError("OptimOptions.total_steps is None: bind the plan's steps first (JobPlan.with_total_steps)")
             self.scheduler = LRScheduler(self.optimizer, total_steps=o.total_steps, warmup_steps=o.warmup_steps,
                                          warmup_steps_ratio=o.warmup_ratio, style=o.decay_style,
-                                         min_lr_ratio=o.min_lr_ratio)
+                                         min_lr_ratio=o.min_lr_ratio, decay_steps=o.decay_steps)
         else:
             for chunk in self.chunks:
                 chunk.requires_grad_(False)
@@ -147,16 +124,6 @@ def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, 
         packed = pack(t["input_ids"], t["attention_mask"], t["position_ids"], response_length).to(device)
         out.append(MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows, max(lengths[r] for r in rows)))
     return out, restore
-
-
-@dataclass
-class UpdateOptions:
-    mini_batch_size: int  # samples per optimizer step on this rank (ppo_mini_batch_size * n / DP)
-    micro_batch_size: int | None = None  # samples per micro batch, or
-    max_token_len: int | None = None  # dynamic batch size: tokens per micro batch
-    ppo_epochs: int = 1
-    shuffle: bool = False
-    seed: int = 0
 
 
 def mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batch]:

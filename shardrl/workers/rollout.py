@@ -1,60 +1,113 @@
-"""Prompt batches -> rollout engine -> sample batches in the trainer's padded layout.
+"""The rollout pool's worker in the detached placement (the async modes).
 
-The trainer's batch layout is verl's: `prompts [B, P]` left-padded, `responses [B, R]` right-padded,
-`input_ids = cat(prompts, responses)`, `attention_mask`, `position_ids` (continuing after the prompt),
-`response_mask [B, R]`, plus the off-policy contract's fields: `rollout_log_probs [B, R]` (the behaviour logprob
-of every sampled token) and `policy_versions [B, R]` (the policy version that produced it; -1 on padding).
+`RolloutWorker` builds only its own layout and the weight-sync group, nothing of the trainer's TP x PP x EP, so a
+rollout pool need not fit the trainer's layout. Its engine serves in two ways: `generate_sequences` (a whole batch,
+as the colocated worker) and `stream` (requests added and finished samples returned over many short calls: the
+async modes' rollouter). Every call is SPMD over a replica's TP ranks, which get the same arguments, so the ranks of a
+replica stay in lockstep without coordinating among themselves.
 """
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
-from shardrl.data.batch import Batch, as_object_array
-from shardrl.rollout.engine import Engine
-from shardrl.rollout.request import RequestOutput, SamplingParams
+from shardrl.controller.dispatch import Dispatch, dispatch_mode
+from shardrl.controller.host import collective_timeout
+from shardrl.data.batch import Batch
+from shardrl.job.options import RolloutOptions
+from shardrl.models.config import ModelConfig
+from shardrl.parallel.layout import GroupRegistry
+from shardrl.rollout.engine import Engine, EngineStats
+from shardrl.rollout.request import SamplingParams
+from shardrl.sync.detached import DetachedSync
+from shardrl.workers.role_model import create_layout
+from shardrl.workers.samples import generate, prompt_ids_of, samples_batch
+
+REFILL_CHUNK = 8  # stream() admits new requests once 1/8 of the engine's slots are free
+Backlog = deque[tuple[list[int], SamplingParams, Batch]]  # (prompt ids, sampling params, prompt row) per request
 
 
-def prompt_ids_of(prompts: Batch) -> list[list[int]]:
-    """The unpadded prompt token ids of each row (left padding removed)."""
-    ids, mask = prompts.tensors["input_ids"], prompts.tensors["attention_mask"].bool()
-    return [row[m].tolist() for row, m in zip(ids, mask)]
+class RolloutWorker:
+    def __init__(self, options: RolloutOptions, model_path: str, pad_token_id: int,
+                 registry: GroupRegistry | None = None) -> None:
+        torch.manual_seed(options.seed)
+        self.options, self.pad_token_id = options, pad_token_id
+        self.response_length = options.response_length
+        registry = GroupRegistry() if registry is None else registry
+        sync = options.weight_sync
+        group = registry.sync_group(sync.ranks, collective_timeout())
+        layout = create_layout(options.spec, options.ranks, registry)
+        # Weights arrive by the first sync; until then the engine holds a random init.
+        model_config = ModelConfig.from_pretrained(model_path, overrides=options.override_config)
+        self.engine = Engine(model_config, layout, options.engine)
+        self.weight_sync = DetachedSync.receiver(self.engine, group, sync.bucket_bytes, sync.verify)
+        self.prompts: dict[str, Batch] = {}  # request id -> its prompt row, while the request runs
+        self.backlog: Backlog = deque()  # streamed requests not yet in the engine
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
+    def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
+        """One response per row, as `ActorRolloutRefWorker.generate_sequences`. Streamed requests still running wait
+        meanwhile (paused and resumed, under the same weights)."""
+        self.engine.abort(keep=True)
+        sampling = self.options.validate if validate else self.options.train
+        params = sampling.params(prompts.tensors["sample_seed"])
+        samples = generate(self.engine, prompts, params, self.response_length, self.pad_token_id)
+        self.engine.resume()
+        return samples
+
+    @dispatch_mode(Dispatch.PER_REPLICA)
+    def stream(self, prompts: Batch | None, max_steps: int) -> tuple[Batch | None, dict[str, float]]:
+        """Take one request per row of `prompts` (None: nothing new), run at most `max_steps` engine steps (fewer
+        when the engine runs out of work) and return the samples that finished meanwhile, whichever call queued them
+        (None if none did), with what the engine did (`rollouter.ENGINE_KEYS`, and its `slots`). Samples keep their
+        prompt row's columns, `sample_seed` included.
+
+        New requests wait in a backlog and enter the engine in refill chunks (`admit`)."""
+        if prompts is not None:
+            params = self.options.train.params(prompts.tensors["sample_seed"])
+            self.backlog.extend((ids, p, prompts.take([row]))
+                                for row, (ids, p) in enumerate(zip(prompt_ids_of(prompts), params)))
+        self.engine.stats = EngineStats()
+        finished = []
+        for _ in range(max_steps):
+            admit(self.engine, self.backlog, self.prompts)
+            if not self.engine.has_unfinished():
+                break
+            finished += self.engine.step()
+        stats = self.engine.stats
+        report = {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
+                  "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
+                  "prefill_tokens": stats.prefill_tokens, "graph_capture_s": stats.graph_capture_seconds,
+                  "slots": self.engine.max_running}
+        if not finished:
+            return None, report
+        rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
+        samples = samples_batch(rows, finished, self.response_length, self.pad_token_id)
+        samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
+        return samples, report
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def sync_weights(self, version: int) -> dict[str, float]:
+        """Receive the trainer's weights (with `DetachedActorWorker.sync_weights` at the same time). Requests in
+        flight are paused around the transfer and continue under the new weights, re-prefilled from prompt and tokens
+        so far: a partial rollout, whose later tokens carry `version`. The controller drains them first when it
+        wants every sample from one version."""
+        self.engine.abort(keep=True)
+        metrics = self.weight_sync.sync(version)
+        self.engine.resume()
+        return metrics
 
 
-def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length: int, pad_token_id: int) -> Batch:
-    """Pack engine outputs (one per prompt row: the controller repeats prompts `n` times before generation) into the
-    padded sample batch."""
-    num = len(outputs)
-    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros(num, response_length)
-    log_probs = torch.zeros(num, response_length)
-    versions = torch.full((num, response_length), -1, dtype=torch.long)
-    for i, out in enumerate(outputs):
-        length = len(out.token_ids)
-        responses[i, :length] = torch.tensor(out.token_ids, dtype=torch.long)
-        response_mask[i, :length] = 1.0
-        log_probs[i, :length] = torch.tensor(out.logprobs)
-        versions[i, :length] = torch.tensor(out.policy_versions, dtype=torch.long)
-    p = prompts.tensors
-    last_position = p["position_ids"][:, -1:]  # [num, 1]
-    response_positions = last_position + torch.arange(1, response_length + 1)  # [num, R]
-    tensors = {
-        "prompts": p["input_ids"],
-        "responses": responses,
-        "input_ids": torch.cat([p["input_ids"], responses], dim=1),
-        "attention_mask": torch.cat([p["attention_mask"], response_mask.long()], dim=1),
-        "position_ids": torch.cat([p["position_ids"], response_positions], dim=1),
-        "response_mask": response_mask,
-        "rollout_log_probs": log_probs,
-        "policy_versions": versions,
-    }
-    non_tensors = dict(prompts.non_tensors)
-    non_tensors["finish_reason"] = as_object_array([out.finish_reason for out in outputs])
-    return Batch(tensors, non_tensors, dict(prompts.meta))
-
-
-def generate(engine: Engine, prompts: Batch, params: list[SamplingParams], response_length: int,
-             pad_token_id: int) -> Batch:
-    """Sample one response per prompt row of `prompts` (this replica's share) with that row's `params`."""
-    outputs = engine.generate(prompt_ids_of(prompts), params)
-    return samples_batch(prompts, outputs, response_length, pad_token_id)
+def admit(engine: Engine, backlog: Backlog, prompts: dict[str, Batch]) -> None:
+    """Move requests from `backlog` into `engine` (recording each one's prompt row under its request id): as many as
+    have a free slot, once `slots / REFILL_CHUNK` slots are free or the whole backlog fits. Each admission is a
+    prefill step that stalls every running sequence's decode, so the slots that finishing sequences free are refilled
+    in batches rather than with one prefill per finished sequence; the engine stays at least 7/8 full meanwhile."""
+    free = engine.free_capacity()
+    if not backlog or free < min(-(-engine.max_running // REFILL_CHUNK), len(backlog)):
+        return
+    for _ in range(min(free, len(backlog))):
+        ids, params, row = backlog.popleft()
+        prompts[engine.submit(ids, params)[0]] = row

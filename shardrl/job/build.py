@@ -1,6 +1,6 @@
 """Typed config building: an OmegaConf tree in, frozen dataclasses out, every value checked against its type hint.
 
-The dataclasses in `shardrl.trainer.config` are the schema. `build(cls, tree, prefix)` reads each key exactly once
+The dataclasses in `shardrl.job.schema` are the schema. `build(cls, tree, prefix)` reads each key exactly once
 (here), so type errors, bad `Literal` choices and out-of-range sizes all surface as one `ConfigError` line naming the
 dotted key: ``actor_rollout_ref.actor.loss_agg_mode: 'foo' is not one of token-mean | seq-mean-token-sum | ...``.
 """
@@ -11,16 +11,9 @@ import dataclasses
 import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
+from shardrl.job.errors import ConfigError
+
 MISSING_VALUE = "???"  # OmegaConf's marker for a mandatory value (e.g. a user config leaving a key to the CLI)
-
-
-class ConfigError(ValueError):
-    """An invalid config; `str(err)` is one line: ``<dotted.key>: <reason>``."""
-
-    def __init__(self, key: str, reason: str) -> None:
-        super().__init__(f"{key}: {reason}")
-        self.key = key
-        self.reason = reason
 
 
 @dataclasses.dataclass(frozen=True)

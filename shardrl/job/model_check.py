@@ -6,14 +6,11 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from shardrl.job.errors import ConfigError
+from shardrl.job.schema import ModelSourceConfig, PPOConfig
 from shardrl.parallel.layout import LayoutSpec
-from shardrl.trainer.schema import ConfigError
-
-if TYPE_CHECKING:
-    from shardrl.trainer.config import ModelConfig, PPOConfig
-    from shardrl.trainer.plan import RolePlan
 
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
 
@@ -33,7 +30,7 @@ ROLE_KEYS = {
 }
 
 
-def read_hf_config(model: ModelConfig, key: str) -> tuple[dict[str, Any], str] | None:
+def read_hf_config(model: ModelSourceConfig, key: str) -> tuple[dict[str, Any], str] | None:
     """config.json of a local model directory with `model.override_config` applied, and its path; else None.
     `key` names the model group for errors."""
     if model.path is None:
@@ -48,11 +45,11 @@ def read_hf_config(model: ModelConfig, key: str) -> tuple[dict[str, Any], str] |
     return {**hf, **model.override_config}, str(path)
 
 
-def check_model(config: PPOConfig, roles: dict[str, RolePlan]) -> list[str]:
+def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:
     """Check every planned role against its model's config.json; returns one note per role for the printout."""
     notes = []
     for key, names in (("actor_rollout_ref.model", ("actor", "ref", "rollout")), ("critic.model", ("critic",))):
-        names = [n for n in names if n in roles]
+        names = [n for n in names if n in specs]
         if not names:
             continue
         model = config.at(key)
@@ -62,7 +59,7 @@ def check_model(config: PPOConfig, roles: dict[str, RolePlan]) -> list[str]:
             notes.append(f"{'/'.join(names)} model: {where}; model checks skipped")
             continue
         hf, source = found
-        notes.extend(f"{name}: {check_layout_fits(hf, source, roles[name].spec, ROLE_KEYS[name])}" for name in names)
+        notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
     return notes
 
 

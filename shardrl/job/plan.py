@@ -1,8 +1,9 @@
-"""The dry-run planner: where every role runs, how it is split, and how batches are cut — from the config alone.
+"""The planner: where every role runs, how it is split, how batches are cut, and each role's compiled options — from
+the config alone, before any worker starts.
 
-`build_plan(config)` is also what the trainer uses at start, so the printed plan and the running job cannot disagree:
-workers read their layout and micro-batching from `plan.roles[...]`, colocated and detached alike (one code path
-for batch-size normalisation, as verl's megatron workers do it):
+`plan_job(config)` is what the dry run prints and what the trainer launches, so the two cannot disagree. Workers
+receive their role's options from `JobPlan` (options.py), colocated and detached alike (one code path for batch-size
+normalisation, as verl's megatron workers do it):
 
 * a step takes `step_prompts` prompts (data.train_batch_size; fully_async: require_batches x ppo_mini_batch_size)
   and generates `rollout.n` samples for each;
@@ -17,16 +18,46 @@ trainer pool and the rollout gets its own pool after it, laid out by its own TP/
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
+from shardrl.job.compat import refuse_unsupported
+from shardrl.job.errors import ConfigError
+from shardrl.job.model_check import check_model
+from shardrl.job.options import (
+    ActorOptions,
+    AlgorithmOptions,
+    AsyncOptions,
+    CheckpointOptions,
+    ClusterOptions,
+    CriticOptions,
+    DataOptions,
+    FilterGroupsOptions,
+    ForwardBatching,
+    KLInRewardOptions,
+    LoopOptions,
+    RefOptions,
+    RewardOptions,
+    RolloutOptions,
+    TrackingOptions,
+    UpdateOptions,
+    WeightSyncOptions,
+    DTYPES,
+    correction_options,
+    model_options,
+    optim_options,
+    policy_loss_options,
+    sampling_options,
+)
+from shardrl.job.schema import CheckpointConfig, Mode, PPOConfig
 from shardrl.parallel.layout import LayoutError, LayoutSpec, rank_tables
-from shardrl.trainer.config import Mode, PPOConfig
-from shardrl.trainer.model_check import check_model
-from shardrl.trainer.schema import ConfigError
+from shardrl.rewards.manager import OverlongShaping
+from shardrl.rollout.runner import EngineConfig
 
 
 @dataclass(frozen=True)
@@ -44,6 +75,9 @@ class MicroBatching:
         return (f"{self.samples_per_rank} samples/rank, micro batch {self.micro_batch_size} "
                 f"-> {self.num_micro_batches} micro batches")
 
+    def forward(self) -> ForwardBatching:
+        return ForwardBatching(self.micro_batch_size, self.max_token_len)
+
 
 @dataclass(frozen=True)
 class RolePlan:
@@ -55,7 +89,9 @@ class RolePlan:
 
 
 @dataclass(frozen=True)
-class Plan:
+class JobPlan:
+    """The placement and layouts (for the printout) and the compiled options every part of the run takes."""
+
     mode: Mode
     placement: Literal["colocated", "detached"]
     device: Literal["cpu", "cuda"]
@@ -67,6 +103,35 @@ class Plan:
     roles: dict[str, RolePlan]
     skipped: dict[str, str]  # role -> why it is not used
     model_notes: list[str]
+    dry_run: bool  # validate and print the plan only
+    model_path: str | None  # the actor's (and reference's) initial weights; None: the built-in task's model
+    critic_model_path: str | None
+    actor: ActorOptions
+    ref: RefOptions | None
+    critic: CriticOptions | None
+    rollout: RolloutOptions
+    data: DataOptions
+    reward: RewardOptions
+    algorithm: AlgorithmOptions
+    loop: LoopOptions
+    cluster: ClusterOptions
+    tracking: TrackingOptions
+    async_training: AsyncOptions | None
+
+    def with_total_steps(self, total_steps: int) -> JobPlan:
+        """The plan once the data is read: the loop's length, and each optimizer's schedule where the config left
+        it to the trainer (optim.total_training_steps=-1)."""
+
+        def bind(options):
+            optim = options.model.engine.optim
+            if optim.total_steps is not None:
+                return options
+            engine = dataclasses.replace(options.model.engine, optim=dataclasses.replace(optim,
+                                                                                        total_steps=total_steps))
+            return dataclasses.replace(options, model=dataclasses.replace(options.model, engine=engine))
+
+        return dataclasses.replace(self, loop=dataclasses.replace(self.loop, total_steps=total_steps),
+                                   actor=bind(self.actor), critic=bind(self.critic) if self.critic else None)
 
 
 def resolve_device(device: str) -> Literal["cpu", "cuda"]:
@@ -76,8 +141,10 @@ def resolve_device(device: str) -> Literal["cpu", "cuda"]:
     return device  # type: ignore[return-value]
 
 
-def build_plan(config: PPOConfig) -> Plan:
-    """Check layouts and batch sizes against the pools and return the plan; raises ConfigError."""
+def plan_job(config: PPOConfig) -> JobPlan:
+    """Check layouts and batch sizes against the pools, refuse what shardrl does not support, and compile every
+    role's options; raises ConfigError."""
+    refuse_unsupported(config)
     trainer = config.trainer
     trainer_ranks = list(range(trainer.nnodes * trainer.n_gpus_per_node))
     if config.rollout is None:
@@ -86,7 +153,6 @@ def build_plan(config: PPOConfig) -> Plan:
         start = len(trainer_ranks)
         rollout_ranks = list(range(start, start + config.rollout.nnodes * config.rollout.n_gpus_per_node))
     step_prompts, mini_batches = _step(config)
-    arr = config.actor_rollout_ref
     roles = {"actor": _train_role(config, "actor", "actor_rollout_ref.actor.megatron", trainer_ranks, step_prompts)}
     skipped = {}
     if config.use_reference_policy:
@@ -98,19 +164,167 @@ def build_plan(config: PPOConfig) -> Plan:
     else:
         skipped["critic"] = f"adv_estimator={config.algorithm.adv_estimator} needs no values"
     roles["rollout"] = _rollout_role(config, rollout_ranks)
-    return Plan(
+    detached = config.rollout is not None
+    sync_ranks = trainer_ranks + rollout_ranks if detached else trainer_ranks
+    return JobPlan(
         mode=config.mode,
-        placement="colocated" if config.rollout is None else "detached",
+        placement="detached" if detached else "colocated",
         device=resolve_device(trainer.device),
         trainer_ranks=trainer_ranks,
         rollout_ranks=rollout_ranks,
         step_prompts=step_prompts,
-        samples_per_prompt=arr.rollout.n,
+        samples_per_prompt=config.actor_rollout_ref.rollout.n,
         mini_batches_per_step=mini_batches,
         roles=roles,
         skipped=skipped,
-        model_notes=check_model(config, roles),
+        model_notes=check_model(config, {name: role.spec for name, role in roles.items()}),
+        dry_run=trainer.dry_run,
+        model_path=config.actor_rollout_ref.model.path,
+        critic_model_path=config.critic.model.path,
+        actor=_actor_options(config, roles["actor"]),
+        ref=_ref_options(config, roles["ref"]) if "ref" in roles else None,
+        critic=_critic_options(config, roles["critic"]) if "critic" in roles else None,
+        rollout=_rollout_options(config, roles["rollout"], sync_ranks),
+        data=_data_options(config),
+        reward=_reward_options(config),
+        algorithm=_algorithm_options(config),
+        loop=_loop_options(config),
+        cluster=_cluster_options(config),
+        tracking=TrackingOptions(list(trainer.logger), trainer.project_name, trainer.experiment_name,
+                                 dataclasses.asdict(config)),
+        async_training=_async_options(config),
     )
+
+
+def _checkpoint_options(checkpoint: CheckpointConfig) -> CheckpointOptions:
+    return CheckpointOptions(tuple(checkpoint.save_contents), tuple(checkpoint.load_contents))
+
+
+def _update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: int) -> UpdateOptions:
+    """`batching`: the "update" normalisation (per-rank mini batch = ppo_mini_batch_size * n / DP)."""
+    return UpdateOptions(mini_batch_size=batching.samples_per_rank, micro_batch_size=batching.micro_batch_size,
+                         max_token_len=batching.max_token_len, ppo_epochs=epochs, shuffle=shuffle, seed=seed)
+
+
+def _actor_options(config: PPOConfig, role: RolePlan) -> ActorOptions:
+    arr = config.actor_rollout_ref
+    actor = arr.actor
+    optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
+    model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
+                          arr.model.override_config, actor.load_weight)
+    log_prob = role.batches.get("log_prob")
+    return ActorOptions(
+        seed=config.trainer.seed, model=model,
+        update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, config.trainer.seed),
+        loss=policy_loss_options(config), log_prob=log_prob.forward() if log_prob else None,
+        temperature=arr.rollout.temperature or 1.0, checkpoint=_checkpoint_options(actor.checkpoint))
+
+
+def _ref_options(config: PPOConfig, role: RolePlan) -> RefOptions:
+    arr = config.actor_rollout_ref
+    # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
+    model = model_options(arr.ref.megatron, role.spec, role.ranks, False, None, arr.model.override_config,
+                          load_weight=True)
+    return RefOptions(model, role.batches["log_prob"].forward())
+
+
+def _critic_options(config: PPOConfig, role: RolePlan) -> CriticOptions:
+    critic = config.critic
+    optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer)
+    model = model_options(critic.megatron, role.spec, role.ranks, critic.model.enable_gradient_checkpointing, optim,
+                          critic.model.override_config, critic.load_weight, value_head=True)
+    return CriticOptions(
+        seed=config.trainer.seed, model=model,
+        update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, config.trainer.seed),
+        values=role.batches["values"].forward(), loss_agg_mode=critic.loss_agg_mode,
+        cliprange_value=critic.cliprange_value,
+        max_response_length=config.actor_rollout_ref.rollout.response_length,
+        checkpoint=_checkpoint_options(critic.checkpoint))
+
+
+def _rollout_options(config: PPOConfig, role: RolePlan, sync_ranks: list[int]) -> RolloutOptions:
+    arr = config.actor_rollout_ref
+    rollout = arr.rollout
+    engine = EngineConfig(
+        max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
+        max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+        gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
+        enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching)
+    sync = rollout.weight_sync
+    return RolloutOptions(
+        seed=config.trainer.seed, spec=role.spec, ranks=role.ranks, engine=engine,
+        train=sampling_options(rollout, rollout.response_length, rollout.ignore_eos),
+        validate=sampling_options(rollout.val_kwargs, rollout.response_length, rollout.ignore_eos),
+        response_length=rollout.response_length, free_cache_engine=rollout.free_cache_engine,
+        override_config=arr.model.override_config,
+        weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks))
+
+
+def _as_list(files: str | list[str] | None) -> list[str] | None:
+    return [files] if isinstance(files, str) else None if files is None else list(files)
+
+
+def _data_options(config: PPOConfig) -> DataOptions:
+    data, model = config.data, config.actor_rollout_ref.model
+    return DataOptions(
+        train_files=_as_list(data.train_files), val_files=_as_list(data.val_files),
+        tokenizer=model.tokenizer_path or data.tokenizer, trust_remote_code=model.trust_remote_code,
+        prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs), train_max_samples=data.train_max_samples,
+        val_max_samples=data.val_max_samples, gen_batch_size=data.gen_batch_size, val_batch_size=data.val_batch_size,
+        shuffle=data.shuffle, validation_shuffle=data.validation_shuffle, seed=data.seed)
+
+
+def _reward_options(config: PPOConfig) -> RewardOptions:
+    overlong, custom = config.reward_model.overlong_buffer, config.custom_reward_function
+    shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
+                              overlong.log) if overlong.enable else None
+    return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping)
+
+
+def _algorithm_options(config: PPOConfig) -> AlgorithmOptions:
+    algo = config.algorithm
+    ctrl, groups = algo.kl_ctrl, algo.filter_groups
+    kl = KLInRewardOptions(algo.kl_penalty, ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+    return AlgorithmOptions(
+        adv_estimator=algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_in_reward=kl if algo.use_kl_in_reward else None,
+        correction=correction_options(config),
+        filter_groups=FilterGroupsOptions(groups.metric, groups.max_num_gen_batches) if groups.enable else None)
+
+
+def _loop_options(config: PPOConfig) -> LoopOptions:
+    trainer, arr = config.trainer, config.actor_rollout_ref
+    return LoopOptions(
+        total_steps=None, total_training_steps=trainer.total_training_steps, total_epochs=trainer.total_epochs,
+        total_rollout_steps=config.rollout.total_rollout_steps if config.rollout is not None else None,
+        seed=trainer.seed, samples_per_prompt=arr.rollout.n, val_samples_per_prompt=arr.rollout.val_kwargs.n,
+        train_batch_size=config.data.train_batch_size, critic_warmup=trainer.critic_warmup,
+        val_before_train=trainer.val_before_train, test_freq=trainer.test_freq, save_freq=trainer.save_freq,
+        resume_mode=trainer.resume_mode, resume_from_path=trainer.resume_from_path, run_dir=trainer.default_local_dir,
+        max_ckpt_to_keep={"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep},
+        save_hf="hf_model" in arr.actor.checkpoint.save_contents, balance_batch=trainer.balance_batch,
+        actor_mini_batch_size=arr.actor.ppo_mini_batch_size,
+        critic_mini_batch_size=config.critic.ppo_mini_batch_size if config.use_critic else None,
+        log_val_generations=trainer.log_val_generations, max_response_length=config.data.max_response_length)
+
+
+def _cluster_options(config: PPOConfig) -> ClusterOptions:
+    trainer, pool = config.trainer, config.rollout
+    return ClusterOptions(
+        ray_init=dict(config.ray_kwargs.ray_init), trainer_nodes=trainer.nnodes,
+        trainer_gpus_per_node=trainer.n_gpus_per_node, rollout_nodes=pool.nnodes if pool else None,
+        rollout_gpus_per_node=pool.n_gpus_per_node if pool else None,
+        collective_timeout=datetime.timedelta(seconds=trainer.collective_timeout_s))
+
+
+def _async_options(config: PPOConfig) -> AsyncOptions | None:
+    a = config.async_training
+    if a is None:
+        return None
+    return AsyncOptions(partial_rollout=bool(a.partial_rollout), staleness_threshold=a.staleness_threshold,
+                        trigger_parameter_sync_step=a.trigger_parameter_sync_step, require_batches=a.require_batches)
 
 
 def _step_key(config: PPOConfig) -> str:
@@ -255,7 +469,7 @@ def _span(ranks: list[int]) -> str:
     return f"{ranks[0]}-{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
 
 
-def format_plan(plan: Plan, config: PPOConfig) -> str:
+def format_plan(plan: JobPlan, config: PPOConfig) -> str:
     """The human-readable dry-run printout."""
     unit = "GPUs"  # the config's unit; on cpu each one is a CPU process (the header says so)
     trainer, n = config.trainer, plan.samples_per_prompt

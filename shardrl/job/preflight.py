@@ -8,10 +8,9 @@ from pathlib import Path
 
 import torch
 
-from shardrl.trainer.config import PPOConfig
-from shardrl.trainer.schema import ConfigError
+from shardrl.job.plan import JobPlan
+from shardrl.job.errors import ConfigError
 
-ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}  # rollout.name -> package it needs
 LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 
 
@@ -19,29 +18,20 @@ def _installed(package: str) -> bool:
     return importlib.util.find_spec(package) is not None
 
 
-def check_launch(config: PPOConfig) -> None:
+def check_launch(plan: JobPlan) -> None:
     """Raise ConfigError for the first thing that would make the launch fail."""
-    if config.trainer.device == "cuda" and not torch.cuda.is_available():
+    if plan.device == "cuda" and not torch.cuda.is_available():
         raise ConfigError("trainer.device", "cuda requested but no CUDA device is visible; use trainer.device=auto "
                                             "or cpu")
-    data = config.data
+    data = plan.data
     for key, files in (("data.train_files", data.train_files), ("data.val_files", data.val_files)):
-        for path in [files] if isinstance(files, str) else files or []:
+        for path in files or []:
             if not Path(path).expanduser().is_file():
                 raise ConfigError(key, f"{path} does not exist")
-    reward_path = config.custom_reward_function.path
+    reward_path = plan.reward.custom_path
     if reward_path is not None and not Path(reward_path).expanduser().is_file():
         raise ConfigError("custom_reward_function.path", f"{reward_path} does not exist")
-    engine = config.actor_rollout_ref.rollout.name
-    if engine in ROLLOUT_PACKAGES:
-        if not _installed(ROLLOUT_PACKAGES[engine]):
-            raise ConfigError("actor_rollout_ref.rollout.name", f"{engine} is not installed (pip install "
-                                                                f"{ROLLOUT_PACKAGES[engine]}); use "
-                                                                "actor_rollout_ref.rollout.name=native")
-        # Installed or not, there is no backend for it yet: never let the native engine run in its place unsaid.
-        raise ConfigError("actor_rollout_ref.rollout.name", f"{engine} is installed but shardrl has no {engine} "
-                                                            "backend yet; use actor_rollout_ref.rollout.name=native")
-    for logger in config.trainer.logger:
+    for logger in plan.tracking.loggers:
         if logger in LOGGER_PACKAGES and not _installed(LOGGER_PACKAGES[logger]):
             raise ConfigError("trainer.logger", f"{logger} is not installed (pip install {LOGGER_PACKAGES[logger]}); "
                                                 f"remove '{logger}' from trainer.logger")

@@ -1,17 +1,13 @@
 """Rules between config keys, checked once by `load_config` after every value's type and range: micro-batch key
 pairs, the sync/async shape of the config, which logprobs anchor PPO, and DAPO's dynamic sampling and overlong
 shaping. Rules that need world sizes (layouts,
-batch-size normalisation, model fit) are in `shardrl.trainer.plan`."""
+batch-size normalisation, model fit) are in `shardrl.job.plan`."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from shardrl.algos.rejection import RejectionSampling, RejectionSpecError
-from shardrl.trainer.schema import ConfigError
-
-if TYPE_CHECKING:
-    from shardrl.trainer.config import PPOConfig
+from shardrl.algos.rejection import RejectionSpecError
+from shardrl.job.errors import ConfigError
+from shardrl.job.schema import PPOConfig
 
 USE_ASYNC_CONFIG = "use --config-name=one_step_off_ppo_trainer or fully_async_ppo_trainer (or a *_megatron_* one)"
 
@@ -27,7 +23,7 @@ _FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "requ
 
 
 def validate(config: PPOConfig) -> None:
-    """Rules between keys that need no world size (those are in plan.build_plan)."""
+    """Rules between keys that need no world size (those are in plan.plan_job)."""
     for group, stem in _MICRO_BATCH_PAIRS:
         node = config.at(group)
         total, per_gpu = getattr(node, stem), getattr(node, f"{stem}_per_gpu")
@@ -40,9 +36,6 @@ def validate(config: PPOConfig) -> None:
             raise ConfigError(f"{name}.optim.betas", f"expected two numbers in [0, 1), got {betas}")
     if config.critic.enable is False and config.algorithm.adv_estimator == "gae":
         raise ConfigError("critic.enable", "adv_estimator=gae needs a critic (values); enable it or use grpo")
-    if config.reward_model.enable:
-        raise ConfigError("reward_model.enable", "model-based reward models are not supported; use rule-based "
-                                                 "rewards (custom_reward_function.path) with reward_model.enable=false")
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
     _validate_async(config)
@@ -81,25 +74,21 @@ def _validate_async(config: PPOConfig) -> None:
 def _validate_behaviour_logprobs(config: PPOConfig) -> None:
     """The PPO anchor (see shardrl.algos.off_policy): decoupled=true recomputes old logprobs with the actor;
     decoupled=false anchors on the rollout's behaviour logprobs, which verl's async recipes call
-    use_rollout_log_probs. Importance weights and rejection sampling compare the two, so they need both."""
+    use_rollout_log_probs."""
     correction = config.algorithm.rollout_correction
-    rejection = _rollout_correction_rules(config)
+    _rollout_correction_rules(config)
     async_cfg = config.async_training
     if async_cfg is not None and async_cfg.use_rollout_log_probs == correction.decoupled:
         wanted = "false" if async_cfg.use_rollout_log_probs else "true"
         raise ConfigError("async_training.use_rollout_log_probs",
                           f"{str(async_cfg.use_rollout_log_probs).lower()} needs algorithm.rollout_correction."
                           f"decoupled={wanted} (true: train on behaviour logprobs; false: recompute old logprobs)")
-    needs_behaviour = not correction.decoupled or correction.rollout_is is not None or rejection is not None
-    if needs_behaviour and not config.actor_rollout_ref.rollout.calculate_log_probs:
-        raise ConfigError("actor_rollout_ref.rollout.calculate_log_probs",
-                          "must be true: algorithm.rollout_correction reads the rollout's behaviour logprobs")
 
 
-def _rollout_correction_rules(config: PPOConfig) -> RejectionSampling | None:
+def _rollout_correction_rules(config: PPOConfig) -> None:
     """Which corrections each anchor can apply. Decoupled: IS weights (optionally batch-normalised) and rejection
     sampling, once per step against the recomputed old logprobs. Bypass: PPO-clip, or with loss_type=reinforce
-    REINFORCE with IS weights of the current policy per micro batch (verl's bypass mode). Returns the rejection."""
+    REINFORCE with IS weights of the current policy per micro batch (verl's bypass mode)."""
     correction, key = config.algorithm.rollout_correction, "algorithm.rollout_correction"
     try:
         rejection = correction.rejection()
@@ -113,7 +102,7 @@ def _rollout_correction_rules(config: PPOConfig) -> RejectionSampling | None:
         if reinforce:
             raise ConfigError(f"{key}.loss_type", "reinforce is bypass mode's loss (verl ignores it with "
                                                   "bypass_mode=false); set bypass_mode=true or loss_type=ppo_clip")
-        return rejection
+        return
     if correction.rollout_is is not None and not reinforce:
         raise ConfigError(f"{key}.rollout_is", "needs decoupled=true, i.e. bypass_mode=false (importance weights "
                                                "compare recomputed old logprobs with behaviour logprobs), or "
@@ -131,7 +120,6 @@ def _rollout_correction_rules(config: PPOConfig) -> RejectionSampling | None:
         raise ConfigError("actor_rollout_ref.actor.policy_loss.loss_mode", f"{loss_mode} cannot be combined with "
                                                                            f"{key}.loss_type=reinforce (it replaces "
                                                                            "the PPO surrogate); use vanilla")
-    return None
 
 
 def _validate_dapo(config: PPOConfig) -> None:

@@ -1,0 +1,99 @@
+"""verl keys shardrl accepts for compatibility but does not act on: the one list of them.
+
+A verl command line runs with only the module path changed, so every verl key has a place in the schema. The keys
+below have no effect in shardrl beyond what is written here: each either keeps the one value that describes what
+shardrl does (any other value is refused before a worker starts: `error: <key>: not supported by shardrl (...)`),
+or is folded into another key or checked against other keys by a rule. Every other leaf of the schema is read by
+the planner (options.py / plan.py); tests/test_config_keys.py checks that the two cover every leaf.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from shardrl.job.errors import ConfigError
+from shardrl.job.schema import PPOConfig
+
+
+@dataclass(frozen=True)
+class Refused:
+    """`key` keeps `supported(value)`; any other value is refused with `why` (what to use instead)."""
+
+    key: str
+    supported: Callable[[Any], bool]
+    why: str
+    applies: Callable[[PPOConfig], bool] = lambda config: True  # in which configs the refusal holds
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """`key` is accepted with any value its type allows; `why` says where it goes (folded, or a rule's input)."""
+
+    key: str
+    why: str
+
+
+def _is(expected: Any) -> Callable[[Any], bool]:
+    return lambda value: value == expected
+
+
+def _detached(config: PPOConfig) -> bool:
+    return config.rollout is not None
+
+
+_MODEL_GROUPS = ("actor_rollout_ref.model", "critic.model")
+
+REFUSED: tuple[Refused, ...] = (
+    Refused("data.return_raw_input_ids", _is(False), "no reward model re-tokenises responses; rewards read the "
+            "policy's own ids"),
+    Refused("data.return_raw_chat", _is(False), "no reward model or agent loop reads the raw chat yet"),
+    Refused("data.dataloader_num_workers", _is(0), "prompts are tokenised once at start and batched in memory; "
+            "there are no loader workers; remove the key"),
+    *(Refused(f"{group}.external_lib", _is(None), "shardrl builds its model families natively; a library that "
+              "registers models with transformers is never used; remove the key") for group in _MODEL_GROUPS),
+    *(Refused(f"{group}.use_remove_padding", _is(True), "shardrl always packs sequences (no padding tokens are "
+              "computed); set true or remove the key") for group in _MODEL_GROUPS),
+    Refused("actor_rollout_ref.rollout.name", _is("native"), "shardrl has no vllm or sglang backend yet; use "
+            "actor_rollout_ref.rollout.name=native"),
+    Refused("actor_rollout_ref.rollout.mode", _is("sync"), "the native engine is driven by the trainer's schedule "
+            "(the async modes are --config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer); set sync"),
+    Refused("actor_rollout_ref.rollout.load_format", _is("dummy"), "the rollout engine always receives the actor's "
+            "weights by weight sync before it generates; nothing is loaded from disk; set dummy"),
+    Refused("actor_rollout_ref.rollout.enable_chunked_prefill", _is(False), "the native engine prefills whole "
+            "prompts (up to max_num_batched_tokens per step); set false"),
+    Refused("actor_rollout_ref.rollout.engine_kwargs", lambda v: not any(v.values()), "engine_kwargs configure vllm "
+            "and sglang; the native engine's settings are actor_rollout_ref.rollout.* keys"),
+    Refused("actor_rollout_ref.rollout.calculate_log_probs", _is(True), "the native engine always records each "
+            "token's behaviour logprob (the off-policy contract); set true"),
+    Refused("actor_rollout_ref.rollout.free_cache_engine", _is(False), "the detached rollout pool keeps its KV cache "
+            "(it never shares its GPUs with training); set false", applies=_detached),
+    Refused("reward_model.enable", _is(False), "model-based reward models are not supported yet; use rule-based "
+            "rewards (custom_reward_function.path) with reward_model.enable=false"),
+)
+
+ACCEPTED: tuple[Accepted, ...] = (
+    *(Accepted(f"{role}.strategy", "megatron is the only training engine (the type allows no other value)")
+      for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
+    Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),
+    Accepted("async_training.use_rollout_log_probs", "must agree with algorithm.rollout_correction.decoupled "
+             "(rules.py)"),
+    Accepted("async_training.mode", "the async config's schedule; read as PPOConfig.mode"),
+    Accepted("reward_model.reward_manager", "one scoring path serves naive, batch and dapo (overlong shaping is "
+             "reward_model.overlong_buffer)"),
+    Accepted("reward_model.reward_kwargs", "folded into reward_model.overlong_buffer by load.py"),
+    Accepted("algorithm.rollout_correction.bypass_mode", "folded into algorithm.rollout_correction.decoupled"),
+    Accepted("algorithm.rollout_correction.use_policy_gradient", "folded into algorithm.rollout_correction."
+             "loss_type"),
+)
+
+
+def refuse_unsupported(config: PPOConfig) -> None:
+    """Raise ConfigError for the first key of REFUSED set to a value shardrl cannot honour."""
+    for entry in REFUSED:
+        if not entry.applies(config):
+            continue
+        value = config.at(entry.key)
+        if not entry.supported(value):
+            raise ConfigError(entry.key, f"{value!r} is not supported by shardrl ({entry.why})")

@@ -1,0 +1,389 @@
+"""The compiled job: typed options per role and for the controller, read from the config once (`compile_options`).
+
+Workers take their role's options (`ActorOptions`, `RefOptions`, `CriticOptions`, `RolloutOptions`) and never see
+the config; the controller takes `DataOptions`, `RewardOptions`, `AlgorithmOptions`, `LoopOptions` and
+`ClusterOptions`. Every config key that has an effect is read here (or by the planner's layout and batch rules in
+plan.py), exactly once; the keys accepted only for verl compatibility are listed in compat.py. A test walks every
+leaf of the schema and checks this.
+
+Some values depend on the data, which a dry run does not read: the number of training steps (`LoopOptions.
+total_steps`, and each optimizer's schedule length) is None until `JobPlan.with_total_steps` fills it in at launch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+from shardrl.algos import ClipRange
+from shardrl.algos.rejection import RejectionSampling
+from shardrl.job.schema import (
+    AdvEstimator,
+    FilterMetric,
+    KLEstimator,
+    LossAggMode,
+    MegatronConfig,
+    OptimConfig,
+    PPOConfig,
+    SamplingConfig,
+)
+from shardrl.models.fast_paths import FastPaths
+from shardrl.parallel.layout import LayoutSpec
+from shardrl.rewards.manager import OverlongShaping
+from shardrl.rollout.request import SamplingParams
+from shardrl.rollout.runner import EngineConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+# ---- what the workers take -------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class OptimOptions:
+    """AdamW and its LR schedule (parallel/optimizer.py). `total_steps` None: not known until launch."""
+
+    lr: float
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    clip_grad: float | None = 1.0
+    distributed: bool = False
+    total_steps: int | None = 1
+    warmup_steps: int | None = -1
+    warmup_ratio: float = 0.0
+    decay_style: str = "constant"
+    decay_steps: int | None = None  # null: total_steps - warmup
+    min_lr_ratio: float = 0.0
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How one role's model is built on its ranks (workers/engine.py)."""
+
+    sequence_parallel: bool = False
+    recompute: bool = False
+    dtype: torch.dtype = torch.float32
+    value_head: bool = False
+    moe_aux_loss_coef: float = 0.0
+    moe_z_loss_coef: float = 0.0
+    optim: OptimOptions | None = None  # None: inference only (reference policy)
+    fast: FastPaths = dataclasses.field(default_factory=FastPaths)  # TP overlap, compiled elementwise kernels
+
+
+@dataclass(frozen=True)
+class UpdateOptions:
+    """PPO epochs over one step's batch on one rank: mini batches of `mini_batch_size` samples (ppo_mini_batch_size
+    x n / DP), cut into micro batches by count or (dynamic batch size) by tokens. `seed` shuffles: the controller's
+    step is added per call, so every step shuffles differently and reproducibly."""
+
+    mini_batch_size: int
+    micro_batch_size: int | None = None
+    max_token_len: int | None = None
+    ppo_epochs: int = 1
+    shuffle: bool = False
+    seed: int = 0
+
+
+@dataclass(frozen=True)
+class ForwardBatching:
+    """How a forward-only pass (log-probs, values) cuts one rank's share: by count, or (dynamic) by tokens."""
+
+    micro_batch_size: int | None
+    max_token_len: int | None
+
+
+@dataclass(frozen=True)
+class PolicyLossOptions:
+    loss_agg_mode: str = "token-mean"
+    loss_mode: str = "vanilla"  # actor.policy_loss.loss_mode, or reinforce (bypass loss_type): algos.actor_loss
+    bypass_is: tuple[str, float] | None = None  # reinforce's (rollout_is, threshold) vs the current policy
+    clip: ClipRange = ClipRange()
+    entropy_coeff: float = 0.0
+    use_kl_loss: bool = False
+    kl_loss_coef: float = 0.0
+    kl_loss_type: str = "low_var_kl"
+    max_response_length: int = 1  # the divisor of seq-mean-token-sum-norm (actor.loss_scale_factor)
+
+
+@dataclass(frozen=True)
+class OffloadOptions:
+    """What a role keeps in host memory between its calls (`shardrl.parallel.offload` keyword arguments)."""
+
+    params: bool = False
+    grads: bool = False
+    optimizer_state: bool = False
+
+    @property
+    def any(self) -> bool:
+        return self.params or self.grads or self.optimizer_state
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """One training role's model: its layout, how it is built and where its initial weights come from."""
+
+    spec: LayoutSpec
+    ranks: list[int]
+    engine: EngineOptions
+    offload: OffloadOptions
+    override_config: dict[str, Any]  # model.override_config: config.json fields replaced before the model is built
+    load_weight: bool  # false: random init (verl's load_weight)
+    dist_checkpoint: str | None  # megatron.dist_checkpointing_path when use_dist_checkpointing, else None (HF)
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """What a role's checkpoints hold and what a resume restores (verl's save_contents / load_contents)."""
+
+    save_contents: tuple[str, ...]
+    load_contents: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class ActorOptions:
+    seed: int  # torch's seed before the model is built
+    model: ModelOptions
+    update: UpdateOptions
+    loss: PolicyLossOptions
+    log_prob: ForwardBatching | None  # the old-logprob pass; None when PPO anchors on behaviour logprobs
+    temperature: float  # logprobs are taken at the rollout's sampling temperature
+    checkpoint: CheckpointOptions
+
+
+@dataclass(frozen=True)
+class RefOptions:
+    model: ModelOptions
+    log_prob: ForwardBatching
+
+
+@dataclass(frozen=True)
+class CriticOptions:
+    seed: int
+    model: ModelOptions
+    update: UpdateOptions
+    values: ForwardBatching
+    loss_agg_mode: str
+    cliprange_value: float
+    max_response_length: int
+    checkpoint: CheckpointOptions
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    """One mode's sampling (training, or validation by `val_kwargs`); greedy when do_sample is false."""
+
+    max_tokens: int
+    temperature: float
+    top_k: int
+    top_p: float
+    ignore_eos: bool
+
+    def params(self, seeds: torch.Tensor) -> list[SamplingParams]:
+        """One request's settings per row (`seeds` [B]: the rows' `sample_seed`)."""
+        return [SamplingParams(max_tokens=self.max_tokens, temperature=self.temperature, top_k=self.top_k,
+                               top_p=self.top_p, ignore_eos=self.ignore_eos, seed=int(seed)) for seed in seeds]
+
+
+@dataclass(frozen=True)
+class WeightSyncOptions:
+    bucket_bytes: int
+    verify: Literal["checksum", "full"]
+    ranks: list[int]  # every rank of the sync group: the colocated ranks, or trainer then rollout pool
+
+
+@dataclass(frozen=True)
+class RolloutOptions:
+    seed: int
+    spec: LayoutSpec  # over the rollout's own pool
+    ranks: list[int]
+    engine: EngineConfig
+    train: SamplingOptions
+    validate: SamplingOptions
+    response_length: int
+    free_cache_engine: bool  # colocated: free the KV cache after each generation, for training to use the memory
+    override_config: dict[str, Any]
+    weight_sync: WeightSyncOptions
+
+
+# ---- what the controller takes ---------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DataOptions:
+    train_files: list[str] | None  # None: the built-in task
+    val_files: list[str] | None
+    tokenizer: str | None  # None: the model's
+    trust_remote_code: bool
+    prompt_key: str
+    max_prompt_length: int
+    truncation: str
+    filter_overlong_prompts: bool
+    apply_chat_template_kwargs: dict[str, Any]
+    train_max_samples: int
+    val_max_samples: int
+    gen_batch_size: int
+    val_batch_size: int | None
+    shuffle: bool
+    validation_shuffle: bool
+    seed: int
+
+
+@dataclass(frozen=True)
+class RewardOptions:
+    custom_path: str | None
+    custom_name: str
+    data_source_key: str  # data.reward_fn_key: the column that picks the scorer
+    overlong: OverlongShaping | None
+
+
+@dataclass(frozen=True)
+class KLInRewardOptions:
+    estimator: KLEstimator
+    controller: Literal["fixed", "adaptive"]
+    coef: float
+    target_kl: float
+    horizon: int
+
+
+@dataclass(frozen=True)
+class CorrectionOptions:
+    """Off-policy correction (algos.off_policy): the IS level applied once per step (decoupled only)."""
+
+    rollout_is: Literal["token", "sequence"] | None
+    rollout_is_threshold: float
+    rollout_is_batch_normalize: bool
+    rejection: RejectionSampling | None
+    decoupled: bool
+
+
+@dataclass(frozen=True)
+class FilterGroupsOptions:
+    metric: FilterMetric
+    max_num_gen_batches: int
+
+
+@dataclass(frozen=True)
+class AlgorithmOptions:
+    adv_estimator: AdvEstimator
+    gamma: float
+    lam: float
+    norm_adv_by_std_in_grpo: bool
+    kl_in_reward: KLInRewardOptions | None
+    correction: CorrectionOptions
+    filter_groups: FilterGroupsOptions | None  # DAPO's dynamic sampling, when enabled
+
+
+@dataclass(frozen=True)
+class LoopOptions:
+    """The controller's loop: length, validation, checkpoints, sampling seeds, DP balancing."""
+
+    total_steps: int | None  # None until launch (`JobPlan.with_total_steps`)
+    total_training_steps: int | None  # trainer.total_training_steps as given
+    total_epochs: int
+    total_rollout_steps: int | None  # fully async: samples to generate in all
+    seed: int
+    samples_per_prompt: int
+    val_samples_per_prompt: int
+    train_batch_size: int
+    critic_warmup: int
+    val_before_train: bool
+    test_freq: int
+    save_freq: int
+    resume_mode: Literal["auto", "disable", "resume_path"]
+    resume_from_path: str | None
+    run_dir: str
+    max_ckpt_to_keep: dict[str, int | None]  # per role
+    save_hf: bool  # "hf_model" in actor.checkpoint.save_contents
+    balance_batch: bool
+    actor_mini_batch_size: int
+    critic_mini_batch_size: int | None
+    log_val_generations: int
+    max_response_length: int
+
+
+@dataclass(frozen=True)
+class ClusterOptions:
+    ray_init: dict[str, Any]
+    trainer_nodes: int
+    trainer_gpus_per_node: int
+    rollout_nodes: int | None
+    rollout_gpus_per_node: int | None
+    collective_timeout: datetime.timedelta
+
+
+@dataclass(frozen=True)
+class TrackingOptions:
+    loggers: list[str]
+    project: str
+    experiment: str
+    config: dict[str, Any]  # the whole config, for the trackers' run record
+
+
+@dataclass(frozen=True)
+class AsyncOptions:
+    partial_rollout: bool
+    staleness_threshold: float | None
+    trigger_parameter_sync_step: int | None
+    require_batches: int | None
+
+
+# ---- compiling ---------------------------------------------------------------------------------------------------
+
+def recompute_enabled(megatron: MegatronConfig, gradient_checkpointing: bool) -> bool:
+    """Full per-layer recompute: `model.enable_gradient_checkpointing`, or Megatron's `recompute_granularity`
+    given through `override_transformer_config` (the key verl users set)."""
+    return gradient_checkpointing or megatron.override_transformer_config.get("recompute_granularity") in (
+        "full", "selective")
+
+
+def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> OptimOptions:
+    return OptimOptions(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=clip_grad,
+                        distributed=distributed,
+                        total_steps=optim.total_training_steps if optim.total_training_steps > 0 else None,
+                        warmup_steps=optim.lr_warmup_steps, warmup_ratio=optim.lr_warmup_steps_ratio,
+                        decay_style=optim.lr_decay_style, decay_steps=optim.lr_decay_steps,
+                        min_lr_ratio=optim.min_lr_ratio)
+
+
+def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], gradient_checkpointing: bool,
+                  optim: OptimOptions | None, override_config: dict[str, Any], load_weight: bool,
+                  value_head: bool = False) -> ModelOptions:
+    override = megatron.override_transformer_config
+    engine = EngineOptions(
+        sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(megatron, gradient_checkpointing),
+        dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
+        moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
+        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
+    offload = OffloadOptions(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload)
+    dist = megatron.dist_checkpointing_path if megatron.use_dist_checkpointing else None
+    return ModelOptions(spec, ranks, engine, offload, dict(override_config), load_weight, dist)
+
+
+def policy_loss_options(config: PPOConfig) -> PolicyLossOptions:
+    """The actor loss; in bypass mode loss_type=reinforce replaces the surrogate and brings its own IS weights."""
+    actor, correction = config.actor_rollout_ref.actor, config.algorithm.rollout_correction
+    reinforce = not correction.decoupled and correction.loss_type == "reinforce"
+    weighted = reinforce and correction.rollout_is is not None
+    bypass_is = (correction.rollout_is, correction.rollout_is_threshold) if weighted else None
+    return PolicyLossOptions(
+        loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else actor.policy_loss.loss_mode,
+        bypass_is=bypass_is,
+        clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
+        entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type,
+        max_response_length=actor.loss_scale_factor or config.actor_rollout_ref.rollout.response_length)
+
+
+def sampling_options(sampling: SamplingConfig, max_tokens: int, ignore_eos: bool) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, temperature=sampling.temperature if sampling.do_sample else 0.0,
+                           top_k=sampling.top_k, top_p=sampling.top_p, ignore_eos=ignore_eos)
+
+
+def correction_options(config: PPOConfig) -> CorrectionOptions:
+    rc = config.algorithm.rollout_correction
+    return CorrectionOptions(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rejection=rc.rejection(),
+                             decoupled=rc.decoupled)
