@@ -19,12 +19,15 @@ from shardrl.job.schema import PPOConfig
 
 @dataclass(frozen=True)
 class Refused:
-    """`key` keeps `supported(value)`; any other value is refused with `why` (what to use instead)."""
+    """`key` keeps `supported(value)`; any other value (`example` is one) is refused with `why` (what to use
+    instead)."""
 
     key: str
     supported: Callable[[Any], bool]
+    example: Any
     why: str
-    applies: Callable[[PPOConfig], bool] = lambda config: True  # in which configs the refusal holds
+    applies: Callable[[PPOConfig], bool] | None = None  # the configs the refusal holds in (None: all; else the
+    # key has an effect in the others, compiled by the planner)
 
 
 @dataclass(frozen=True)
@@ -46,30 +49,32 @@ def _detached(config: PPOConfig) -> bool:
 _MODEL_GROUPS = ("actor_rollout_ref.model", "critic.model")
 
 REFUSED: tuple[Refused, ...] = (
-    Refused("data.return_raw_input_ids", _is(False), "no reward model re-tokenises responses; rewards read the "
+    Refused("data.return_raw_input_ids", _is(False), True, "no reward model re-tokenises responses; rewards read the "
             "policy's own ids"),
-    Refused("data.return_raw_chat", _is(False), "no reward model or agent loop reads the raw chat yet"),
-    Refused("data.dataloader_num_workers", _is(0), "prompts are tokenised once at start and batched in memory; "
+    Refused("data.return_raw_chat", _is(False), True, "no reward model or agent loop reads the raw chat yet"),
+    Refused("data.dataloader_num_workers", _is(0), 8, "prompts are tokenised once at start and batched in memory; "
             "there are no loader workers; remove the key"),
-    *(Refused(f"{group}.external_lib", _is(None), "shardrl builds its model families natively; a library that "
+    *(Refused(f"{group}.external_lib", _is(None), "my_models", "shardrl builds its model families natively; a library that "
               "registers models with transformers is never used; remove the key") for group in _MODEL_GROUPS),
-    *(Refused(f"{group}.use_remove_padding", _is(True), "shardrl always packs sequences (no padding tokens are "
+    *(Refused(f"{group}.use_remove_padding", _is(True), False, "shardrl always packs sequences (no padding tokens are "
               "computed); set true or remove the key") for group in _MODEL_GROUPS),
-    Refused("actor_rollout_ref.rollout.name", _is("native"), "shardrl has no vllm or sglang backend yet; use "
+    Refused("actor_rollout_ref.rollout.name", _is("native"), "vllm", "shardrl has no vllm or sglang backend yet; use "
             "actor_rollout_ref.rollout.name=native"),
-    Refused("actor_rollout_ref.rollout.mode", _is("sync"), "the native engine is driven by the trainer's schedule "
+    Refused("actor_rollout_ref.rollout.mode", _is("sync"), "async", "the native engine is driven by the trainer's schedule "
             "(the async modes are --config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer); set sync"),
-    Refused("actor_rollout_ref.rollout.load_format", _is("dummy"), "the rollout engine always receives the actor's "
+    Refused("actor_rollout_ref.rollout.load_format", _is("dummy"), "safetensors", "the rollout engine always receives the actor's "
             "weights by weight sync before it generates; nothing is loaded from disk; set dummy"),
-    Refused("actor_rollout_ref.rollout.enable_chunked_prefill", _is(False), "the native engine prefills whole "
+    Refused("actor_rollout_ref.rollout.enable_chunked_prefill", _is(False), True, "the native engine prefills whole "
             "prompts (up to max_num_batched_tokens per step); set false"),
-    Refused("actor_rollout_ref.rollout.engine_kwargs", lambda v: not any(v.values()), "engine_kwargs configure vllm "
+    Refused("actor_rollout_ref.rollout.engine_kwargs", lambda v: not any(v.values()), {"vllm": {"swap_space": 4}}, "engine_kwargs configure vllm "
             "and sglang; the native engine's settings are actor_rollout_ref.rollout.* keys"),
-    Refused("actor_rollout_ref.rollout.calculate_log_probs", _is(True), "the native engine always records each "
+    Refused("actor_rollout_ref.rollout.calculate_log_probs", _is(True), False, "the native engine always records each "
             "token's behaviour logprob (the off-policy contract); set true"),
-    Refused("actor_rollout_ref.rollout.free_cache_engine", _is(False), "the detached rollout pool keeps its KV cache "
+    Refused("actor_rollout_ref.rollout.free_cache_engine", _is(False), True, "the detached rollout pool keeps its KV cache "
             "(it never shares its GPUs with training); set false", applies=_detached),
-    Refused("reward_model.enable", _is(False), "model-based reward models are not supported yet; use rule-based "
+    Refused("actor_rollout_ref.ref.megatron.use_distributed_optimizer", _is(False), True, "the reference policy "
+            "never trains: it has no optimizer to distribute; set false"),
+    Refused("reward_model.enable", _is(False), True, "model-based reward models are not supported yet; use rule-based "
             "rewards (custom_reward_function.path) with reward_model.enable=false"),
 )
 
@@ -79,7 +84,10 @@ ACCEPTED: tuple[Accepted, ...] = (
     Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),
     Accepted("async_training.use_rollout_log_probs", "must agree with algorithm.rollout_correction.decoupled "
              "(rules.py)"),
-    Accepted("async_training.mode", "the async config's schedule; read as PPOConfig.mode"),
+    Accepted("actor_rollout_ref.ref.megatron.seed", "must equal the actor's (rules.py): the reference policy loads "
+             "the actor's initial weights, so nothing of it is random"),
+    *(Accepted(f"critic.model.{key}", "must equal actor_rollout_ref.model's (rules.py): the critic reads the actor's "
+               "token ids") for key in ("tokenizer_path", "trust_remote_code")),
     Accepted("reward_model.reward_manager", "one scoring path serves naive, batch and dapo (overlong shaping is "
              "reward_model.overlong_buffer)"),
     Accepted("reward_model.reward_kwargs", "folded into reward_model.overlong_buffer by load.py"),
@@ -92,7 +100,7 @@ ACCEPTED: tuple[Accepted, ...] = (
 def refuse_unsupported(config: PPOConfig) -> None:
     """Raise ConfigError for the first key of REFUSED set to a value shardrl cannot honour."""
     for entry in REFUSED:
-        if not entry.applies(config):
+        if entry.applies is not None and not entry.applies(config):
             continue
         value = config.at(entry.key)
         if not entry.supported(value):

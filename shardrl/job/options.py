@@ -145,7 +145,7 @@ class CheckpointOptions:
 
 @dataclass(frozen=True)
 class ActorOptions:
-    seed: int  # torch's seed before the model is built
+    seed: int  # torch's seed before the model is built (megatron.seed: the init of weights not loaded)
     model: ModelOptions
     update: UpdateOptions
     loss: PolicyLossOptions
@@ -358,7 +358,8 @@ def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], 
         moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
         moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
     offload = OffloadOptions(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload)
-    dist = megatron.dist_checkpointing_path if megatron.use_dist_checkpointing else None
+    path = megatron.dist_checkpointing_path
+    dist = path if megatron.use_dist_checkpointing else None
     return ModelOptions(spec, ranks, engine, offload, dict(override_config), load_weight, dist)
 
 
@@ -378,7 +379,8 @@ def policy_loss_options(config: PPOConfig) -> PolicyLossOptions:
 
 
 def sampling_options(sampling: SamplingConfig, max_tokens: int, ignore_eos: bool) -> SamplingOptions:
-    return SamplingOptions(max_tokens=max_tokens, temperature=sampling.temperature if sampling.do_sample else 0.0,
+    temperature = sampling.temperature
+    return SamplingOptions(max_tokens=max_tokens, temperature=temperature if sampling.do_sample else 0.0,
                            top_k=sampling.top_k, top_p=sampling.top_p, ignore_eos=ignore_eos)
 
 

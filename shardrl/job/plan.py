@@ -214,7 +214,7 @@ def _actor_options(config: PPOConfig, role: RolePlan) -> ActorOptions:
                           arr.model.override_config, actor.load_weight)
     log_prob = role.batches.get("log_prob")
     return ActorOptions(
-        seed=config.trainer.seed, model=model,
+        seed=actor.megatron.seed, model=model,
         update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, config.trainer.seed),
         loss=policy_loss_options(config), log_prob=log_prob.forward() if log_prob else None,
         temperature=arr.rollout.temperature or 1.0, checkpoint=_checkpoint_options(actor.checkpoint))
@@ -234,7 +234,7 @@ def _critic_options(config: PPOConfig, role: RolePlan) -> CriticOptions:
     model = model_options(critic.megatron, role.spec, role.ranks, critic.model.enable_gradient_checkpointing, optim,
                           critic.model.override_config, critic.load_weight, value_head=True)
     return CriticOptions(
-        seed=config.trainer.seed, model=model,
+        seed=critic.megatron.seed, model=model,
         update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, config.trainer.seed),
         values=role.batches["values"].forward(), loss_agg_mode=critic.loss_agg_mode,
         cliprange_value=critic.cliprange_value,

@@ -36,11 +36,27 @@ def validate(config: PPOConfig) -> None:
             raise ConfigError(f"{name}.optim.betas", f"expected two numbers in [0, 1), got {betas}")
     if config.critic.enable is False and config.algorithm.adv_estimator == "gae":
         raise ConfigError("critic.enable", "adv_estimator=gae needs a critic (values); enable it or use grpo")
+    _validate_shared_model_keys(config)
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
     _validate_async(config)
     _validate_behaviour_logprobs(config)
     _validate_dapo(config)
+
+
+def _validate_shared_model_keys(config: PPOConfig) -> None:
+    """Keys verl lets differ per role that shardrl's roles share: the reference loads the actor's initial weights
+    (no seed of its own) and the critic reads the actor's token ids (its tokenizer)."""
+    arr, critic = config.actor_rollout_ref, config.critic
+    if arr.ref.megatron.seed != arr.actor.megatron.seed:
+        raise ConfigError("actor_rollout_ref.ref.megatron.seed", f"{arr.ref.megatron.seed} differs from the actor's "
+                                                                 f"{arr.actor.megatron.seed}; the reference policy "
+                                                                 "loads the actor's initial weights, so leave it unset")
+    for key in ("tokenizer_path", "trust_remote_code"):
+        mine, actors = getattr(critic.model, key), getattr(arr.model, key)
+        if mine != actors:
+            raise ConfigError(f"critic.model.{key}", f"{mine!r} differs from actor_rollout_ref.model.{key}={actors!r}; "
+                                                     "the critic reads the actor's token ids, so leave it unset")
 
 
 def _validate_async(config: PPOConfig) -> None:
