@@ -26,7 +26,7 @@ from shardrl.parallel.launch import run_distributed
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import SamplingParams
 from shardrl.job.load import compose
-from shardrl.job.plan import build_plan
+from shardrl.job.plan import plan_job
 from shardrl.workers import roles
 
 PROMPT_LEN, RESPONSE_LEN, N, PROMPTS = 5, 6, 4, 8
@@ -86,7 +86,7 @@ def run_colocated(model_path: str, batch: Batch) -> dict[str, list[float]]:
     from shardrl.workers.hybrid import ActorRolloutRefWorker
 
     config = compose("ppo_trainer", COMMON)
-    plan = build_plan(config)
+    plan = plan_job(config)
     return update_on_my_shard(ActorRolloutRefWorker(config, plan, model_path, 4, 0), plan, batch)
 
 
@@ -95,7 +95,7 @@ def run_detached(model_path: str, batch: Batch, export_dir: str, prompts: list[l
     from shardrl.workers.detached import DetachedActorWorker, RolloutWorker
 
     config = compose("one_step_off_ppo_trainer", DETACHED)
-    plan = build_plan(config)
+    plan = plan_job(config)
     rank, registry = dist.get_rank(), layout_module.GroupRegistry()  # as the Ray rank host passes one
     trainer = rank in plan.trainer_ranks
     worker = (DetachedActorWorker(config, plan, model_path, 4, 0, registry) if trainer

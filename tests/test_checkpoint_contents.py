@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.distributed.checkpoint import FileSystemReader
 
 from shardrl.models.checkpoint import (
     META_FILE,
@@ -25,7 +26,6 @@ from shardrl.models.tiny import make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.optimizer import AdamW, LRScheduler
-from torch.distributed.checkpoint import FileSystemReader
 
 SINGLE = Layout.single()
 

@@ -11,16 +11,18 @@ from hydra.errors import ConfigCompositionException
 
 from shardrl.algos.aggregate import LossScale, aggregate_loss
 from shardrl.job.load import CONFIG_DIR, compose
+from shardrl.job.plan import plan_job
 from shardrl.job.preflight import check_launch
 from shardrl.job.errors import ConfigError
-from shardrl.workers.roles import policy_loss_options
+from shardrl.job.options import policy_loss_options
 
 CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
 
 def error_key(overrides, config_name="ppo_trainer"):
+    """The key the first error names, loading the config or planning it (where compat refusals fire)."""
     with pytest.raises(ConfigError) as info:
-        compose(config_name, overrides)
+        plan_job(compose(config_name, overrides))
     assert "\n" not in str(info.value)  # one line
     return info.value.key
 
@@ -280,9 +282,9 @@ def test_nonexistent_data_file_fails_only_at_launch(tmp_path):
     missing = tmp_path / "train.parquet"
     config = compose("ppo_trainer", [f"data.train_files={missing}"])  # loading (and the dry run) accept it
     with pytest.raises(ConfigError, match=f"^data.train_files: {missing} does not exist$"):
-        check_launch(config)
+        check_launch(plan_job(config))
     missing.write_bytes(b"")
-    check_launch(config)
+    check_launch(plan_job(config))
 
 
 def test_val_file_list_is_checked_item_by_item(tmp_path):
@@ -290,14 +292,14 @@ def test_val_file_list_is_checked_item_by_item(tmp_path):
     present.write_bytes(b"")
     config = compose("ppo_trainer", [f"data.val_files=[{present},{tmp_path / 'b.parquet'}]"])
     with pytest.raises(ConfigError, match="^data.val_files: .*b.parquet does not exist$"):
-        check_launch(config)
+        check_launch(plan_job(config))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vllm is installed here")
 def test_missing_rollout_engine_fails_at_launch_suggesting_native():
     config = compose("ppo_trainer", ["actor_rollout_ref.rollout.name=vllm"])
     with pytest.raises(ConfigError) as info:
-        check_launch(config)
+        check_launch(plan_job(config))
     assert info.value.key == "actor_rollout_ref.rollout.name"
     assert "vllm is not installed" in str(info.value) and "actor_rollout_ref.rollout.name=native" in str(info.value)
 
@@ -308,14 +310,14 @@ def test_installed_rollout_engine_without_a_backend_fails_at_launch():
     with mock.patch("shardrl.job.preflight._installed", return_value=True):
         with pytest.raises(ConfigError, match="^actor_rollout_ref.rollout.name: sglang is installed but shardrl has "
                                               "no sglang backend yet; use actor_rollout_ref.rollout.name=native"):
-            check_launch(config)
+            check_launch(plan_job(config))
 
 
 @pytest.mark.skipif(importlib.util.find_spec("wandb") is not None, reason="wandb is installed here")
 def test_missing_logger_package_fails_at_launch():
     config = compose("ppo_trainer", ["trainer.logger=[console,wandb]"])
     with pytest.raises(ConfigError, match="^trainer.logger: wandb is not installed"):
-        check_launch(config)
+        check_launch(plan_job(config))
 
 
 # A verl DAPO recipe's trainer flags (recipe/dapo scripts, sizes of the 32B run), unchanged.

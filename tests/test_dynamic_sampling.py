@@ -22,7 +22,7 @@ from shardrl.rewards.registry import default_compute_score
 from shardrl.trainer import batch_ops
 from shardrl.job.load import compose
 from shardrl.trainer.dynamic_sampling import collect, informative_uids, metric_values
-from shardrl.job.plan import build_plan
+from shardrl.job.plan import plan_job
 from shardrl.trainer.ppo import PPOTrainer, Workers
 
 
@@ -168,7 +168,7 @@ def filtered_run(paths: dict[str, str], overrides: list[str], num_steps: int) ->
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
     config = compose("ppo_trainer", overrides)
     tokenizer = AutoTokenizer.from_pretrained(paths["model"])
-    plan = build_plan(config)
+    plan = plan_job(config)
     worker = ActorRolloutRefWorker(config, plan, paths["model"], num_steps, tokenizer.pad_token_id)
     data = config.data
     loader = PromptLoader(RLDataset([paths["train_files"]], tokenizer, data.max_prompt_length), data.gen_batch_size,

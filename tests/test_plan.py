@@ -6,7 +6,7 @@ import json
 import pytest
 
 from shardrl.job.load import compose
-from shardrl.job.plan import MicroBatching, build_plan, format_plan
+from shardrl.job.plan import MicroBatching, plan_job, format_plan
 from shardrl.job.errors import ConfigError
 from example_command import example_overrides
 
@@ -18,7 +18,7 @@ BASE = ("data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size
 
 
 def plan_of(overrides=(), name="ppo_trainer"):
-    return build_plan(compose(name, [*BASE, *overrides]))
+    return plan_job(compose(name, [*BASE, *overrides]))
 
 
 def error_of(overrides, name="ppo_trainer"):
@@ -30,7 +30,7 @@ def error_of(overrides, name="ppo_trainer"):
 
 def test_issue_example_plan_hand_computed():
     config = compose("ppo_megatron_trainer", example_overrides())
-    plan = build_plan(config)
+    plan = plan_job(config)
     actor = plan.roles["actor"]
     s = actor.spec
     assert (s.world_size, s.tp, s.pp, s.vpp, s.cp, s.dp, s.ep, s.etp, s.edp) == (8, 4, 2, 1, 1, 1, 4, 1, 1)

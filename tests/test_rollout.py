@@ -133,6 +133,13 @@ def test_update_weights_equals_fresh_engine(checkpoints, tmp_path):
     assert engine.policy_version == 1 and after[0].policy_versions == [1] * 8
     with pytest.raises(EngineError, match="lm_head.bias"):
         engine.update_weights([("lm_head.bias", torch.zeros(128))])
+    # Weights written in place (weight sync) only need the new version; an empty update is refused, not taken
+    # for that.
+    with pytest.raises(EngineError, match="no tensors given; .* call set_policy_version"):
+        engine.update_weights([], version=5)
+    engine.set_policy_version(5)
+    engine.set_policy_version()
+    assert engine.policy_version == 6 and _tokens(engine.generate(PROMPTS, params)) == _tokens(after)
 
 
 def test_sleep_wake_round_trip(checkpoints):

@@ -10,7 +10,7 @@ from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, pla
 from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data.batch import Batch
 from shardrl.job.load import compose
-from shardrl.job.plan import build_plan
+from shardrl.job.plan import plan_job
 from shardrl.trainer.ppo import PPOTrainer, Workers
 
 
@@ -46,7 +46,7 @@ def colocated_trainer(model_path: str, overrides: list[str], score_fn, tracker=N
 
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
     config = compose("ppo_trainer", overrides)
-    plan = build_plan(config)
+    plan = plan_job(config)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
     worker = ActorRolloutRefWorker(config, plan, model_path, 1, tokenizer.pad_token_id)
     handle = RankHandle(worker, plan)

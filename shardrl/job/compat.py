@@ -58,8 +58,6 @@ REFUSED: tuple[Refused, ...] = (
               "registers models with transformers is never used; remove the key") for group in _MODEL_GROUPS),
     *(Refused(f"{group}.use_remove_padding", _is(True), False, "shardrl always packs sequences (no padding tokens are "
               "computed); set true or remove the key") for group in _MODEL_GROUPS),
-    Refused("actor_rollout_ref.rollout.name", _is("native"), "vllm", "shardrl has no vllm or sglang backend yet; use "
-            "actor_rollout_ref.rollout.name=native"),
     Refused("actor_rollout_ref.rollout.mode", _is("sync"), "async", "the native engine is driven by the trainer's schedule "
             "(the async modes are --config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer); set sync"),
     Refused("actor_rollout_ref.rollout.load_format", _is("dummy"), "safetensors", "the rollout engine always receives the actor's "

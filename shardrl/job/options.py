@@ -197,6 +197,7 @@ class WeightSyncOptions:
 
 @dataclass(frozen=True)
 class RolloutOptions:
+    engine_name: Literal["native", "vllm", "sglang"]  # only native runs (preflight refuses the others at launch)
     seed: int
     spec: LayoutSpec  # over the rollout's own pool
     ranks: list[int]

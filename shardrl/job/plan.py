@@ -252,7 +252,7 @@ def _rollout_options(config: PPOConfig, role: RolePlan, sync_ranks: list[int]) -
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching)
     sync = rollout.weight_sync
     return RolloutOptions(
-        seed=config.trainer.seed, spec=role.spec, ranks=role.ranks, engine=engine,
+        engine_name=rollout.name, seed=config.trainer.seed, spec=role.spec, ranks=role.ranks, engine=engine,
         train=sampling_options(rollout, rollout.response_length, rollout.ignore_eos),
         validate=sampling_options(rollout.val_kwargs, rollout.response_length, rollout.ignore_eos),
         response_length=rollout.response_length, free_cache_engine=rollout.free_cache_engine,

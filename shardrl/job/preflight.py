@@ -11,6 +11,7 @@ import torch
 from shardrl.job.plan import JobPlan
 from shardrl.job.errors import ConfigError
 
+ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}  # rollout.name -> package it needs
 LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
 
 
@@ -31,6 +32,15 @@ def check_launch(plan: JobPlan) -> None:
     reward_path = plan.reward.custom_path
     if reward_path is not None and not Path(reward_path).expanduser().is_file():
         raise ConfigError("custom_reward_function.path", f"{reward_path} does not exist")
+    engine = plan.rollout.engine_name
+    if engine in ROLLOUT_PACKAGES:
+        if not _installed(ROLLOUT_PACKAGES[engine]):
+            raise ConfigError("actor_rollout_ref.rollout.name", f"{engine} is not installed (pip install "
+                                                                f"{ROLLOUT_PACKAGES[engine]}); use "
+                                                                "actor_rollout_ref.rollout.name=native")
+        # Installed or not, there is no backend for it yet: never let the native engine run in its place unsaid.
+        raise ConfigError("actor_rollout_ref.rollout.name", f"{engine} is installed but shardrl has no {engine} "
+                                                            "backend yet; use actor_rollout_ref.rollout.name=native")
     for logger in plan.tracking.loggers:
         if logger in LOGGER_PACKAGES and not _installed(LOGGER_PACKAGES[logger]):
             raise ConfigError("trainer.logger", f"{logger} is not installed (pip install {LOGGER_PACKAGES[logger]}); "

@@ -9,7 +9,8 @@ Use:
     outputs = engine.generate(prompts, SamplingParams(...))               # batch, synchronous
     engine.submit(prompt, params); for out in engine.stream(): ...       # streaming, for the async trainer
     partial = engine.abort(); engine.update_weights(new, version=7); engine.resume()   # partial rollout
-    engine.sleep(offload_weights=True); ...; engine.wake_up(kv_cache=False); sync weights; engine.wake_up()
+    engine.sleep(offload_weights=True); ...; engine.wake_up(kv_cache=False)       # colocated weight sync:
+    ...sync writes the shards in place...; engine.set_policy_version(8); engine.wake_up()   # KV cache after it
 """
 
 from __future__ import annotations

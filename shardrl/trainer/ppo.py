@@ -180,7 +180,7 @@ class PPOTrainer:
             self.workers.actor.save_hf(str(checkpoint_dir(root, self.global_step) / "actor_hf"))
         if self.workers.critic is not None:
             self.workers.critic.save_checkpoint(str(root), self.global_step, state)
-        mark_latest(root, self.global_step, self.loop.max_ckpt_to_keep["actor"])
+        mark_latest(root, self.global_step, self.loop.max_ckpt_to_keep)
 
     def loader_state(self) -> dict[str, Any]:
         """Where a resumed run continues reading prompts (synchronous: the loader's position after this step)."""

@@ -113,14 +113,17 @@ class ActorRefWorker:
         with self._actor_resident():
             save_checkpoint(checkpoint_dir(root, step) / "actor", self.actor.chunks, self.actor.layout,
                             optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
-                            trainer_state=trainer_state, hf_dir=self.model_path)
+                            trainer_state=trainer_state, hf_dir=self.model_path,
+                            contents=self.options.checkpoint.save_contents)
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, step_dir: str) -> dict:
-        """Restore the actor (weights, optimizer, schedule, RNG); the controller syncs the rollout after it."""
+        """Restore the actor (weights, and as `checkpoint.load_contents` asks optimizer, schedule and RNG); the
+        controller syncs the rollout after it."""
         with self._actor_resident():
             return load_checkpoint(Path(step_dir) / "actor", self.actor.chunks, self.actor.layout,
-                                   optimizer=self.actor.optimizer, scheduler=self.actor.scheduler)
+                                   optimizer=self.actor.optimizer, scheduler=self.actor.scheduler,
+                                   contents=self.options.checkpoint.load_contents)
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def save_hf(self, out_dir: str) -> None:

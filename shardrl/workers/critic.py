@@ -63,13 +63,15 @@ class CriticWorker:
     def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:
         with self._resident():
             save_checkpoint(checkpoint_dir(root, step) / "critic", self.critic.chunks, self.critic.layout,
-                            optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, rng=False)
+                            optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, rng=False,
+                            contents=self.options.checkpoint.save_contents)
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def load_checkpoint(self, step_dir: str) -> None:
         with self._resident():
             load_checkpoint(Path(step_dir) / "critic", self.critic.chunks, self.critic.layout,
-                            optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, restore_rng=False)
+                            optimizer=self.critic.optimizer, scheduler=self.critic.scheduler, restore_rng=False,
+                            contents=self.options.checkpoint.load_contents)
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_values(self, batch: Batch) -> Batch:
