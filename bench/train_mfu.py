@@ -49,6 +49,7 @@ import torch.distributed as dist
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
+from shardrl.job.options import EngineOptions, OptimOptions, PolicyLossOptions, UpdateOptions
 from shardrl.algos import ClipRange
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
@@ -56,8 +57,8 @@ from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout, LayoutSpec
 from shardrl.parallel.tensor_overlap import TPOverlap
-from shardrl.workers.actor import PolicyLossOptions, update_policy
-from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, UpdateOptions
+from shardrl.workers.actor import update_policy
+from shardrl.workers.engine import ModelEngine
 
 H200_BF16_DENSE_TFLOPS = 989.0
 SHAPES = {  # HF config.json dicts

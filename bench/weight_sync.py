@@ -29,6 +29,7 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 from transformers import Qwen2Config, Qwen3MoeConfig
 
+from shardrl.job.options import EngineOptions
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
@@ -37,7 +38,7 @@ from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.sync.colocated import ColocatedSync
 from shardrl.sync.detached import DetachedSync
 from shardrl.sync.shards import Shards
-from shardrl.workers.engine import EngineOptions, ModelEngine
+from shardrl.workers.engine import ModelEngine
 
 SHAPES = {  # HF configs: Qwen2.5-3B's sizes, and a Qwen3-MoE of about 3.1B parameters
     "dense": (Qwen2Config, dict(hidden_size=2048, num_hidden_layers=36, num_attention_heads=16, num_key_value_heads=2,

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from shardrl.job.load import compose
+from shardrl.job.plan import plan_job
 from shardrl.trainer.staleness import describe, lag_metrics, max_staleness
 
 
@@ -21,9 +22,9 @@ from shardrl.trainer.staleness import describe, lag_metrics, max_staleness
      5),
 ])
 def test_max_staleness(name, overrides, bound):
-    config = compose(name, overrides)
-    assert max_staleness(config) == bound
-    assert f"samples may be up to {bound} version" in describe(config)
+    plan = plan_job(compose(name, overrides))
+    assert max_staleness(plan) == bound
+    assert f"samples may be up to {bound} version" in describe(plan)
 
 
 def test_lag_metrics_of_a_hand_made_batch():

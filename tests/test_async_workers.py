@@ -27,7 +27,6 @@ from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import SamplingParams
 from shardrl.job.load import compose
 from shardrl.job.plan import plan_job
-from shardrl.workers import roles
 
 PROMPT_LEN, RESPONSE_LEN, N, PROMPTS = 5, 6, 4, 8
 # 8 prompts x n=4 = 32 samples, 16 per DP rank; a mini batch is 4 prompts = 16 samples = 8 per rank, so each of the
@@ -85,21 +84,20 @@ def run_colocated(model_path: str, batch: Batch) -> dict[str, list[float]]:
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
     from shardrl.workers.hybrid import ActorRolloutRefWorker
 
-    config = compose("ppo_trainer", COMMON)
-    plan = plan_job(config)
-    return update_on_my_shard(ActorRolloutRefWorker(config, plan, model_path, 4, 0), plan, batch)
+    plan = plan_job(compose("ppo_trainer", COMMON)).with_total_steps(4)
+    return update_on_my_shard(ActorRolloutRefWorker(plan.actor, plan.ref, plan.rollout, model_path, 0), plan, batch)
 
 
 def run_detached(model_path: str, batch: Batch, export_dir: str, prompts: list[list[int]]) -> dict:
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
-    from shardrl.workers.detached import DetachedActorWorker, RolloutWorker
+    from shardrl.workers.detached import DetachedActorWorker
+    from shardrl.workers.rollout import RolloutWorker
 
-    config = compose("one_step_off_ppo_trainer", DETACHED)
-    plan = plan_job(config)
+    plan = plan_job(compose("one_step_off_ppo_trainer", DETACHED)).with_total_steps(4)
     rank, registry = dist.get_rank(), layout_module.GroupRegistry()  # as the Ray rank host passes one
     trainer = rank in plan.trainer_ranks
-    worker = (DetachedActorWorker(config, plan, model_path, 4, 0, registry) if trainer
-              else RolloutWorker(config, plan, model_path, 0, registry))
+    worker = (DetachedActorWorker(plan.actor, plan.ref, plan.rollout.weight_sync, model_path, registry) if trainer
+              else RolloutWorker(plan.rollout, model_path, 0, registry))
     worker.sync_weights(0)
     result: dict = {}
     if trainer:
@@ -117,7 +115,7 @@ def run_detached(model_path: str, batch: Batch, export_dir: str, prompts: list[l
         result["after_sync"], result["after_stats"] = worker.stream(None, 10)
     dist.barrier()  # the export is written
     if not trainer:
-        engine, engine_config = worker.engine, roles.rollout_engine_config(config)
+        engine, engine_config = worker.engine, plan.rollout.engine
         exported = dict(Engine.from_pretrained(export_dir, engine.layout, engine_config).model.named_parameters())
         initial = dict(Engine.from_pretrained(model_path, engine.layout, engine_config).model.named_parameters())
         result["differs_from_export"] = [n for n, p in engine.model.named_parameters()

@@ -15,6 +15,7 @@ from shardrl.data.rl_dataset import RLDataset
 from shardrl.parallel.launch import run_distributed
 from shardrl.trainer import batch_ops
 from shardrl.job.load import compose
+from shardrl.job.plan import plan_job
 
 
 def rank_loads(order: list[int], lens: list[int], num_ranks: int) -> list[int]:
@@ -46,7 +47,7 @@ def test_balance_over_dp_permutes_whole_samples_and_reports_verl_seqlen_metrics(
     mask = (torch.arange(12) < lens[:, None]).long()  # [4, 12]
     batch = Batch({"attention_mask": mask, "row": torch.arange(4), "scores": torch.randn(4, 3)},
                   {"uid": as_object_array(["a", "a", "b", "b"])})
-    balanced, metrics = batch_ops.balance_over_dp(batch, config, actor_dp=2, critic_dp=None)
+    balanced, metrics = batch_ops.balance_over_dp(batch, plan_job(config).loop, actor_dp=2, critic_dp=None)
     rows = balanced.tensors["row"]
     assert sorted(rows.tolist()) == [0, 1, 2, 3] and rows.tolist() != [0, 1, 2, 3]
     for key in ("attention_mask", "scores"):
@@ -66,7 +67,7 @@ def spread_score(data_source: str, text: str, ground_truth: str, extra_info: dic
 
 def one_step(paths: dict[str, str], prompt_rows: list[int], overrides: list[str]) -> tuple[dict, dict[str, int]]:
     trainer, handle, tokenizer = colocated_trainer(paths["model"], overrides, spread_score)
-    prompts = RLDataset(paths["val_files"], tokenizer, trainer.config.data.max_prompt_length).collate(prompt_rows)
+    prompts = RLDataset(paths["val_files"], tokenizer, trainer.plan.data.max_prompt_length).collate(prompt_rows)
     return trainer.step(prompts), handle.tokens
 
 

@@ -10,14 +10,15 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardrl.job.options import EngineOptions, OptimOptions, UpdateOptions
 from shardrl.models.checkpoint import load_checkpoint, save_checkpoint
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
-from shardrl.workers.actor import UpdateOptions, update_policy
-from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions
+from shardrl.workers.actor import update_policy
+from shardrl.workers.engine import ModelEngine
 from test_parity_matrix import BATCH, LOSS, make_batch
 
 SAVED_AT = 1  # steps trained before the checkpoint; the step after it is compared

@@ -22,7 +22,8 @@ from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 from shardrl.workers.actor import compute_log_prob
-from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions
+from shardrl.job.options import EngineOptions, ForwardBatching, OptimOptions
+from shardrl.workers.engine import ModelEngine
 from test_checkpoint_resume import ppo_step
 from test_convert import assert_bitwise_equal, hf_tensors
 from test_parity_matrix import make_batch
@@ -37,7 +38,7 @@ def inference_log_probs(hf: str, ckpt: str, pp: int, registry: GroupRegistry | N
     layout = Layout.create(LayoutSpec(world_size=world, pp=pp), registry=registry)
     engine = ModelEngine(ModelConfig.from_pretrained(hf), layout, EngineOptions(), hf_path=None)
     load_model_from_dist(engine.chunks, layout, ckpt)
-    return compute_log_prob(engine, make_batch(), micro_batch_size=2, max_token_len=None)[0]
+    return compute_log_prob(engine, make_batch(), ForwardBatching(micro_batch_size=2, max_token_len=None))[0]
 
 
 def _engine(hf: str, layout: Layout, distributed_optimizer: bool, load: bool) -> ModelEngine:

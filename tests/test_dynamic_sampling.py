@@ -95,9 +95,9 @@ def test_metrics_name_scores_before_or_after_shaping_and_acc():
 
 
 def test_each_round_of_a_step_has_its_own_seeds_and_round_0_keeps_them():
-    config = compose("ppo_trainer")  # trainer.seed=1
+    seed = plan_job(compose("ppo_trainer")).loop.seed  # trainer.seed=1
     rows = Batch({"x": torch.zeros(6)})
-    seeds = [batch_ops.with_sample_seeds(rows, config, step, r).tensors["sample_seed"].tolist()
+    seeds = [batch_ops.with_sample_seeds(rows, seed, step, r).tensors["sample_seed"].tolist()
              for step, r in ((0, 0), (0, 1), (0, 2), (1, 0))]
     assert seeds[0] == list(range(1_065_540, 1_065_546))  # (1 * 1_000_003 + 1 * 65_537) + row, as before rounds
     assert seeds[1][0] == 1_065_540 + 2**24 and seeds[2][0] == 1_065_540 + 2 * 2**24
@@ -120,7 +120,7 @@ OVERLONG_SPELLINGS = {
 def test_overlong_penalty_reaches_rewards_and_advantages(tmp_path, spelling):
     """Two correct responses of 1 and 2 generated tokens with L = 2, B = 1, factor 0.5: the second loses 0.5. The
     group (both right) then has a spread: GRPO gives +-1/sqrt(2) (normalised by the unbiased std of [1, 0.5])."""
-    config = compose("ppo_trainer", OVERLONG_SPELLINGS[spelling])
+    plan = plan_job(compose("ppo_trainer", OVERLONG_SPELLINGS[spelling]))
     tokenizer = builtin_task.make_tokenizer(tmp_path)
     three, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in ("3", "<eos>", "<pad>"))
     batch = Batch({"responses": torch.tensor([[three, pad], [three, eos]]),
@@ -128,10 +128,10 @@ def test_overlong_penalty_reaches_rewards_and_advantages(tmp_path, spelling):
                    "rollout_log_probs": torch.zeros(2, 2), "old_log_probs": torch.zeros(2, 2)},
                   {"data_source": [builtin_task.DATA_SOURCE] * 2, "reward_model": [{"ground_truth": "3"}] * 2,
                    "extra_info": [{}] * 2, "uid": as_object_array(["p", "p"])})
-    batch, scores = batch_ops.score(batch, tokenizer, default_compute_score, config)
+    batch, scores = batch_ops.score(batch, tokenizer, default_compute_score, plan.reward)
     assert scores.scores.tolist() == [1.0, 1.0] and scores.extras == {}  # .log is off
-    batch_ops.apply_rewards_and_correction(batch, config, None)
-    batch_ops.advantages(batch, config)
+    batch_ops.apply_rewards_and_correction(batch, plan.algorithm, None)
+    batch_ops.advantages(batch, plan.algorithm)
     assert batch.tensors["token_level_rewards"].tolist() == [[1.0, 0.0], [0.0, 0.5]]
     expected = 0.25 / (0.5 / 2**0.5)  # (score - mean) / std, std = |1 - 0.5| / sqrt(2)
     advantages = batch.tensors["advantages"]  # [2, 2]
@@ -168,13 +168,13 @@ def filtered_run(paths: dict[str, str], overrides: list[str], num_steps: int) ->
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
     config = compose("ppo_trainer", overrides)
     tokenizer = AutoTokenizer.from_pretrained(paths["model"])
-    plan = plan_job(config)
-    worker = ActorRolloutRefWorker(config, plan, paths["model"], num_steps, tokenizer.pad_token_id)
-    data = config.data
+    plan = plan_job(config).with_total_steps(num_steps)
+    worker = ActorRolloutRefWorker(plan.actor, plan.ref, plan.rollout, paths["model"], tokenizer.pad_token_id)
+    data = plan.data
     loader = PromptLoader(RLDataset([paths["train_files"]], tokenizer, data.max_prompt_length), data.gen_batch_size,
                           data.shuffle, data.seed)
-    trainer = RecordingTrainer(config, Workers(RankHandle(worker, plan), None), loader, None, tokenizer,
-                               default_compute_score, None, None, num_steps)
+    trainer = RecordingTrainer(plan, Workers(RankHandle(worker, plan), None), loader, None, tokenizer,
+                               default_compute_score, None, None)
     trainer.generated, trainer.trained = [], []
     steps, metrics, states = trainer.schedule(), [], []
     for _ in range(num_steps):

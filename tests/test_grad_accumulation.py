@@ -7,14 +7,15 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardrl.job.options import EngineOptions, OptimOptions, PolicyLossOptions
 from shardrl.algos import LOSS_AGG_MODES, ClipRange, LossScale, loss_counts
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout, LayoutSpec
-from shardrl.workers.actor import PolicyLossOptions, policy_loss_fn
-from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, all_reduce_sum, make_micro_batches
+from shardrl.workers.actor import policy_loss_fn
+from shardrl.workers.engine import ModelEngine, all_reduce_sum, make_micro_batches
 from test_parity_matrix import BATCH, KEYS, RESPONSE, grads_as_data, make_batch
 
 CUTS = [(1, None), (4, None), (None, 24)]  # (samples per micro batch, token budget per micro batch)

@@ -18,12 +18,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 from torch.utils.weak import WeakIdKeyDictionary
 
+from shardrl.job.options import EngineOptions, OptimOptions, UpdateOptions
 from shardrl.models.config import ModelConfig
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.layout import Layout
 from shardrl.workers.actor import update_policy
 from shardrl.workers.critic import update_critic
-from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, UpdateOptions
+from shardrl.workers.engine import ModelEngine
 from test_parity_matrix import BATCH, LOSS, RESPONSE, make_batch
 
 aten = torch.ops.aten

@@ -30,7 +30,8 @@ from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.rollout.request import SamplingParams
 from shardrl.workers.actor import compute_log_prob
-from shardrl.workers.engine import EngineOptions, ModelEngine
+from shardrl.job.options import EngineOptions, ForwardBatching
+from shardrl.workers.engine import ModelEngine
 from shardrl.workers.rollout import generate
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -78,7 +79,7 @@ def rollout_vs_trainer(path: Path, device: str, dtype: torch.dtype) -> dict[str,
     del engine
     trainer = ModelEngine(ModelConfig.from_pretrained(path), Layout.single(device), EngineOptions(dtype=dtype),
                           hf_path=str(path))
-    log_probs, entropy = compute_log_prob(trainer, samples, micro_batch_size=8, max_token_len=None)  # [B, R] each
+    log_probs, entropy = compute_log_prob(trainer, samples, ForwardBatching(micro_batch_size=8, max_token_len=None))  # [B, R] each
     mask = samples.tensors["response_mask"].bool()
     d = (samples.tensors["rollout_log_probs"] - log_probs)[mask]  # [N] rollout - trainer
     return dict(tokens=float(d.numel()), mean_abs=d.abs().mean().item(), max_abs=d.abs().max().item(),

@@ -17,8 +17,9 @@ from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
-from shardrl.workers.actor import PolicyLossOptions, compute_log_prob, policy_loss_fn
-from shardrl.workers.engine import EngineOptions, ModelEngine, OptimOptions, all_reduce_sum, make_micro_batches
+from shardrl.workers.actor import compute_log_prob, policy_loss_fn
+from shardrl.job.options import EngineOptions, ForwardBatching, OptimOptions, PolicyLossOptions
+from shardrl.workers.engine import ModelEngine, all_reduce_sum, make_micro_batches
 
 PROMPT, RESPONSE, BATCH, VOCAB = 6, 5, 8, 128
 LOSS = PolicyLossOptions(loss_agg_mode="seq-mean-token-mean", clip=ClipRange(0.2, clip_ratio_c=3.0),
@@ -76,7 +77,7 @@ def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_b
     dp, dp_rank = layout.dp_size, layout.dp_rank
     batch = make_batch()
     share = batch.take(list(range(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)))
-    log_probs, _ = compute_log_prob(engine, share, micro_batch_size, None)
+    log_probs, _ = compute_log_prob(engine, share, ForwardBatching(micro_batch_size, None))
 
     micro_batches, _ = make_micro_batches(share, KEYS, layout.device, micro_batch_size, None)
     counts = all_reduce_sum(sum(loss_counts(mb.data["response_mask"]) for mb in micro_batches), layout)

@@ -14,6 +14,7 @@ from shardrl.algos import loss_counts
 from shardrl.data.batch import Batch
 from shardrl.trainer import batch_ops
 from shardrl.job.load import compose
+from shardrl.job.plan import plan_job
 
 RC = "algorithm.rollout_correction"
 
@@ -32,9 +33,9 @@ def scored_batch(log_ratio: list[list[float]], mask: list[list[float]], scores: 
 
 
 def train_inputs(batch: Batch, *overrides: str) -> dict[str, float]:
-    config = compose("ppo_trainer", list(overrides))
-    metrics = batch_ops.apply_rewards_and_correction(batch, config, kl_ctrl=None)
-    batch_ops.advantages(batch, config)
+    algorithm = plan_job(compose("ppo_trainer", list(overrides))).algorithm
+    metrics = batch_ops.apply_rewards_and_correction(batch, algorithm, kl_ctrl=None)
+    batch_ops.advantages(batch, algorithm)
     return metrics | batch_ops.data_metrics(batch)
 
 

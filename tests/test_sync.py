@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
+from shardrl.job.options import EngineOptions
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.models.tiny import make_tiny_checkpoint
@@ -28,7 +29,7 @@ from shardrl.sync.plan import TRAILER_BYTES
 from shardrl.sync.transport import Transport
 from shardrl.sync.verify import SyncVerifyError
 from shardrl.sync.weight_sync import WeightSync
-from shardrl.workers.engine import EngineOptions, ModelEngine
+from shardrl.workers.engine import ModelEngine
 
 BUCKET = 8 << 10  # bytes: tiny models still need many buckets and steps
 PROMPTS = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9, 10, 2], [20, 21, 22]]

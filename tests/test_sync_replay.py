@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from shardrl.job.options import EngineOptions
 from shardrl.models.config import ModelConfig
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
@@ -15,7 +16,7 @@ from shardrl.parallel.offload import offload, reload
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.sync.colocated import ColocatedSync
 from shardrl.sync.shards import Shards
-from shardrl.workers.engine import EngineOptions, ModelEngine
+from shardrl.workers.engine import ModelEngine
 
 
 def _assert_synced(actor: ModelEngine, engine: Engine, what: str) -> None:

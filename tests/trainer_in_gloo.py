@@ -45,10 +45,9 @@ def colocated_trainer(model_path: str, overrides: list[str], score_fn, tracker=N
     from shardrl.workers.hybrid import ActorRolloutRefWorker
 
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
-    config = compose("ppo_trainer", overrides)
-    plan = plan_job(config)
+    plan = plan_job(compose("ppo_trainer", overrides)).with_total_steps(1)
     tokenizer = AutoTokenizer.from_pretrained(model_path)
-    worker = ActorRolloutRefWorker(config, plan, model_path, 1, tokenizer.pad_token_id)
+    worker = ActorRolloutRefWorker(plan.actor, plan.ref, plan.rollout, model_path, tokenizer.pad_token_id)
     handle = RankHandle(worker, plan)
-    trainer = PPOTrainer(config, Workers(handle, None), None, val_prompts, tokenizer, score_fn, tracker, None, 1)
+    trainer = PPOTrainer(plan, Workers(handle, None), None, val_prompts, tokenizer, score_fn, tracker, None)
     return trainer, handle, tokenizer

@@ -10,6 +10,7 @@ from typing import Any
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.schema import ModelSourceConfig, PPOConfig
+from shardrl.models.config import OverrideError, apply_overrides
 from shardrl.parallel.layout import LayoutSpec
 
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
@@ -42,7 +43,10 @@ def read_hf_config(model: ModelSourceConfig, key: str) -> tuple[dict[str, Any], 
         hf = json.loads(path.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(f"{key}.path", f"{path} is not valid JSON ({err})") from None
-    return {**hf, **model.override_config}, str(path)
+    try:
+        return apply_overrides(hf, model.override_config), str(path)
+    except OverrideError as err:
+        raise ConfigError(f"{key}.override_config.{err.field}", str(err).partition(": ")[2] or str(err)) from None
 
 
 def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:

@@ -20,7 +20,6 @@ from shardrl.trainer.one_step_off import OneStepOffTrainer
 from shardrl.trainer.plots import write_plots
 from shardrl.trainer.ppo import PPOTrainer, Workers
 from shardrl.trainer.tracking import Tracker
-from shardrl.workers.actor import ActorRefWorker
 from shardrl.workers.critic import CriticWorker
 from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker
@@ -71,7 +70,8 @@ def train(plan: JobPlan) -> None:
 
     def dataset(files: list[str], max_samples: int) -> RLDataset:
         return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
-                         data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs)
+                         data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs,
+                         data_source_key=plan.reward.data_source_key)
 
     # A loader batch is a generation round: train_batch_size prompts, unless dynamic sampling asks for other rounds.
     loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.gen_batch_size, data.shuffle,
