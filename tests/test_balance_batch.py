@@ -2,6 +2,8 @@
 keeping its samples. Pure checks of the order and the batch reordering, then the trainer's step on gloo with it on
 and off: identical metrics at DP=1, equal losses and gradient norms at DP=2 with balanced per-rank tokens."""
 
+import dataclasses
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -41,13 +43,13 @@ def test_order_balances_ranks_and_keeps_each_steps_samples():
 
 def test_balance_over_dp_permutes_whole_samples_and_reports_verl_seqlen_metrics():
     # 2 prompts x n=2, one mini batch of 2 prompts: 2 rows per rank at DP=2. Tokens per sample 10, 8, 2, 1.
-    config = compose("ppo_trainer", ["data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
-                                     "actor_rollout_ref.rollout.n=2"])
+    loop = dataclasses.replace(plan_job(compose("ppo_trainer")).loop, train_batch_size=2, actor_mini_batch_size=2,
+                               samples_per_prompt=2)
     lens = torch.tensor([10, 8, 2, 1])
     mask = (torch.arange(12) < lens[:, None]).long()  # [4, 12]
     batch = Batch({"attention_mask": mask, "row": torch.arange(4), "scores": torch.randn(4, 3)},
                   {"uid": as_object_array(["a", "a", "b", "b"])})
-    balanced, metrics = batch_ops.balance_over_dp(batch, plan_job(config).loop, actor_dp=2, critic_dp=None)
+    balanced, metrics = batch_ops.balance_over_dp(batch, loop, actor_dp=2, critic_dp=None)
     rows = balanced.tensors["row"]
     assert sorted(rows.tolist()) == [0, 1, 2, 3] and rows.tolist() != [0, 1, 2, 3]
     for key in ("attention_mask", "scores"):

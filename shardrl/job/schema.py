@@ -74,7 +74,7 @@ class OptimConfig:
     lr_warmup_steps: AtLeastMinusOne  # -1: use lr_warmup_steps_ratio
     lr_warmup_steps_ratio: UnitInterval
     lr_decay_style: LrDecayStyle
-    lr_decay_steps: PosInt | None  # null: total_training_steps - warmup
+    lr_decay_steps: PosInt | None  # the step the decay ends at (warmup included); null: total steps
     min_lr_ratio: UnitInterval  # final lr = lr * min_lr_ratio
     weight_decay: NonNegFloat
     betas: list[float]
