@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from shardrl.controller import Dispatch, ResourcePool, Role, WorkerError, WorkerGroup, dispatch_mode, init_ray
-from shardrl.controller.dispatch import DispatchError, plan
+from shardrl.controller.dispatch import DispatchError, route
 from shardrl.data.batch import Batch
 from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
 
@@ -71,7 +71,7 @@ def test_two_pools_one_world_roles_on_their_own_ranks(ray_session):
     group = WorkerGroup(pools, roles())
     try:
         actor, rollout = group.role("actor"), group.role("rollout")
-        pending = [actor.where.submit(), rollout.where.submit()]  # the all-reduce needs both pools at once
+        pending = [actor.submit(Probe.where), rollout.submit(Probe.where)]  # the all-reduce needs both pools at once
         trainer_ranks, rollout_ranks = (p.get() for p in pending)
         assert [(r["rank"], r["env_rank"], r["world"]) for r in trainer_ranks + rollout_ranks] == [
             (0, "0", 4), (1, "1", 4), (2, "2", 4), (3, "3", 4)]
@@ -80,10 +80,10 @@ def test_two_pools_one_world_roles_on_their_own_ranks(ray_session):
         assert (actor.layout.dp, rollout.layout.dp) == (1, 2)
 
         # PER_REPLICA: the rollout's two replicas get one value each; the trainer's one TP2 replica answers once.
-        assert rollout.echo([10, 20], [1, 2]) == [(2, 0, 10), (3, 0, 40)]
-        assert actor.echo([5], [3]) == [(0, 0, 15)]
+        assert rollout.call(Probe.echo, [10, 20], [1, 2]) == [(2, 0, 10), (3, 0, 40)]
+        assert actor.call(Probe.echo, [5], [3]) == [(0, 0, 15)]
         # DP_COMPUTE over the rollout's own ranks: rows 0-1 to global rank 2, rows 2-3 to rank 3.
-        out = rollout.shifted(Batch({"x": torch.arange(4)}))
+        out = rollout.call(Probe.shifted, Batch({"x": torch.arange(4)}))
         assert out.tensors["y"].tolist() == [200, 201, 302, 303]
     finally:
         group.shutdown()
@@ -104,10 +104,10 @@ def test_a_role_failing_while_built_is_reported_not_waited_for(ray_session):
 
 def test_per_replica_routing_and_errors():
     spec = LayoutSpec(4, tp=2)  # ranks (dp, tp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)
-    routing = plan(Dispatch.PER_REPLICA, spec, (["a", "b"],), {"k": [1, 2]})
+    routing = route(Dispatch.PER_REPLICA, spec, (["a", "b"],), {"k": [1, 2]})
     assert routing.payload_of_rank == [0, 0, 1, 1] and routing.reporting_ranks == [0, 2]
     assert routing.payloads == [(("a",), {"k": 1}), (("b",), {"k": 2})]
     assert routing.collect({0: "first", 2: "second"}) == ["first", "second"]
     with pytest.raises(DispatchError, match=r"PER_REPLICA: keyword 'k' must be a list with one value per DP replica "
                                             r"\(2\), got 3"):
-        plan(Dispatch.PER_REPLICA, spec, (), {"k": [1, 2, 3]})
+        route(Dispatch.PER_REPLICA, spec, (), {"k": [1, 2, 3]})

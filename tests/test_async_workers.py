@@ -17,7 +17,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from shardrl.controller.dispatch import Dispatch, plan as dispatch_plan
+from shardrl.controller.dispatch import Dispatch, route
 from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
 from shardrl.data.batch import Batch, as_object_array
@@ -71,7 +71,7 @@ def prompt_row(token_ids: list[int]) -> Batch:
 
 def update_on_my_shard(worker, plan, batch: Batch) -> dict[str, list[float]]:
     """This rank's DP share of `batch` (as the controller routes it), old log-probs, then one PPO update."""
-    routing = dispatch_plan(Dispatch.DP_COMPUTE, plan.roles["actor"].spec, (batch,), {})
+    routing = route(Dispatch.DP_COMPUTE, plan.roles["actor"].spec, (batch,), {})
     (shard,), _ = routing.payloads[routing.payload_of_rank[plan.trainer_ranks.index(dist.get_rank())]]
     return worker.update_actor(shard.union(worker.compute_log_prob(shard)), 0)
 

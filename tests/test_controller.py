@@ -130,7 +130,7 @@ def test_rendezvous_env_and_all_reduce(world4):
 
 def test_dp_compute_tp2_dp2(world4):
     batch = Batch({"x": torch.arange(5)}, {"uid": ["a", "b", "c", "d", "e"]})
-    out = world4.role("actor").scale(batch, factor=10)
+    out = world4.role("actor").call(ProbeWorker.scale, batch, factor=10)
     assert out.tensors["y"].tolist() == [0, 10, 20, 31, 41]  # x * 10 + dp rank, from TP rank 0 only
     assert list(out.non_tensors["uid"]) == ["a", "b", "c", "d", "e"]
     # Both TP ranks of a replica got the replica's chunk; the padding row (a copy of row 0) is flagged.
@@ -148,10 +148,12 @@ def test_colocated_roles_share_process_and_group(world4):
     assert [r["rank_sets"] for r in ref] == [[(0, 1), (0, 2), (0, 1, 2, 3)], [(0, 1), (1, 3), (0, 1, 2, 3)],
                                              [(2, 3), (0, 2), (0, 1, 2, 3)], [(2, 3), (1, 3), (0, 1, 2, 3)]]
     # Each role dispatches by its own layout: the ref role is DP4, so 5 rows pad to 8 and split 2 per rank.
-    out = world4.role("ref").double(Batch({"x": torch.arange(5)}))
+    out = world4.role("ref").call(RefWorker.double, Batch({"x": torch.arange(5)}))
     assert out.tensors["y"].tolist() == [0, 2, 104, 106, 208]
-    with pytest.raises(AttributeError, match=r"ProbeWorker.plus_rank has no @dispatch_mode"):
-        world4.role("actor").plus_rank(1)
+    with pytest.raises(ValueError, match=r"ProbeWorker.plus_rank has no @dispatch_mode"):
+        world4.role("actor").call(ProbeWorker.plus_rank, 1)
+    with pytest.raises(ValueError, match=r"is not a method of ProbeWorker"):  # another role's worker method
+        world4.role("actor").call(RefWorker.double, Batch({"x": torch.arange(5)}))
 
 
 def test_two_pools_coexist_and_fail_alone(world4):

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from shardrl.controller.dispatch import Dispatch, DispatchError, output_owner, plan
+from shardrl.controller.dispatch import Dispatch, DispatchError, output_owner, route
 from shardrl.data.batch import NUM_PAD_KEY, Batch
 from shardrl.parallel.layout import LayoutSpec
 
@@ -25,17 +25,17 @@ def _run(routing, worker) -> object:
 
 def test_one_to_all_and_all_to_all():
     spec = LayoutSpec(3)
-    routing = plan(Dispatch.ONE_TO_ALL, spec, (5,), {"k": 2})
+    routing = route(Dispatch.ONE_TO_ALL, spec, (5,), {"k": 2})
     assert _run(routing, lambda rank, a, k: a * k + rank) == [10, 11, 12]
-    routing = plan(Dispatch.ALL_TO_ALL, spec, ([1, 2, 3],), {"k": [10, 20, 30]})
+    routing = route(Dispatch.ALL_TO_ALL, spec, ([1, 2, 3],), {"k": [10, 20, 30]})
     assert _run(routing, lambda rank, a, k: (rank, a, k)) == [(0, 1, 10), (1, 2, 20), (2, 3, 30)]
     with pytest.raises(DispatchError, match="argument 0 must be a list with one value per rank \\(3\\), got 2"):
-        plan(Dispatch.ALL_TO_ALL, spec, ([1, 2],), {})
+        route(Dispatch.ALL_TO_ALL, spec, ([1, 2],), {})
 
 
 def test_dp_compute_tp2_dp2_pads_routes_and_unpads():
     spec = LayoutSpec(4, tp=2)  # ranks (dp, tp): 0=(0,0) 1=(0,1) 2=(1,0) 3=(1,1)
-    routing = plan(Dispatch.DP_COMPUTE, spec, (_batch(5),), {"scale": 10})
+    routing = route(Dispatch.DP_COMPUTE, spec, (_batch(5),), {"scale": 10})
     assert routing.payload_of_rank == [0, 0, 1, 1]
     assert routing.reporting_ranks == [0, 2]
     chunks = [p[0][0] for p in routing.payloads]
@@ -58,7 +58,7 @@ def test_dp_compute_owner_is_last_stage_tp0_cp0():
     assert [r for r in range(8) if output_owner(spec, r)] == [4, 6]
     spec = LayoutSpec(8, tp=2, cp=2)  # dp=2
     assert [r for r in range(8) if output_owner(spec, r)] == [0, 4]
-    routing = plan(Dispatch.DP_COMPUTE, LayoutSpec(4, pp=2), (_batch(4),), {})
+    routing = route(Dispatch.DP_COMPUTE, LayoutSpec(4, pp=2), (_batch(4),), {})
     assert routing.reporting_ranks == [2, 3] and routing.payload_of_rank == [0, 1, 0, 1]
     assert _run(routing, lambda rank, b: {"rank": rank, "rows": len(b)}) == [{"rank": 2, "rows": 2},
                                                                               {"rank": 3, "rows": 2}]
@@ -67,11 +67,11 @@ def test_dp_compute_owner_is_last_stage_tp0_cp0():
 def test_dp_compute_errors():
     spec = LayoutSpec(2)
     with pytest.raises(DispatchError, match="lengths"):
-        plan(Dispatch.DP_COMPUTE, spec, (3,), {})
+        route(Dispatch.DP_COMPUTE, spec, (3,), {})
     with pytest.raises(DispatchError, match="lengths \\{2, 3\\}"):
-        plan(Dispatch.DP_COMPUTE, spec, (_batch(2), _batch(3)), {})
+        route(Dispatch.DP_COMPUTE, spec, (_batch(2), _batch(3)), {})
     with pytest.raises(DispatchError, match="unpad"):
-        plan(Dispatch.DP_COMPUTE, spec, (_batch(3).pad_to_divisor(2),), {})
-    routing = plan(Dispatch.DP_COMPUTE, spec, (_batch(4),), {})
+        route(Dispatch.DP_COMPUTE, spec, (_batch(3).pad_to_divisor(2),), {})
+    routing = route(Dispatch.DP_COMPUTE, spec, (_batch(4),), {})
     with pytest.raises(DispatchError, match="rank 1 returned 1 rows for a chunk of 2"):
         _run(routing, lambda rank, b: b.take([0]) if rank == 1 else b)

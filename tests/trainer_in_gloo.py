@@ -6,7 +6,7 @@ import os
 import torch.distributed as dist
 from transformers import AutoTokenizer
 
-from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, plan as dispatch_plan
+from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, route
 from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data.batch import Batch
 from shardrl.job.load import compose
@@ -23,21 +23,19 @@ class RankHandle:
         self.worker, self.plan, self.layout = worker, plan, plan.roles["actor"].spec
         self.tokens: dict[str, int] = {}
 
-    def __getattr__(self, name: str):
-        method = getattr(self.worker, name)
+    def call(self, method, *args, **kwargs):
+        """As `RoleHandle.call`: `method` is the worker class's method, run here on this rank's worker."""
+        name = method.__name__
+        bound = getattr(self.worker, name)
         spec = self.plan.roles[getattr(method, DISPATCH_LAYOUT_ATTR) or "actor"].spec
-
-        def call(*args, **kwargs):
-            routing = dispatch_plan(getattr(method, DISPATCH_ATTR), spec, args, kwargs)
-            mine_args, mine_kwargs = routing.payloads[routing.payload_of_rank[dist.get_rank()]]
-            for value in (*mine_args, *mine_kwargs.values()):
-                if isinstance(value, Batch) and "attention_mask" in value.tensors.keys():
-                    self.tokens[name] = int(value.unpad().tensors["attention_mask"].sum())
-            gathered = [None] * dist.get_world_size()
-            dist.all_gather_object(gathered, method(*mine_args, **mine_kwargs))
-            return routing.collect({r: gathered[r] for r in routing.reporting_ranks})
-
-        return call
+        routing = route(getattr(method, DISPATCH_ATTR), spec, args, kwargs)
+        mine_args, mine_kwargs = routing.payloads[routing.payload_of_rank[dist.get_rank()]]
+        for value in (*mine_args, *mine_kwargs.values()):
+            if isinstance(value, Batch) and "attention_mask" in value.tensors.keys():
+                self.tokens[name] = int(value.unpad().tensors["attention_mask"].sum())
+        gathered = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, bound(*mine_args, **mine_kwargs))
+        return routing.collect({r: gathered[r] for r in routing.reporting_ranks})
 
 
 def colocated_trainer(model_path: str, overrides: list[str], score_fn, tracker=None, val_prompts=None):

@@ -42,7 +42,7 @@ class DispatchError(ValueError):
 
 
 def dispatch_mode(mode: Dispatch, layout: str | None = None) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Declare how the controller calls a worker method (read by `WorkerGroup.role(...)` handles).
+    """Declare how the controller calls a worker method (read by `RoleHandle.call` / `submit`).
 
     `layout` names one of the role's extra layouts (`Role.extra_layouts`) to split DP_COMPUTE batches by, for a
     worker that hosts parts laid out differently (the hybrid engine's rollout next to its actor). The method
@@ -58,7 +58,7 @@ def dispatch_mode(mode: Dispatch, layout: str | None = None) -> Callable[[Callab
 
 
 @dataclass
-class Plan:
+class Routing:
     """Distinct payloads `(args, kwargs)`, which payload each rank gets, which ranks report results, and how to
     turn the reported results (by rank) into the call's value."""
 
@@ -74,10 +74,10 @@ def output_owner(spec: LayoutSpec, rank: int) -> bool:
     return coords["pp"] == spec.pp - 1 and coords["tp"] == 0 and coords["cp"] == 0
 
 
-def plan(mode: Dispatch, spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> Plan:
+def route(mode: Dispatch, spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> Routing:
     world = spec.world_size
     if mode is Dispatch.ONE_TO_ALL:
-        return Plan([(args, kwargs)], [0] * world, list(range(world)), _in_rank_order)
+        return Routing([(args, kwargs)], [0] * world, list(range(world)), _in_rank_order)
     if mode is Dispatch.ALL_TO_ALL:
         return _plan_all_to_all(world, args, kwargs)
     if mode is Dispatch.DP_COMPUTE:
@@ -102,16 +102,16 @@ def _per_target_payloads(mode: str, target: str, count: int, args: tuple,
     return [(tuple(a[i] for a in args), {k: v[i] for k, v in kwargs.items()}) for i in range(count)]
 
 
-def _plan_all_to_all(world: int, args: tuple, kwargs: dict[str, Any]) -> Plan:
+def _plan_all_to_all(world: int, args: tuple, kwargs: dict[str, Any]) -> Routing:
     payloads = _per_target_payloads("ALL_TO_ALL", "rank", world, args, kwargs)
-    return Plan(payloads, list(range(world)), list(range(world)), _in_rank_order)
+    return Routing(payloads, list(range(world)), list(range(world)), _in_rank_order)
 
 
-def _plan_per_replica(spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> Plan:
+def _plan_per_replica(spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> Routing:
     payloads = _per_target_payloads("PER_REPLICA", "DP replica", spec.dp, args, kwargs)
     dp_of_rank = [spec.coords(r)["dp"] for r in range(spec.world_size)]
     owners = sorted((r for r in range(spec.world_size) if output_owner(spec, r)), key=lambda r: dp_of_rank[r])
-    return Plan(payloads, dp_of_rank, owners, lambda by_rank: [by_rank[r] for r in owners])
+    return Routing(payloads, dp_of_rank, owners, lambda by_rank: [by_rank[r] for r in owners])
 
 
 def _split_for_dp(value: Any, num_chunks: int) -> list[Any]:
@@ -131,7 +131,7 @@ def _split_for_dp(value: Any, num_chunks: int) -> list[Any]:
     return chunks
 
 
-def _plan_dp_compute(spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> Plan:
+def _plan_dp_compute(spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> Routing:
     lengths = {len(a) for a in (*args, *kwargs.values()) if isinstance(a, Batch)}
     if len(lengths) != 1:
         raise DispatchError(
@@ -160,4 +160,4 @@ def _plan_dp_compute(spec: LayoutSpec, args: tuple, kwargs: dict[str, Any]) -> P
             out.meta.pop(NUM_PAD_KEY, None)
         return Batch.concat(outputs).take(range(num_rows))
 
-    return Plan(payloads, dp_of_rank, owners, collect)
+    return Routing(payloads, dp_of_rank, owners, collect)

@@ -20,7 +20,7 @@ from typing import Any
 import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
-from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, Dispatch, plan
+from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, Dispatch, route
 from shardrl.controller.host import RankHost, rank_env
 from shardrl.controller.pool import ResourcePool
 from shardrl.parallel.layout import LayoutSpec
@@ -146,10 +146,10 @@ class PendingCall:
 
 
 class RoleHandle:
-    """`group.role("actor").compute_log_prob(batch)`: calls with the mode the worker method declares.
-
-    Each attribute is a `RemoteMethod`; `.submit(...)` on it starts the call without waiting (for overlapping pools).
-    """
+    """One role of a group, called by reference to its worker class's method, so a reader (and an IDE) goes from the
+    call straight to the code that runs: `handle.call(ActorRefWorker.compute_log_prob, batch)` runs the method on
+    every rank of the role as its `@dispatch_mode` routes it and returns the collected value; `handle.submit(...)`
+    starts the call without waiting (for overlapping pools)."""
 
     def __init__(self, group: WorkerGroup, role: Role) -> None:
         self._group = group
@@ -160,30 +160,28 @@ class RoleHandle:
         """The layout the role's calls are dispatched by (e.g. its number of DP replicas)."""
         return self._group.layouts[self._role.name]
 
-    def __getattr__(self, method: str) -> RemoteMethod:
-        mode = getattr(getattr(self._role.cls, method, None), DISPATCH_ATTR, None)
+    def call(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
+        """`submit(method, ...).get()`."""
+        return self.submit(method, *args, **kwargs).get()
+
+    def submit(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> PendingCall:
+        """Start `method` (a method of the role's worker class, or of a class it inherits from) on the role's ranks."""
+        return self._group.submit(self._role.name, self.method_name(method), self.mode(method), *args, **kwargs)
+
+    def method_name(self, method: Callable[..., Any]) -> str:
+        name = getattr(method, "__name__", None)
+        cls = self._role.cls
+        if name is None or getattr(cls, name, None) is not method:
+            raise ValueError(f"role {self._role.name!r}: {method!r} is not a method of {cls.__name__}; pass the "
+                             f"worker class's method, e.g. {cls.__name__}.<method>")
+        return name
+
+    def mode(self, method: Callable[..., Any]) -> Dispatch:
+        mode = getattr(method, DISPATCH_ATTR, None)
         if mode is None:
-            raise AttributeError(
-                f"role {self._role.name!r}: {self._role.cls.__name__}.{method} has no @dispatch_mode; "
-                "decorate it or use WorkerGroup.call(role, method, mode, ...)"
-            )
-        return RemoteMethod(self._group, self._role.name, method, mode)
-
-
-@dataclass
-class RemoteMethod:
-    """One worker method of a role, bound to its dispatch mode: call it to wait, `submit` it to overlap."""
-
-    group: WorkerGroup
-    role: str
-    method: str
-    mode: Dispatch
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.submit(*args, **kwargs).get()
-
-    def submit(self, *args: Any, **kwargs: Any) -> PendingCall:
-        return self.group.submit(self.role, self.method, self.mode, *args, **kwargs)
+            raise ValueError(f"role {self._role.name!r}: {self._role.cls.__name__}.{method.__name__} has no "
+                             "@dispatch_mode; decorate it or use WorkerGroup.call(role, method, mode, ...)")
+        return mode
 
 
 def _get_together(calls: Sequence[PendingCall]) -> None:
@@ -286,7 +284,7 @@ class WorkerGroup:
             raise ValueError(f"role {role!r}: {self.roles[role].cls.__name__} has no method {method!r}")
         layout_name = getattr(getattr(self.roles[role].cls, method), DISPATCH_LAYOUT_ATTR, None)
         spec = self.layouts[role] if layout_name is None else self.roles[role].extra_layouts[layout_name]
-        routing = plan(mode, spec, args, kwargs)
+        routing = route(mode, spec, args, kwargs)
         payloads = [ray.put(p) for p in routing.payloads]
         reporting = set(routing.reporting_ranks)
         ranks = self.ranks[role]  # the layout's rank i is the group's rank ranks[i]

@@ -94,7 +94,7 @@ def train(plan: JobPlan) -> None:
     ppo = TRAINERS[plan.mode](plan, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl)
     try:
         ppo.fit()
-        workers.actor.save_hf(str(paths.run_dir / "hf_export"))
+        ppo.save_hf(str(paths.run_dir / "hf_export"))
     finally:
         tracker.close()
         write_plots(paths.run_dir, ppo.timeline)

@@ -24,17 +24,26 @@ from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
 from shardrl.job.plan import JobPlan
 from shardrl.trainer.tracking import Timeline, Tracker
+from shardrl.workers.actor import ActorRefWorker
+from shardrl.workers.critic import CriticWorker
+from shardrl.workers.detached import DetachedActorWorker
+from shardrl.workers.hybrid import ActorRolloutRefWorker
+from shardrl.workers.rollout import RolloutWorker
 
 
 @dataclass
 class Workers:
-    actor: RoleHandle  # log-probs, ref log-probs, update, weight sync; and generation when colocated (hybrid engine)
-    critic: RoleHandle | None
-    rollout: RoleHandle | None = None  # the detached rollout pool (async modes); None: the actor's hybrid engine
+    """The roles the loop calls, each by reference to its worker class's methods (`RoleHandle.call`)."""
 
-    @property
-    def generator(self) -> RoleHandle:
-        return self.actor if self.rollout is None else self.rollout
+    actor: RoleHandle  # ActorRefWorker: log-probs, ref log-probs, update, weight sync; colocated also generation
+    critic: RoleHandle | None  # CriticWorker
+    rollout: RoleHandle | None = None  # RolloutWorker: the detached pool (async modes); None: the hybrid engine
+
+    def generate(self, samples: Batch, validate: bool = False) -> Batch:
+        """One response per row, on the hybrid engine or the detached rollout pool."""
+        if self.rollout is None:
+            return self.actor.call(ActorRolloutRefWorker.generate_sequences, samples, validate=validate)
+        return self.rollout.call(RolloutWorker.generate_sequences, samples, validate=validate)
 
 
 class PPOTrainer:
@@ -76,7 +85,7 @@ class PPOTrainer:
 
     def generate(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
         with self.timeline.phase(step, "gen"):
-            return self.workers.generator.generate_sequences(self.sample_rows(prompts, step, gen_round))
+            return self.workers.generate(self.sample_rows(prompts, step, gen_round))
 
     def sample_rows(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
         """`rollout.n` rows per prompt (one per sample, grouped by uid), seeded by (seed, step, round, row): what
@@ -100,22 +109,22 @@ class PPOTrainer:
                                          self.policy_version, self.max_staleness)
         if self.plan.actor.log_prob is not None:  # recompute the old logprobs (else PPO anchors on behaviour's)
             with t.phase(step, "old_log_prob"):
-                batch = batch.union(w.actor.compute_log_prob(batch))
+                batch = batch.union(w.actor.call(ActorRefWorker.compute_log_prob, batch))
         if self.plan.ref is not None:
             with t.phase(step, "ref"):
-                batch = batch.union(w.actor.compute_ref_log_prob(batch))
+                batch = batch.union(w.actor.call(ActorRefWorker.compute_ref_log_prob, batch))
         if w.critic is not None:
             with t.phase(step, "values"):
-                batch = batch.union(w.critic.compute_values(batch))
+                batch = batch.union(w.critic.call(CriticWorker.compute_values, batch))
         with t.phase(step, "adv"):
             metrics |= batch_ops.apply_rewards_and_correction(batch, self.algorithm, self.kl_ctrl)
             batch_ops.advantages(batch, self.algorithm)
         if w.critic is not None:
             with t.phase(step, "update_critic"):
-                metrics |= _prefixed("critic", w.critic.update_critic(batch, step))
+                metrics |= _prefixed("critic", w.critic.call(CriticWorker.update_critic, batch, step))
         if step >= self.loop.critic_warmup:
             with t.phase(step, "update_actor"):
-                metrics |= _prefixed("actor", w.actor.update_actor(batch, step))
+                metrics |= _prefixed("actor", w.actor.call(ActorRefWorker.update_actor, batch, step))
             self.policy_version = step + 1
         return batch, metrics | batch_ops.data_metrics(batch)
 
@@ -127,10 +136,10 @@ class PPOTrainer:
         w, version = self.workers, self.policy_version
         with self.timeline.phase(step, "sync"):
             if w.rollout is None:
-                metrics = w.actor.sync_weights(version)[0]
+                metrics = w.actor.call(ActorRolloutRefWorker.sync_weights, version)[0]
             else:
-                sending = w.actor.sync_weights.submit(version)
-                metrics = w.rollout.sync_weights(version)[0]
+                sending = w.actor.submit(DetachedActorWorker.sync_weights, version)
+                metrics = w.rollout.call(RolloutWorker.sync_weights, version)[0]
                 sending.get()
         self.rollout_version = version
         return metrics
@@ -155,7 +164,7 @@ class PPOTrainer:
     def validate(self) -> dict[str, float]:
         n = self.loop.val_samples_per_prompt
         samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.loop.seed, -1)
-        batch = self.workers.generator.generate_sequences(samples, validate=True)
+        batch = self.workers.generate(samples, validate=True)
         batch, sample_scores = batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
         if self.loop.log_val_generations:
@@ -175,12 +184,16 @@ class PPOTrainer:
                  "policy_version": self.policy_version,
                  "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
         root = self.tracker.run_dir
-        self.workers.actor.save_checkpoint(str(root), self.global_step, state)
+        self.workers.actor.call(ActorRefWorker.save_checkpoint, str(root), self.global_step, state)
         if self.loop.save_hf:  # "hf_model" in actor.checkpoint.save_contents, verl's key for it
-            self.workers.actor.save_hf(str(checkpoint_dir(root, self.global_step) / "actor_hf"))
+            self.save_hf(str(checkpoint_dir(root, self.global_step) / "actor_hf"))
         if self.workers.critic is not None:
-            self.workers.critic.save_checkpoint(str(root), self.global_step, state)
+            self.workers.critic.call(CriticWorker.save_checkpoint, str(root), self.global_step, state)
         mark_latest(root, self.global_step, self.loop.max_ckpt_to_keep)
+
+    def save_hf(self, out_dir: str) -> None:
+        """The actor as an HF checkpoint transformers loads."""
+        self.workers.actor.call(ActorRefWorker.save_hf, out_dir)
 
     def loader_state(self) -> dict[str, Any]:
         """Where a resumed run continues reading prompts (synchronous: the loader's position after this step)."""
@@ -200,9 +213,9 @@ class PPOTrainer:
         step_dir = find_latest(self.tracker.run_dir) if loop.resume_mode == "auto" else loop.resume_from_path
         if step_dir is None:
             return
-        state = self.workers.actor.load_checkpoint(str(step_dir))[0]
+        state = self.workers.actor.call(ActorRefWorker.load_checkpoint, str(step_dir))[0]
         if self.workers.critic is not None:
-            self.workers.critic.load_checkpoint(str(step_dir))
+            self.workers.critic.call(CriticWorker.load_checkpoint, str(step_dir))
         self.global_step, self.policy_version = state["step"], state["policy_version"]
         self.restore_loader(state["dataloader"])
         self.rollout_version = None  # the rollout still holds the initial weights: fit() syncs

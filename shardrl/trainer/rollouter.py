@@ -35,6 +35,7 @@ from shardrl.data.batch import Batch
 from shardrl.trainer.prompt_feed import PromptFeed
 from shardrl.trainer.staleness import Budget
 from shardrl.trainer.tracking import Timeline
+from shardrl.workers.rollout import RolloutWorker
 
 STEPS_PER_CALL = 16  # engine steps per stream call: how long a pause request may wait for the rollouter
 # what RolloutWorker.stream reports per call, summed over calls and replicas
@@ -175,7 +176,8 @@ class Rollouter:
             while (new := self._next_groups()) is not None:
                 start = time.perf_counter()
                 with self.timeline.phase(self.trainer_step(), "generate", lane="rollout"):
-                    results = self.rollout.stream(self._assign(new), [STEPS_PER_CALL] * self.num_replicas)
+                    results = self.rollout.call(RolloutWorker.stream, self._assign(new),
+                                                [STEPS_PER_CALL] * self.num_replicas)
                 with self.cond:
                     self.stats["call_s"] += time.perf_counter() - start
                     for replica, (finished, engine) in enumerate(results):
