@@ -352,7 +352,7 @@ def _step(config: PPOConfig) -> tuple[int, int]:
 
 
 @dataclass(frozen=True)
-class _Batch:
+class _BatchKeys:
     """Where one batch's sizes live in the config: `prompts` (global) and the micro-batch keys of `group`."""
 
     prompts: int
@@ -363,23 +363,23 @@ class _Batch:
     tokens: str
 
 
-def _batches_of(config: PPOConfig, role: str, step_prompts: int) -> dict[str, _Batch]:
+def _batches_of(config: PPOConfig, role: str, step_prompts: int) -> dict[str, _BatchKeys]:
     step_key = _step_key(config)
 
-    def log_prob(group: str) -> _Batch:
-        return _Batch(step_prompts, step_key, group, "log_prob_micro_batch_size", "log_prob_use_dynamic_bsz",
+    def log_prob(group: str) -> _BatchKeys:
+        return _BatchKeys(step_prompts, step_key, group, "log_prob_micro_batch_size", "log_prob_use_dynamic_bsz",
                       "log_prob_max_token_len_per_gpu")
 
     if role == "ref":
         return {"log_prob": log_prob("actor_rollout_ref.ref")}
     if role == "critic":
         critic = config.critic
-        return {"update": _Batch(critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size", "critic",
+        return {"update": _BatchKeys(critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size", "critic",
                                  "ppo_micro_batch_size", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
-                "values": _Batch(step_prompts, step_key, "critic", "forward_micro_batch_size", "use_dynamic_bsz",
+                "values": _BatchKeys(step_prompts, step_key, "critic", "forward_micro_batch_size", "use_dynamic_bsz",
                                  "forward_max_token_len_per_gpu")}
     actor = config.actor_rollout_ref.actor
-    batches = {"update": _Batch(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size",
+    batches = {"update": _BatchKeys(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size",
                                 "actor_rollout_ref.actor", "ppo_micro_batch_size", "use_dynamic_bsz",
                                 "ppo_max_token_len_per_gpu")}
     if config.recompute_old_log_probs:
@@ -400,7 +400,7 @@ def _train_role(config: PPOConfig, role: str, key: str, ranks: list[int], step_p
     return RolePlan(role, spec, ranks, rank_tables(spec, ranks), batches)
 
 
-def normalize_batch(config: PPOConfig, batch: _Batch, n: int, dp: int, seq_len: int) -> MicroBatching:
+def normalize_batch(config: PPOConfig, batch: _BatchKeys, n: int, dp: int, seq_len: int) -> MicroBatching:
     """`batch.prompts` (global) x n samples -> per DP rank -> micro batches (verl's megatron normalisation; the
     deprecated global micro batch is divided by DP)."""
     node = config.at(batch.group)
