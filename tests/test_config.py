@@ -14,9 +14,13 @@ from shardrl.job.load import CONFIG_DIR, compose
 from shardrl.job.plan import plan_job
 from shardrl.job.preflight import check_launch
 from shardrl.job.errors import ConfigError
-from shardrl.job.options import policy_loss_options
 
 CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
+
+
+def actor_loss_options(config):
+    """The actor loss the planner compiles from `config`."""
+    return plan_job(config).actor.loss
 
 
 def error_key(overrides, config_name="ppo_trainer"):
@@ -192,11 +196,11 @@ def test_rollout_correction_rules_name_the_key(overrides, key):
 def test_verl_bypass_reinforce_reaches_the_actor_loss_options(overrides):
     config = compose("ppo_trainer", overrides)
     assert not config.recompute_old_log_probs and config.algorithm.rollout_correction.loss_type == "reinforce"
-    options = policy_loss_options(config)
+    options = actor_loss_options(config)
     assert (options.loss_mode, options.bypass_is) == ("reinforce", ("token", 3.0))
-    options = policy_loss_options(compose("ppo_trainer", [f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce"]))
+    options = actor_loss_options(compose("ppo_trainer", [f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce"]))
     assert (options.loss_mode, options.bypass_is) == ("reinforce", None)
-    options = policy_loss_options(compose("ppo_trainer", [f"{RC}.bypass_mode=true", f"{RC}.use_policy_gradient=false"]))
+    options = actor_loss_options(compose("ppo_trainer", [f"{RC}.bypass_mode=true", f"{RC}.use_policy_gradient=false"]))
     assert (options.loss_mode, options.bypass_is) == ("vanilla", None)
 
 
@@ -231,11 +235,12 @@ def test_verl_spellings_are_accepted():
 
 def test_gspo_command_line_reaches_the_actor_loss_options():
     # A verl user's GSPO flags, unchanged; the default stays vanilla.
-    assert policy_loss_options(compose("ppo_trainer")).loss_mode == "vanilla"
-    options = policy_loss_options(compose("ppo_megatron_trainer", [
+    assert actor_loss_options(compose("ppo_trainer")).loss_mode == "vanilla"
+    options = actor_loss_options(compose("ppo_megatron_trainer", [
         "actor_rollout_ref.actor.policy_loss.loss_mode=gspo",
         "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean", "actor_rollout_ref.actor.clip_ratio_low=0.0003",
-        "actor_rollout_ref.actor.clip_ratio_high=0.0004",
+        "actor_rollout_ref.actor.clip_ratio_high=0.0004", "actor_rollout_ref.actor.use_dynamic_bsz=true",
+        "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true", "critic.use_dynamic_bsz=true",
     ]))
     assert (options.loss_mode, options.loss_agg_mode) == ("gspo", "seq-mean-token-mean")
     assert (options.clip.low, options.clip.high) == (0.0003, 0.0004)
@@ -243,9 +248,9 @@ def test_gspo_command_line_reaches_the_actor_loss_options():
 
 def test_clip_ratio_alone_leaves_the_clip_range_as_verl_does():
     # verl's clip_ratio_low / high default to 0.2 themselves; clip_ratio is their fallback only when they are null.
-    clip = policy_loss_options(compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3"])).clip
+    clip = actor_loss_options(compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3"])).clip
     assert (clip.low, clip.high) == (0.2, 0.2)
-    clip = policy_loss_options(compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3",
+    clip = actor_loss_options(compose("ppo_trainer", ["actor_rollout_ref.actor.clip_ratio=0.3",
                                                        "actor_rollout_ref.actor.clip_ratio_low=null",
                                                        "actor_rollout_ref.actor.clip_ratio_high=0.28"])).clip
     assert (clip.low, clip.high) == (0.3, 0.28)
@@ -259,8 +264,8 @@ def test_verl_kl_estimator_aliases_are_accepted(alias, name):
 
 def test_loss_scale_factor_is_the_divisor_of_seq_mean_token_sum_norm():
     # verl's divisor of seq-mean-token-sum-norm; null falls back to the response length (2 in the default job).
-    assert policy_loss_options(compose("ppo_trainer")).max_response_length == 2
-    options = policy_loss_options(compose("ppo_trainer", [
+    assert actor_loss_options(compose("ppo_trainer")).max_response_length == 2
+    options = actor_loss_options(compose("ppo_trainer", [
         "actor_rollout_ref.actor.loss_scale_factor=4096",
         "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-sum-norm",
     ]))

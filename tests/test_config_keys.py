@@ -1,5 +1,5 @@
-"""Every config key is consumed or refused (issue "The house"): each leaf of the schema is either read by a function
-of the planner (`shardrl/job/options.py`, `shardrl/job/plan.py`) while it compiles the packaged configs, or
+"""Every config key is consumed or refused (issue "The house"): each leaf of the schema is either read by exactly one
+function of the planner (`shardrl/job/options.py`, `shardrl/job/plan.py`) while it compiles the packaged configs, or
 is in `shardrl/job/compat.py`, whose refusals fire in the dry run with a one-line error naming the key.
 
 Reads are recorded by watching attribute access on the config's dataclasses during `plan_job`, so a consumer that is
@@ -114,6 +114,12 @@ def test_compat_list_names_schema_keys_once():
 def test_every_key_is_consumed_or_in_the_compat_list(consumers):
     missing = sorted(set(field_paths(PPOConfig)) - set(consumers) - COMPAT)
     assert not missing, f"keys with no consumer in the planner and no compat entry: {missing}"
+
+
+def test_every_consumed_key_has_exactly_one_reader(consumers):
+    """One place turns a key into behaviour: a value two functions read can be read two ways."""
+    many = {key: sorted(readers) for key, readers in consumers.items() if len(readers) > 1}
+    assert not many, f"keys read by more than one planner function: {many}"
 
 
 def test_compat_keys_are_not_also_consumed(consumers):

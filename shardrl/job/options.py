@@ -29,7 +29,7 @@ from shardrl.job.schema import (
     MegatronConfig,
     OptimConfig,
     PPOConfig,
-    SamplingConfig,
+    RolloutCorrectionConfig,
 )
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout import LayoutSpec
@@ -302,7 +302,6 @@ class LoopOptions:
     actor_mini_batch_size: int
     critic_mini_batch_size: int | None
     log_val_generations: int
-    max_response_length: int
 
 
 @dataclass(frozen=True)
@@ -333,11 +332,10 @@ class AsyncOptions:
 
 # ---- compiling ---------------------------------------------------------------------------------------------------
 
-def recompute_enabled(megatron: MegatronConfig, gradient_checkpointing: bool) -> bool:
+def recompute_enabled(override_transformer_config: dict[str, Any], gradient_checkpointing: bool) -> bool:
     """Full per-layer recompute: `model.enable_gradient_checkpointing`, or Megatron's `recompute_granularity`
     given through `override_transformer_config` (the key verl users set)."""
-    return gradient_checkpointing or megatron.override_transformer_config.get("recompute_granularity") in (
-        "full", "selective")
+    return gradient_checkpointing or override_transformer_config.get("recompute_granularity") in ("full", "selective")
 
 
 def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> OptimOptions:
@@ -354,7 +352,7 @@ def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], 
                   value_head: bool = False) -> ModelOptions:
     override = megatron.override_transformer_config
     engine = EngineOptions(
-        sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(megatron, gradient_checkpointing),
+        sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(override, gradient_checkpointing),
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
         moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
         moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
@@ -364,29 +362,29 @@ def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], 
     return ModelOptions(spec, ranks, engine, offload, dict(override_config), load_weight, dist)
 
 
-def policy_loss_options(config: PPOConfig) -> PolicyLossOptions:
-    """The actor loss; in bypass mode loss_type=reinforce replaces the surrogate and brings its own IS weights."""
+def policy_loss_options(config: PPOConfig, decoupled: bool, use_kl_loss: bool,
+                        response_length: int) -> PolicyLossOptions:
+    """The actor loss; in bypass mode loss_type=reinforce replaces the surrogate and brings its own IS weights.
+    `decoupled`, `use_kl_loss`, `response_length`: those keys' values, which the planner reads once."""
     actor, correction = config.actor_rollout_ref.actor, config.algorithm.rollout_correction
-    reinforce = not correction.decoupled and correction.loss_type == "reinforce"
+    reinforce = not decoupled and correction.loss_type == "reinforce"
     weighted = reinforce and correction.rollout_is is not None
     bypass_is = (correction.rollout_is, correction.rollout_is_threshold) if weighted else None
     return PolicyLossOptions(
         loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else actor.policy_loss.loss_mode,
         bypass_is=bypass_is,
         clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
-        entropy_coeff=actor.entropy_coeff, use_kl_loss=actor.use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type,
-        max_response_length=actor.loss_scale_factor or config.actor_rollout_ref.rollout.response_length)
+        entropy_coeff=actor.entropy_coeff, use_kl_loss=use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type, max_response_length=actor.loss_scale_factor or response_length)
 
 
-def sampling_options(sampling: SamplingConfig, max_tokens: int, ignore_eos: bool) -> SamplingOptions:
-    temperature = sampling.temperature
-    return SamplingOptions(max_tokens=max_tokens, temperature=temperature if sampling.do_sample else 0.0,
-                           top_k=sampling.top_k, top_p=sampling.top_p, ignore_eos=ignore_eos)
+def sampling_options(do_sample: bool, temperature: float, top_k: int, top_p: float, max_tokens: int,
+                     ignore_eos: bool) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, temperature=temperature if do_sample else 0.0, top_k=top_k,
+                           top_p=top_p, ignore_eos=ignore_eos)
 
 
-def correction_options(config: PPOConfig) -> CorrectionOptions:
-    rc = config.algorithm.rollout_correction
+def correction_options(rc: RolloutCorrectionConfig, decoupled: bool) -> CorrectionOptions:
     return CorrectionOptions(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
                              rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rejection=rc.rejection(),
-                             decoupled=rc.decoupled)
+                             decoupled=decoupled)

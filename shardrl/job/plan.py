@@ -22,7 +22,7 @@ import dataclasses
 import datetime
 import math
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 
@@ -141,58 +141,103 @@ def resolve_device(device: str) -> Literal["cpu", "cuda"]:
     return device  # type: ignore[return-value]
 
 
+@dataclass(frozen=True)
+class _Shared:
+    """The keys several parts of the plan need, each read once, here (tests/test_config_keys.py checks that every
+    key has exactly one reader in the planner)."""
+
+    seed: int  # trainer.seed: sampling seeds, shuffles, the rollout engine's torch seed
+    samples_per_prompt: int  # rollout.n
+    prompt_length: int
+    response_length: int
+    temperature: float  # the rollout's: sampling, and the trainer's logprobs
+    override_config: dict[str, Any]  # actor_rollout_ref.model.override_config: actor, reference and rollout
+    decoupled: bool
+    adv_estimator: str
+    use_critic: bool
+    use_kl_loss: bool
+    use_kl_in_reward: bool
+
+    @property
+    def use_reference_policy(self) -> bool:
+        return self.use_kl_loss or self.use_kl_in_reward
+
+
+def _shared(config: PPOConfig) -> _Shared:
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    rollout = arr.rollout
+    adv, enable = algo.adv_estimator, config.critic.enable
+    return _Shared(seed=config.trainer.seed, samples_per_prompt=rollout.n, prompt_length=rollout.prompt_length,
+                   response_length=rollout.response_length, temperature=rollout.temperature,
+                   override_config=dict(arr.model.override_config), decoupled=algo.rollout_correction.decoupled,
+                   adv_estimator=adv, use_critic=enable if enable is not None else adv == "gae",
+                   use_kl_loss=arr.actor.use_kl_loss, use_kl_in_reward=algo.use_kl_in_reward)
+
+
+@dataclass(frozen=True)
+class _Step:
+    """A training step's prompts and the mini batches that must divide it."""
+
+    prompts: int
+    mini_batches: int  # the actor's, per step
+    key: str  # the key that sets `prompts`
+    actor_mini: int
+    critic_mini: int | None
+    train_batch_size: int
+
+
 def plan_job(config: PPOConfig) -> JobPlan:
     """Check layouts and batch sizes against the pools, refuse what shardrl does not support, and compile every
     role's options; raises ConfigError."""
     refuse_unsupported(config)
-    trainer = config.trainer
-    trainer_ranks = list(range(trainer.nnodes * trainer.n_gpus_per_node))
-    if config.rollout is None:
-        rollout_ranks = trainer_ranks
-    else:
-        start = len(trainer_ranks)
-        rollout_ranks = list(range(start, start + config.rollout.nnodes * config.rollout.n_gpus_per_node))
-    step_prompts, mini_batches = _step(config)
-    roles = {"actor": _train_role(config, "actor", "actor_rollout_ref.actor.megatron", trainer_ranks, step_prompts)}
+    shared, cluster = _shared(config), _cluster_options(config)
+    trainer_ranks = list(range(cluster.trainer_nodes * cluster.trainer_gpus_per_node))
+    detached = cluster.rollout_nodes is not None
+    rollout_ranks = (list(range(len(trainer_ranks), len(trainer_ranks) + cluster.rollout_nodes *
+                                cluster.rollout_gpus_per_node)) if detached else trainer_ranks)
+    mode, async_training = config.mode, _async_options(config)
+    step = _step(config, shared, mode, async_training)
+    roles = {"actor": _train_role(config, shared, "actor", "actor_rollout_ref.actor.megatron", trainer_ranks, step)}
     skipped = {}
-    if config.use_reference_policy:
-        roles["ref"] = _train_role(config, "ref", "actor_rollout_ref.ref.megatron", trainer_ranks, step_prompts)
+    if shared.use_reference_policy:
+        roles["ref"] = _train_role(config, shared, "ref", "actor_rollout_ref.ref.megatron", trainer_ranks, step)
     else:
         skipped["ref"] = "actor.use_kl_loss and algorithm.use_kl_in_reward are both false"
-    if config.use_critic:
-        roles["critic"] = _train_role(config, "critic", "critic.megatron", trainer_ranks, step_prompts)
+    if shared.use_critic:
+        roles["critic"] = _train_role(config, shared, "critic", "critic.megatron", trainer_ranks, step)
     else:
-        skipped["critic"] = f"adv_estimator={config.algorithm.adv_estimator} needs no values"
+        skipped["critic"] = f"adv_estimator={shared.adv_estimator} needs no values"
     roles["rollout"] = _rollout_role(config, rollout_ranks)
-    detached = config.rollout is not None
     sync_ranks = trainer_ranks + rollout_ranks if detached else trainer_ranks
+    actor = _actor_options(config, shared, roles["actor"])
+    trainer = config.trainer
     return JobPlan(
-        mode=config.mode,
+        mode=mode,
         placement="detached" if detached else "colocated",
         device=resolve_device(trainer.device),
         trainer_ranks=trainer_ranks,
         rollout_ranks=rollout_ranks,
-        step_prompts=step_prompts,
-        samples_per_prompt=config.actor_rollout_ref.rollout.n,
-        mini_batches_per_step=mini_batches,
+        step_prompts=step.prompts,
+        samples_per_prompt=shared.samples_per_prompt,
+        mini_batches_per_step=step.mini_batches,
         roles=roles,
         skipped=skipped,
         model_notes=check_model(config, {name: role.spec for name, role in roles.items()}),
         dry_run=trainer.dry_run,
         model_path=config.actor_rollout_ref.model.path,
         critic_model_path=config.critic.model.path,
-        actor=_actor_options(config, roles["actor"]),
-        ref=_ref_options(config, roles["ref"]) if "ref" in roles else None,
-        critic=_critic_options(config, roles["critic"]) if "critic" in roles else None,
-        rollout=_rollout_options(config, roles["rollout"], sync_ranks),
+        actor=actor,
+        ref=_ref_options(config, shared, roles["ref"]) if "ref" in roles else None,
+        critic=_critic_options(config, shared, roles["critic"]) if "critic" in roles else None,
+        rollout=_rollout_options(config, shared, roles["rollout"], sync_ranks),
         data=_data_options(config),
         reward=_reward_options(config),
-        algorithm=_algorithm_options(config),
-        loop=_loop_options(config),
-        cluster=_cluster_options(config),
+        algorithm=_algorithm_options(config, shared),
+        loop=_loop_options(config, shared, step, save_hf="hf_model" in actor.checkpoint.save_contents),
+        cluster=cluster,
         tracking=TrackingOptions(list(trainer.logger), trainer.project_name, trainer.experiment_name,
                                  dataclasses.asdict(config)),
-        async_training=_async_options(config),
+        async_training=async_training,
     )
 
 
@@ -206,57 +251,56 @@ def _update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: i
                          max_token_len=batching.max_token_len, ppo_epochs=epochs, shuffle=shuffle, seed=seed)
 
 
-def _actor_options(config: PPOConfig, role: RolePlan) -> ActorOptions:
+def _actor_options(config: PPOConfig, shared: _Shared, role: RolePlan) -> ActorOptions:
     arr = config.actor_rollout_ref
     actor = arr.actor
     optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
     model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
-                          arr.model.override_config, actor.load_weight)
+                          shared.override_config, actor.load_weight)
     log_prob = role.batches.get("log_prob")
     return ActorOptions(
         seed=actor.megatron.seed, model=model,
-        update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, config.trainer.seed),
-        loss=policy_loss_options(config), log_prob=log_prob.forward() if log_prob else None,
-        temperature=arr.rollout.temperature or 1.0, checkpoint=_checkpoint_options(actor.checkpoint))
+        update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, shared.seed),
+        loss=policy_loss_options(config, shared.decoupled, shared.use_kl_loss, shared.response_length),
+        log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
+        checkpoint=_checkpoint_options(actor.checkpoint))
 
 
-def _ref_options(config: PPOConfig, role: RolePlan) -> RefOptions:
-    arr = config.actor_rollout_ref
+def _ref_options(config: PPOConfig, shared: _Shared, role: RolePlan) -> RefOptions:
     # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
-    model = model_options(arr.ref.megatron, role.spec, role.ranks, False, None, arr.model.override_config,
-                          load_weight=True)
+    model = model_options(config.actor_rollout_ref.ref.megatron, role.spec, role.ranks, False, None,
+                          shared.override_config, load_weight=True)
     return RefOptions(model, role.batches["log_prob"].forward())
 
 
-def _critic_options(config: PPOConfig, role: RolePlan) -> CriticOptions:
+def _critic_options(config: PPOConfig, shared: _Shared, role: RolePlan) -> CriticOptions:
     critic = config.critic
     optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer)
     model = model_options(critic.megatron, role.spec, role.ranks, critic.model.enable_gradient_checkpointing, optim,
                           critic.model.override_config, critic.load_weight, value_head=True)
     return CriticOptions(
         seed=critic.megatron.seed, model=model,
-        update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, config.trainer.seed),
+        update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, shared.seed),
         values=role.batches["values"].forward(), loss_agg_mode=critic.loss_agg_mode,
-        cliprange_value=critic.cliprange_value,
-        max_response_length=config.actor_rollout_ref.rollout.response_length,
+        cliprange_value=critic.cliprange_value, max_response_length=shared.response_length,
         checkpoint=_checkpoint_options(critic.checkpoint))
 
 
-def _rollout_options(config: PPOConfig, role: RolePlan, sync_ranks: list[int]) -> RolloutOptions:
-    arr = config.actor_rollout_ref
-    rollout = arr.rollout
+def _rollout_options(config: PPOConfig, shared: _Shared, role: RolePlan, sync_ranks: list[int]) -> RolloutOptions:
+    rollout = config.actor_rollout_ref.rollout
     engine = EngineConfig(
         max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
-        max_model_len=rollout.max_model_len or rollout.prompt_length + rollout.response_length,
+        max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching)
-    sync = rollout.weight_sync
+    sync, val, length = rollout.weight_sync, rollout.val_kwargs, shared.response_length
+    ignore_eos = rollout.ignore_eos
     return RolloutOptions(
-        engine_name=rollout.name, seed=config.trainer.seed, spec=role.spec, ranks=role.ranks, engine=engine,
-        train=sampling_options(rollout, rollout.response_length, rollout.ignore_eos),
-        validate=sampling_options(rollout.val_kwargs, rollout.response_length, rollout.ignore_eos),
-        response_length=rollout.response_length, free_cache_engine=rollout.free_cache_engine,
-        override_config=arr.model.override_config,
+        engine_name=rollout.name, seed=shared.seed, spec=role.spec, ranks=role.ranks, engine=engine,
+        train=sampling_options(rollout.do_sample, shared.temperature, rollout.top_k, rollout.top_p, length,
+                               ignore_eos),
+        validate=sampling_options(val.do_sample, val.temperature, val.top_k, val.top_p, length, ignore_eos),
+        response_length=length, free_cache_engine=rollout.free_cache_engine, override_config=shared.override_config,
         weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks))
 
 
@@ -283,31 +327,30 @@ def _reward_options(config: PPOConfig) -> RewardOptions:
     return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping)
 
 
-def _algorithm_options(config: PPOConfig) -> AlgorithmOptions:
+def _algorithm_options(config: PPOConfig, shared: _Shared) -> AlgorithmOptions:
     algo = config.algorithm
     ctrl, groups = algo.kl_ctrl, algo.filter_groups
     kl = KLInRewardOptions(algo.kl_penalty, ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
     return AlgorithmOptions(
-        adv_estimator=algo.adv_estimator, gamma=algo.gamma, lam=algo.lam,
-        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_in_reward=kl if algo.use_kl_in_reward else None,
-        correction=correction_options(config),
+        adv_estimator=shared.adv_estimator, gamma=algo.gamma, lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_in_reward=kl if shared.use_kl_in_reward else None,
+        correction=correction_options(algo.rollout_correction, shared.decoupled),
         filter_groups=FilterGroupsOptions(groups.metric, groups.max_num_gen_batches) if groups.enable else None)
 
 
-def _loop_options(config: PPOConfig) -> LoopOptions:
-    trainer, arr = config.trainer, config.actor_rollout_ref
+def _loop_options(config: PPOConfig, shared: _Shared, step: _Step, save_hf: bool) -> LoopOptions:
+    trainer = config.trainer
     return LoopOptions(
         total_steps=None, total_training_steps=trainer.total_training_steps, total_epochs=trainer.total_epochs,
         total_rollout_steps=config.rollout.total_rollout_steps if config.rollout is not None else None,
-        seed=trainer.seed, samples_per_prompt=arr.rollout.n, val_samples_per_prompt=arr.rollout.val_kwargs.n,
-        train_batch_size=config.data.train_batch_size, critic_warmup=trainer.critic_warmup,
-        val_before_train=trainer.val_before_train, test_freq=trainer.test_freq, save_freq=trainer.save_freq,
-        resume_mode=trainer.resume_mode, resume_from_path=trainer.resume_from_path, run_dir=trainer.default_local_dir,
+        seed=shared.seed, samples_per_prompt=shared.samples_per_prompt,
+        val_samples_per_prompt=config.actor_rollout_ref.rollout.val_kwargs.n, train_batch_size=step.train_batch_size,
+        critic_warmup=trainer.critic_warmup, val_before_train=trainer.val_before_train, test_freq=trainer.test_freq,
+        save_freq=trainer.save_freq, resume_mode=trainer.resume_mode, resume_from_path=trainer.resume_from_path,
+        run_dir=trainer.default_local_dir,
         max_ckpt_to_keep={"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep},
-        save_hf="hf_model" in arr.actor.checkpoint.save_contents, balance_batch=trainer.balance_batch,
-        actor_mini_batch_size=arr.actor.ppo_mini_batch_size,
-        critic_mini_batch_size=config.critic.ppo_mini_batch_size if config.use_critic else None,
-        log_val_generations=trainer.log_val_generations, max_response_length=config.data.max_response_length)
+        save_hf=save_hf, balance_batch=trainer.balance_batch, actor_mini_batch_size=step.actor_mini,
+        critic_mini_batch_size=step.critic_mini, log_val_generations=trainer.log_val_generations)
 
 
 def _cluster_options(config: PPOConfig) -> ClusterOptions:
@@ -327,28 +370,24 @@ def _async_options(config: PPOConfig) -> AsyncOptions | None:
                         trigger_parameter_sync_step=a.trigger_parameter_sync_step, require_batches=a.require_batches)
 
 
-def _step_key(config: PPOConfig) -> str:
-    """The key that sets the prompts of one training step."""
-    return "async_training.require_batches" if config.mode == "fully_async" else "data.train_batch_size"
-
-
-def _step(config: PPOConfig) -> tuple[int, int]:
+def _step(config: PPOConfig, shared: _Shared, mode: Mode, async_training: AsyncOptions | None) -> _Step:
     """Prompts per training step and actor mini batches per step; every mini batch size must divide the step."""
     actor_mini = config.actor_rollout_ref.actor.ppo_mini_batch_size
+    critic_mini = config.critic.ppo_mini_batch_size if shared.use_critic else None
     minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor_mini)]
-    if config.use_critic:
-        minis.append(("critic.ppo_mini_batch_size", config.critic.ppo_mini_batch_size))
-    step_key = _step_key(config)
-    if config.mode == "fully_async":
-        step = config.async_training.require_batches * actor_mini
+    if critic_mini is not None:
+        minis.append(("critic.ppo_mini_batch_size", critic_mini))
+    train_batch_size = config.data.train_batch_size
+    if mode == "fully_async":
+        step_key, step = "async_training.require_batches", async_training.require_batches * actor_mini
     else:
-        step = config.data.train_batch_size
+        step_key, step = "data.train_batch_size", train_batch_size
     for key, mini in minis:
         if mini > step:
             raise ConfigError(key, f"{mini} prompts is larger than the {step} prompts of a step ({step_key})")
         if step % mini:
             raise ConfigError(step_key, f"a step of {step} prompts is not a multiple of {key}={mini}")
-    return step, step // actor_mini
+    return _Step(step, step // actor_mini, step_key, actor_mini, critic_mini, train_batch_size)
 
 
 @dataclass(frozen=True)
@@ -363,40 +402,35 @@ class _BatchKeys:
     tokens: str
 
 
-def _batches_of(config: PPOConfig, role: str, step_prompts: int) -> dict[str, _BatchKeys]:
-    step_key = _step_key(config)
-
+def _batches_of(shared: _Shared, role: str, step: _Step) -> dict[str, _BatchKeys]:
     def log_prob(group: str) -> _BatchKeys:
-        return _BatchKeys(step_prompts, step_key, group, "log_prob_micro_batch_size", "log_prob_use_dynamic_bsz",
-                      "log_prob_max_token_len_per_gpu")
+        return _BatchKeys(step.prompts, step.key, group, "log_prob_micro_batch_size", "log_prob_use_dynamic_bsz",
+                          "log_prob_max_token_len_per_gpu")
 
     if role == "ref":
         return {"log_prob": log_prob("actor_rollout_ref.ref")}
     if role == "critic":
-        critic = config.critic
-        return {"update": _BatchKeys(critic.ppo_mini_batch_size, "critic.ppo_mini_batch_size", "critic",
-                                 "ppo_micro_batch_size", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
-                "values": _BatchKeys(step_prompts, step_key, "critic", "forward_micro_batch_size", "use_dynamic_bsz",
-                                 "forward_max_token_len_per_gpu")}
-    actor = config.actor_rollout_ref.actor
-    batches = {"update": _BatchKeys(actor.ppo_mini_batch_size, "actor_rollout_ref.actor.ppo_mini_batch_size",
-                                "actor_rollout_ref.actor", "ppo_micro_batch_size", "use_dynamic_bsz",
-                                "ppo_max_token_len_per_gpu")}
-    if config.recompute_old_log_probs:
+        return {"update": _BatchKeys(step.critic_mini, "critic.ppo_mini_batch_size", "critic",
+                                     "ppo_micro_batch_size", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+                "values": _BatchKeys(step.prompts, step.key, "critic", "forward_micro_batch_size", "use_dynamic_bsz",
+                                     "forward_max_token_len_per_gpu")}
+    batches = {"update": _BatchKeys(step.actor_mini, "actor_rollout_ref.actor.ppo_mini_batch_size",
+                                    "actor_rollout_ref.actor", "ppo_micro_batch_size", "use_dynamic_bsz",
+                                    "ppo_max_token_len_per_gpu")}
+    if shared.decoupled:
         batches["log_prob"] = log_prob("actor_rollout_ref.rollout")  # old logprobs; verl's keys for it live there
     return batches
 
 
-def _train_role(config: PPOConfig, role: str, key: str, ranks: list[int], step_prompts: int) -> RolePlan:
+def _train_role(config: PPOConfig, shared: _Shared, role: str, key: str, ranks: list[int], step: _Step) -> RolePlan:
     try:
         spec = config.at(key).layout(len(ranks))
     except LayoutError as err:
         raise ConfigError(key, f"{err} (the trainer pool trainer.nnodes x trainer.n_gpus_per_node has "
                                f"{len(ranks)} ranks)") from None
-    rollout = config.actor_rollout_ref.rollout
-    seq_len = math.ceil((rollout.prompt_length + rollout.response_length) / spec.cp)  # tokens per CP rank
-    batches = {phase: normalize_batch(config, batch, rollout.n, spec.dp, seq_len)
-               for phase, batch in _batches_of(config, role, step_prompts).items()}
+    seq_len = math.ceil((shared.prompt_length + shared.response_length) / spec.cp)  # tokens per CP rank
+    batches = {phase: normalize_batch(config, batch, shared.samples_per_prompt, spec.dp, seq_len)
+               for phase, batch in _batches_of(shared, role, step).items()}
     return RolePlan(role, spec, ranks, rank_tables(spec, ranks), batches)
 
 

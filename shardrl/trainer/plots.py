@@ -31,7 +31,7 @@ def write_plots(run_dir: Path, timeline: Timeline) -> None:
         fig.tight_layout()
         fig.savefig(run_dir / "curves.png", dpi=110)
         plt.close(fig)
-    spans = [s for s in timeline.spans if s["phase"] != "step"]
+    spans = [s for s in timeline.snapshot() if s["phase"] != "step"]
     if spans:
         phases = sorted({s["phase"] for s in spans}, key=[s["phase"] for s in spans].index)
         lanes = sorted({(s["lane"], s["phase"]) for s in spans}, key=lambda lp: (lp[0], phases.index(lp[1])))

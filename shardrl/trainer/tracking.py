@@ -7,6 +7,7 @@ Plus the phase timeline the plots are drawn from.
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -22,34 +23,46 @@ from rich.table import Table
 @dataclass
 class Timeline:
     """Start/end of every phase of every step (seconds since the run started): `timing_s/*` and the Gantt plot.
-    `on_phase(step, name)` is told when a phase starts (the progress bar shows it)."""
+    `on_phase(step, name)` is told when a trainer phase starts (the progress bar shows it).
+
+    The async rollouter's thread records its spans here too (lane "rollout"), so the spans are kept under the
+    timeline's own lock and read as a copy (`snapshot`); the progress bar is only ever told from the trainer's
+    thread (trainer lane)."""
 
     origin: float = field(default_factory=time.perf_counter)
-    spans: list[dict[str, Any]] = field(default_factory=list)
+    _spans: list[dict[str, Any]] = field(default_factory=list)
     on_phase: Callable[[int, str], None] | None = None
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
     @contextmanager
     def phase(self, step: int, name: str, lane: str = "trainer") -> Iterator[None]:
-        if self.on_phase is not None:
+        if self.on_phase is not None and lane == "trainer":
             self.on_phase(step, name)
         start = time.perf_counter() - self.origin
         try:
             yield
         finally:
-            self.spans.append({"step": step, "phase": name, "lane": lane, "start": start,
-                               "end": time.perf_counter() - self.origin})
+            span = {"step": step, "phase": name, "lane": lane, "start": start, "end": time.perf_counter() - self.origin}
+            with self._lock:
+                self._spans.append(span)
+
+    def snapshot(self) -> list[dict[str, Any]]:
+        """The spans recorded so far (a copy: the rollouter's thread may be adding one)."""
+        with self._lock:
+            return list(self._spans)
 
     def overlap(self, step: int, lane: str, idle: tuple[str, ...] = ()) -> float:
         """Seconds in which the trainer worked on `step` (its phases but "step" itself and the `idle` ones) while
         `lane` was busy: the rollout pool generating while the trainer pool trains, what the async schedules gain."""
-        working = [s for s in self.spans if s["step"] == step and s["lane"] == "trainer"
+        spans = self.snapshot()
+        working = [s for s in spans if s["step"] == step and s["lane"] == "trainer"
                    and s["phase"] not in ("step", *idle)]
-        busy = [s for s in self.spans if s["lane"] == lane]
+        busy = [s for s in spans if s["lane"] == lane]
         return sum(max(0.0, min(w["end"], b["end"]) - max(w["start"], b["start"])) for w in working for b in busy)
 
     def step_timing(self, step: int) -> dict[str, float]:
         timing: dict[str, float] = {}
-        for span in self.spans:
+        for span in self.snapshot():
             if span["step"] == step:
                 key = f"timing_s/{span['phase']}"
                 timing[key] = timing.get(key, 0.0) + span["end"] - span["start"]
