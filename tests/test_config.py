@@ -44,7 +44,7 @@ def test_all_six_configs_are_packaged_and_load():
 def test_megatron_config_keeps_the_base_keys_and_changes_defaults():
     base, mega = compose("ppo_trainer"), compose("ppo_megatron_trainer")
     assert (base.data.train_batch_size, mega.data.train_batch_size) == (32, 1024)
-    assert mega.algorithm.adv_estimator == "gae" and mega.use_critic and not base.use_critic
+    assert mega.algorithm.adv_estimator == "gae" and base.algorithm.adv_estimator == "grpo"
     # interpolations follow the overridden values
     assert mega.critic.ppo_mini_batch_size == 256 and mega.actor_rollout_ref.rollout.response_length == 512
     assert mega.critic.megatron.dtype == "bfloat16"
@@ -127,8 +127,8 @@ def test_cross_key_rules(overrides, key):
 def test_verl_bypass_mode_decides_the_ppo_anchor(bypass, recompute):
     # verl >= 0.6.1: bypass_mode=true trains on the rollout's behaviour logprobs (no old-log-prob pass).
     config = compose("ppo_trainer", [f"algorithm.rollout_correction.bypass_mode={bypass}"])
-    assert config.recompute_old_log_probs is recompute
     assert config.algorithm.rollout_correction.decoupled is recompute
+    assert (plan_job(config).actor.log_prob is not None) is recompute
     assert error_key(["algorithm.rollout_correction.bypass_mode=true",
                       "algorithm.rollout_correction.rollout_is=token"]) == "algorithm.rollout_correction.rollout_is"
 
@@ -146,7 +146,7 @@ def test_verl_07_rollout_correction_command_line_composes():
     (criterion,) = rc.rejection().criteria
     assert (criterion.name, criterion.reduction) == ("geometric", "mean")
     assert (criterion.lower, criterion.upper) == (0.999, 1.001)
-    assert rc.rejection().veto_threshold == 1e-4 and rc.rollout_is_batch_normalize and config.recompute_old_log_probs
+    assert rc.rejection().veto_threshold == 1e-4 and rc.rollout_is_batch_normalize and rc.decoupled
 
 
 def test_verl_main_rollout_rs_command_line_composes():
@@ -195,7 +195,8 @@ def test_rollout_correction_rules_name_the_key(overrides, key):
 ])
 def test_verl_bypass_reinforce_reaches_the_actor_loss_options(overrides):
     config = compose("ppo_trainer", overrides)
-    assert not config.recompute_old_log_probs and config.algorithm.rollout_correction.loss_type == "reinforce"
+    assert not config.algorithm.rollout_correction.decoupled
+    assert config.algorithm.rollout_correction.loss_type == "reinforce"
     options = actor_loss_options(config)
     assert (options.loss_mode, options.bypass_is) == ("reinforce", ("token", 3.0))
     options = actor_loss_options(compose("ppo_trainer", [f"{RC}.bypass_mode=true", f"{RC}.loss_type=reinforce"]))

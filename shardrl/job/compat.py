@@ -54,22 +54,25 @@ REFUSED: tuple[Refused, ...] = (
     Refused("data.return_raw_chat", _is(False), True, "no reward model or agent loop reads the raw chat yet"),
     Refused("data.dataloader_num_workers", _is(0), 8, "prompts are tokenised once at start and batched in memory; "
             "there are no loader workers; remove the key"),
-    *(Refused(f"{group}.external_lib", _is(None), "my_models", "shardrl builds its model families natively; a library that "
-              "registers models with transformers is never used; remove the key") for group in _MODEL_GROUPS),
+    *(Refused(f"{group}.external_lib", _is(None), "my_models", "shardrl builds its model families natively; a "
+              "library that registers models with transformers is never used; remove the key")
+      for group in _MODEL_GROUPS),
     *(Refused(f"{group}.use_remove_padding", _is(True), False, "shardrl always packs sequences (no padding tokens are "
               "computed); set true or remove the key") for group in _MODEL_GROUPS),
-    Refused("actor_rollout_ref.rollout.mode", _is("sync"), "async", "the native engine is driven by the trainer's schedule "
-            "(the async modes are --config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer); set sync"),
-    Refused("actor_rollout_ref.rollout.load_format", _is("dummy"), "safetensors", "the rollout engine always receives the actor's "
-            "weights by weight sync before it generates; nothing is loaded from disk; set dummy"),
+    Refused("actor_rollout_ref.rollout.mode", _is("sync"), "async", "the native engine is driven by the trainer's "
+            "schedule (the async modes are --config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer); set "
+            "sync"),
+    Refused("actor_rollout_ref.rollout.load_format", _is("dummy"), "safetensors", "the rollout engine always "
+            "receives the actor's weights by weight sync before it generates; nothing is loaded from disk; set dummy"),
     Refused("actor_rollout_ref.rollout.enable_chunked_prefill", _is(False), True, "the native engine prefills whole "
             "prompts (up to max_num_batched_tokens per step); set false"),
-    Refused("actor_rollout_ref.rollout.engine_kwargs", lambda v: not any(v.values()), {"vllm": {"swap_space": 4}}, "engine_kwargs configure vllm "
-            "and sglang; the native engine's settings are actor_rollout_ref.rollout.* keys"),
+    Refused("actor_rollout_ref.rollout.engine_kwargs", lambda v: not any(v.values()), {"vllm": {"swap_space": 4}},
+            "engine_kwargs configure vllm and sglang; the native engine's settings are actor_rollout_ref.rollout.* "
+            "keys"),
     Refused("actor_rollout_ref.rollout.calculate_log_probs", _is(True), False, "the native engine always records each "
             "token's behaviour logprob (the off-policy contract); set true"),
-    Refused("actor_rollout_ref.rollout.free_cache_engine", _is(False), True, "the detached rollout pool keeps its KV cache "
-            "(it never shares its GPUs with training); set false", applies=_detached),
+    Refused("actor_rollout_ref.rollout.free_cache_engine", _is(False), True, "the detached rollout pool keeps its "
+            "KV cache (it never shares its GPUs with training); set false", applies=_detached),
     Refused("actor_rollout_ref.ref.megatron.use_distributed_optimizer", _is(False), True, "the reference policy "
             "never trains: it has no optimizer to distribute; set false"),
     Refused("reward_model.enable", _is(False), True, "model-based reward models are not supported yet; use rule-based "

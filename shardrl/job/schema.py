@@ -462,20 +462,6 @@ class PPOConfig:
     def mode(self) -> Mode:
         return self.async_training.mode if self.async_training else "sync"
 
-    @property
-    def use_critic(self) -> bool:
-        enable = self.critic.enable
-        return enable if enable is not None else self.algorithm.adv_estimator == "gae"
-
-    @property
-    def recompute_old_log_probs(self) -> bool:
-        """Whether the actor recomputes old logprobs (else PPO is anchored on the rollout's behaviour logprobs)."""
-        return self.algorithm.rollout_correction.decoupled
-
-    @property
-    def use_reference_policy(self) -> bool:
-        return self.actor_rollout_ref.actor.use_kl_loss or self.algorithm.use_kl_in_reward
-
     def at(self, dotted: str) -> Any:
         """The group or value at a dotted key, e.g. `config.at("critic.megatron")`."""
         node: Any = self
