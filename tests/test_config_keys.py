@@ -1,5 +1,5 @@
 """Every config key is consumed or refused (issue "The house"): each leaf of the schema is either read by exactly one
-function of the planner (`shardrl/job/options.py`, `shardrl/job/plan.py`) while it compiles the packaged configs, or
+function of the planner (`shardrl/job/compile.py`, `batches.py`, `plan.py`) while it compiles the packaged configs, or
 is in `shardrl/job/compat.py`, whose refusals fire in the dry run with a one-line error naming the key.
 
 Reads are recorded by watching attribute access on the config's dataclasses during `plan_job`, so a consumer that is
@@ -22,7 +22,7 @@ from shardrl.job.plan import plan_job
 from shardrl.job.schema import PPOConfig
 
 JOB = Path(schema.__file__).parent
-CONSUMER_FILES = {str(JOB / "options.py"), str(JOB / "plan.py")}
+CONSUMER_FILES = {str(JOB / name) for name in ("compile.py", "batches.py", "plan.py")}
 NOT_CONSUMERS = {"format_plan"}  # the dry run's printout reads keys to show them
 PASS_THROUGH = {str(JOB / "schema.py"), __file__}  # properties, `at` and this recorder read for their caller
 

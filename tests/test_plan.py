@@ -6,7 +6,8 @@ import json
 import pytest
 
 from shardrl.job.load import compose
-from shardrl.job.plan import MicroBatching, plan_job, format_plan
+from shardrl.job.batches import MicroBatching
+from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.errors import ConfigError
 from example_command import example_overrides
 

@@ -1,10 +1,8 @@
-"""The compiled job: typed options per role and for the controller, read from the config once (`compile_options`).
+"""The compiled job: typed options per role and for the controller (compile.py fills them in from the config).
 
 Workers take their role's options (`ActorOptions`, `RefOptions`, `CriticOptions`, `RolloutOptions`) and never see
-the config; the controller takes `DataOptions`, `RewardOptions`, `AlgorithmOptions`, `LoopOptions` and
-`ClusterOptions`. Every config key that has an effect is read here (or by the planner's layout and batch rules in
-plan.py), exactly once; the keys accepted only for verl compatibility are listed in compat.py. A test walks every
-leaf of the schema and checks this.
+the config; the controller takes `DataOptions`, `RewardOptions`, `AlgorithmOptions`, `LoopOptions`,
+`ClusterOptions`, `TrackingOptions` and `AsyncOptions`.
 
 Some values depend on the data, which a dry run does not read: the number of training steps (`LoopOptions.
 total_steps`, and each optimizer's schedule length) is None until `JobPlan.with_total_steps` fills it in at launch.
@@ -25,20 +23,12 @@ from shardrl.job.schema import (
     AdvEstimator,
     FilterMetric,
     KLEstimator,
-    LossAggMode,
-    MegatronConfig,
-    OptimConfig,
-    PPOConfig,
-    RolloutCorrectionConfig,
 )
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout import LayoutSpec
 from shardrl.rewards.manager import OverlongShaping
 from shardrl.rollout.request import SamplingParams
 from shardrl.rollout.runner import EngineConfig
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
 
 # ---- what the workers take -------------------------------------------------------------------------------------------
 
@@ -328,63 +318,3 @@ class AsyncOptions:
     staleness_threshold: float | None
     trigger_parameter_sync_step: int | None
     require_batches: int | None
-
-
-# ---- compiling ---------------------------------------------------------------------------------------------------
-
-def recompute_enabled(override_transformer_config: dict[str, Any], gradient_checkpointing: bool) -> bool:
-    """Full per-layer recompute: `model.enable_gradient_checkpointing`, or Megatron's `recompute_granularity`
-    given through `override_transformer_config` (the key verl users set)."""
-    return gradient_checkpointing or override_transformer_config.get("recompute_granularity") in ("full", "selective")
-
-
-def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> OptimOptions:
-    return OptimOptions(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=clip_grad,
-                        distributed=distributed,
-                        total_steps=optim.total_training_steps if optim.total_training_steps > 0 else None,
-                        warmup_steps=optim.lr_warmup_steps, warmup_ratio=optim.lr_warmup_steps_ratio,
-                        decay_style=optim.lr_decay_style, decay_steps=optim.lr_decay_steps,
-                        min_lr_ratio=optim.min_lr_ratio)
-
-
-def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], gradient_checkpointing: bool,
-                  optim: OptimOptions | None, override_config: dict[str, Any], load_weight: bool,
-                  value_head: bool = False) -> ModelOptions:
-    override = megatron.override_transformer_config
-    engine = EngineOptions(
-        sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(override, gradient_checkpointing),
-        dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
-        moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
-        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
-    offload = OffloadOptions(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload)
-    path = megatron.dist_checkpointing_path
-    dist = path if megatron.use_dist_checkpointing else None
-    return ModelOptions(spec, ranks, engine, offload, dict(override_config), load_weight, dist)
-
-
-def policy_loss_options(config: PPOConfig, decoupled: bool, use_kl_loss: bool,
-                        response_length: int) -> PolicyLossOptions:
-    """The actor loss; in bypass mode loss_type=reinforce replaces the surrogate and brings its own IS weights.
-    `decoupled`, `use_kl_loss`, `response_length`: those keys' values, which the planner reads once."""
-    actor, correction = config.actor_rollout_ref.actor, config.algorithm.rollout_correction
-    reinforce = not decoupled and correction.loss_type == "reinforce"
-    weighted = reinforce and correction.rollout_is is not None
-    bypass_is = (correction.rollout_is, correction.rollout_is_threshold) if weighted else None
-    return PolicyLossOptions(
-        loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else actor.policy_loss.loss_mode,
-        bypass_is=bypass_is,
-        clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
-        entropy_coeff=actor.entropy_coeff, use_kl_loss=use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
-        kl_loss_type=actor.kl_loss_type, max_response_length=actor.loss_scale_factor or response_length)
-
-
-def sampling_options(do_sample: bool, temperature: float, top_k: int, top_p: float, max_tokens: int,
-                     ignore_eos: bool) -> SamplingOptions:
-    return SamplingOptions(max_tokens=max_tokens, temperature=temperature if do_sample else 0.0, top_k=top_k,
-                           top_p=top_p, ignore_eos=ignore_eos)
-
-
-def correction_options(rc: RolloutCorrectionConfig, decoupled: bool) -> CorrectionOptions:
-    return CorrectionOptions(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
-                             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rejection=rc.rejection(),
-                             decoupled=decoupled)

@@ -1,0 +1,204 @@
+"""Layouts and batch sizes: each training role's layout over the trainer pool, the rollout's over its pool, the
+step's prompts and how every phase's batch is cut into micro batches per DP rank (verl's megatron normalisation),
+and the keys several options need, read once (`SharedKeys`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from shardrl.job.errors import ConfigError
+from shardrl.job.options import AsyncOptions, ForwardBatching
+from shardrl.job.schema import Mode, PPOConfig
+from shardrl.parallel.layout import LayoutError, LayoutSpec, rank_tables
+
+
+@dataclass(frozen=True)
+class MicroBatching:
+    """How one DP rank cuts its share of a batch."""
+
+    samples_per_rank: int
+    micro_batch_size: int | None  # samples per micro batch; None with dynamic batch size
+    num_micro_batches: int | None  # None with dynamic batch size (depends on the lengths)
+    max_token_len: int | None  # token budget of one micro batch (dynamic batch size only)
+
+    def describe(self) -> str:
+        if self.micro_batch_size is None:
+            return f"{self.samples_per_rank} samples/rank in micro batches of <= {self.max_token_len} tokens"
+        return (f"{self.samples_per_rank} samples/rank, micro batch {self.micro_batch_size} "
+                f"-> {self.num_micro_batches} micro batches")
+
+    def forward(self) -> ForwardBatching:
+        return ForwardBatching(self.micro_batch_size, self.max_token_len)
+
+
+@dataclass(frozen=True)
+class RolePlan:
+    name: Literal["actor", "ref", "critic", "rollout"]
+    spec: LayoutSpec
+    ranks: list[int]
+    tables: dict[str, list[list[int]]]
+    batches: dict[str, MicroBatching] = field(default_factory=dict)  # "update", "log_prob", "values"
+
+
+@dataclass(frozen=True)
+class SharedKeys:
+    """The keys several parts of the plan need, each read once, here (tests/test_config_keys.py checks that every
+    key has exactly one reader in the planner)."""
+
+    seed: int  # trainer.seed: sampling seeds, shuffles, the rollout engine's torch seed
+    samples_per_prompt: int  # rollout.n
+    prompt_length: int
+    response_length: int
+    temperature: float  # the rollout's: sampling, and the trainer's logprobs
+    override_config: dict[str, Any]  # actor_rollout_ref.model.override_config: actor, reference and rollout
+    decoupled: bool
+    adv_estimator: str
+    use_critic: bool
+    use_kl_loss: bool
+    use_kl_in_reward: bool
+
+    @property
+    def use_reference_policy(self) -> bool:
+        return self.use_kl_loss or self.use_kl_in_reward
+
+
+def read_shared(config: PPOConfig) -> SharedKeys:
+    arr, algo = config.actor_rollout_ref, config.algorithm
+    rollout = arr.rollout
+    adv, enable = algo.adv_estimator, config.critic.enable
+    return SharedKeys(seed=config.trainer.seed, samples_per_prompt=rollout.n, prompt_length=rollout.prompt_length,
+                   response_length=rollout.response_length, temperature=rollout.temperature,
+                   override_config=dict(arr.model.override_config), decoupled=algo.rollout_correction.decoupled,
+                   adv_estimator=adv, use_critic=enable if enable is not None else adv == "gae",
+                   use_kl_loss=arr.actor.use_kl_loss, use_kl_in_reward=algo.use_kl_in_reward)
+
+
+@dataclass(frozen=True)
+class StepSize:
+    """A training step's prompts and the mini batches that must divide it."""
+
+    prompts: int
+    mini_batches: int  # the actor's, per step
+    key: str  # the key that sets `prompts`
+    actor_mini: int
+    critic_mini: int | None
+    train_batch_size: int
+
+
+def plan_step(config: PPOConfig, shared: SharedKeys, mode: Mode, async_training: AsyncOptions | None) -> StepSize:
+    """Prompts per training step and actor mini batches per step; every mini batch size must divide the step."""
+    actor_mini = config.actor_rollout_ref.actor.ppo_mini_batch_size
+    critic_mini = config.critic.ppo_mini_batch_size if shared.use_critic else None
+    minis = [("actor_rollout_ref.actor.ppo_mini_batch_size", actor_mini)]
+    if critic_mini is not None:
+        minis.append(("critic.ppo_mini_batch_size", critic_mini))
+    train_batch_size = config.data.train_batch_size
+    if mode == "fully_async":
+        step_key, step = "async_training.require_batches", async_training.require_batches * actor_mini
+    else:
+        step_key, step = "data.train_batch_size", train_batch_size
+    for key, mini in minis:
+        if mini > step:
+            raise ConfigError(key, f"{mini} prompts is larger than the {step} prompts of a step ({step_key})")
+        if step % mini:
+            raise ConfigError(step_key, f"a step of {step} prompts is not a multiple of {key}={mini}")
+    return StepSize(step, step // actor_mini, step_key, actor_mini, critic_mini, train_batch_size)
+
+
+@dataclass(frozen=True)
+class _BatchKeys:
+    """Where one batch's sizes live in the config: `prompts` (global) and the micro-batch keys of `group`."""
+
+    prompts: int
+    prompts_key: str
+    group: str  # dotted config group holding the micro-batch keys
+    micro: str  # `<micro>` (global, deprecated) and `<micro>_per_gpu`
+    dynamic: str
+    tokens: str
+
+
+def _batches_of(shared: SharedKeys, role: str, step: StepSize) -> dict[str, _BatchKeys]:
+    def log_prob(group: str) -> _BatchKeys:
+        return _BatchKeys(step.prompts, step.key, group, "log_prob_micro_batch_size", "log_prob_use_dynamic_bsz",
+                          "log_prob_max_token_len_per_gpu")
+
+    if role == "ref":
+        return {"log_prob": log_prob("actor_rollout_ref.ref")}
+    if role == "critic":
+        return {"update": _BatchKeys(step.critic_mini, "critic.ppo_mini_batch_size", "critic",
+                                     "ppo_micro_batch_size", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
+                "values": _BatchKeys(step.prompts, step.key, "critic", "forward_micro_batch_size", "use_dynamic_bsz",
+                                     "forward_max_token_len_per_gpu")}
+    batches = {"update": _BatchKeys(step.actor_mini, "actor_rollout_ref.actor.ppo_mini_batch_size",
+                                    "actor_rollout_ref.actor", "ppo_micro_batch_size", "use_dynamic_bsz",
+                                    "ppo_max_token_len_per_gpu")}
+    if shared.decoupled:
+        batches["log_prob"] = log_prob("actor_rollout_ref.rollout")  # old logprobs; verl's keys for it live there
+    return batches
+
+
+def train_role(config: PPOConfig, shared: SharedKeys, role: str, key: str, ranks: list[int], step: StepSize) -> RolePlan:
+    try:
+        spec = config.at(key).layout(len(ranks))
+    except LayoutError as err:
+        raise ConfigError(key, f"{err} (the trainer pool trainer.nnodes x trainer.n_gpus_per_node has "
+                               f"{len(ranks)} ranks)") from None
+    seq_len = math.ceil((shared.prompt_length + shared.response_length) / spec.cp)  # tokens per CP rank
+    batches = {phase: normalize_batch(config, batch, shared.samples_per_prompt, spec.dp, seq_len)
+               for phase, batch in _batches_of(shared, role, step).items()}
+    return RolePlan(role, spec, ranks, rank_tables(spec, ranks), batches)
+
+
+def normalize_batch(config: PPOConfig, batch: _BatchKeys, n: int, dp: int, seq_len: int) -> MicroBatching:
+    """`batch.prompts` (global) x n samples -> per DP rank -> micro batches (verl's megatron normalisation; the
+    deprecated global micro batch is divided by DP)."""
+    node = config.at(batch.group)
+    samples = batch.prompts * n
+    if samples % dp:
+        split = f"{samples // dp} per rank" if samples < dp else "an uneven split"
+        raise ConfigError(batch.prompts_key, f"{batch.prompts} prompts x rollout.n {n} = {samples} samples do not "
+                                             f"split evenly over DP={dp} ({split})")
+    per_rank = samples // dp
+    if getattr(node, batch.dynamic):
+        max_tokens = getattr(node, batch.tokens)
+        if max_tokens < seq_len:
+            raise ConfigError(f"{batch.group}.{batch.tokens}", f"{max_tokens} tokens cannot hold one full sequence "
+                                                               f"of {seq_len} tokens (prompt + response per CP rank)")
+        return MicroBatching(per_rank, None, None, max_tokens)
+    total, per_gpu = getattr(node, batch.micro), getattr(node, f"{batch.micro}_per_gpu")
+    key = f"{batch.group}.{batch.micro}"
+    if total is None and per_gpu is None:
+        raise ConfigError(f"{key}_per_gpu", f"must be set (samples per micro batch on one rank), or enable "
+                                            f"{batch.group}.{batch.dynamic}")
+    if per_gpu is None:
+        if total % dp:
+            raise ConfigError(key, f"global micro batch {total} does not split over DP={dp}; set "
+                                   f"{batch.micro}_per_gpu instead")
+        per_gpu = total // dp
+    else:
+        key = f"{key}_per_gpu"
+    if per_rank % per_gpu:
+        raise ConfigError(key, f"the {per_rank} samples per DP rank ({samples} samples / DP={dp}) are not divisible "
+                               f"by the micro batch {per_gpu}")
+    return MicroBatching(per_rank, per_gpu, per_rank // per_gpu, None)
+
+
+def rollout_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
+    """The rollout is laid out over its own pool only, never by the trainer's TP x PP x EP."""
+    rollout = config.actor_rollout_ref.rollout
+    pool = ("the trainer pool (colocated)" if config.rollout is None
+            else "the rollout pool rollout.nnodes x rollout.n_gpus_per_node")
+    world, tp = len(ranks), rollout.tensor_model_parallel_size
+    if world % tp:
+        raise ConfigError("actor_rollout_ref.rollout.tensor_model_parallel_size",
+                          f"TP {tp} does not divide {pool} of {world} ranks")
+    try:
+        spec = rollout.layout(world)
+    except LayoutError as err:
+        raise ConfigError("actor_rollout_ref.rollout.expert_parallel_size", f"{err} ({pool})") from None
+    if rollout.data_parallel_size not in (None, spec.dp):
+        raise ConfigError("actor_rollout_ref.rollout.data_parallel_size",
+                          f"{rollout.data_parallel_size} != {world} ranks / TP {tp} = {spec.dp}; leave it null")
+    return RolePlan("rollout", spec, ranks, rank_tables(spec, ranks))

@@ -1,0 +1,237 @@
+"""Compiling the config into the options every role and the controller take (options.py): each key that has an
+effect is read here, in batches.py (layouts and batch sizes) or by `plan.plan_job`, exactly once; the keys accepted
+only for verl compatibility are listed in compat.py. tests/test_config_keys.py walks every leaf of the schema and
+checks this."""
+
+from __future__ import annotations
+
+import datetime
+from typing import Any
+
+import torch
+
+from shardrl.algos import ClipRange
+from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize
+from shardrl.job.options import (
+    ActorOptions,
+    AlgorithmOptions,
+    AsyncOptions,
+    CheckpointOptions,
+    ClusterOptions,
+    CorrectionOptions,
+    CriticOptions,
+    DataOptions,
+    EngineOptions,
+    FilterGroupsOptions,
+    KLInRewardOptions,
+    LoopOptions,
+    ModelOptions,
+    OffloadOptions,
+    OptimOptions,
+    PolicyLossOptions,
+    RefOptions,
+    RewardOptions,
+    RolloutOptions,
+    SamplingOptions,
+    UpdateOptions,
+    WeightSyncOptions,
+)
+from shardrl.job.schema import (
+    CheckpointConfig,
+    MegatronConfig,
+    OptimConfig,
+    PPOConfig,
+    RolloutCorrectionConfig,
+)
+from shardrl.parallel.layout import LayoutSpec
+from shardrl.rewards.manager import OverlongShaping
+from shardrl.rollout.runner import EngineConfig
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _checkpoint_options(checkpoint: CheckpointConfig) -> CheckpointOptions:
+    return CheckpointOptions(tuple(checkpoint.save_contents), tuple(checkpoint.load_contents))
+
+
+def _update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: int) -> UpdateOptions:
+    """`batching`: the "update" normalisation (per-rank mini batch = ppo_mini_batch_size * n / DP)."""
+    return UpdateOptions(mini_batch_size=batching.samples_per_rank, micro_batch_size=batching.micro_batch_size,
+                         max_token_len=batching.max_token_len, ppo_epochs=epochs, shuffle=shuffle, seed=seed)
+
+
+def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> ActorOptions:
+    arr = config.actor_rollout_ref
+    actor = arr.actor
+    optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
+    model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
+                          shared.override_config, actor.load_weight)
+    log_prob = role.batches.get("log_prob")
+    return ActorOptions(
+        seed=actor.megatron.seed, model=model,
+        update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, shared.seed),
+        loss=policy_loss_options(config, shared.decoupled, shared.use_kl_loss, shared.response_length),
+        log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
+        checkpoint=_checkpoint_options(actor.checkpoint))
+
+
+def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOptions:
+    # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
+    model = model_options(config.actor_rollout_ref.ref.megatron, role.spec, role.ranks, False, None,
+                          shared.override_config, load_weight=True)
+    return RefOptions(model, role.batches["log_prob"].forward())
+
+
+def critic_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> CriticOptions:
+    critic = config.critic
+    optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer)
+    model = model_options(critic.megatron, role.spec, role.ranks, critic.model.enable_gradient_checkpointing, optim,
+                          critic.model.override_config, critic.load_weight, value_head=True)
+    return CriticOptions(
+        seed=critic.megatron.seed, model=model,
+        update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, shared.seed),
+        values=role.batches["values"].forward(), loss_agg_mode=critic.loss_agg_mode,
+        cliprange_value=critic.cliprange_value, max_response_length=shared.response_length,
+        checkpoint=_checkpoint_options(critic.checkpoint))
+
+
+def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_ranks: list[int]) -> RolloutOptions:
+    rollout = config.actor_rollout_ref.rollout
+    engine = EngineConfig(
+        max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
+        max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
+        gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
+        enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching)
+    sync, val, length = rollout.weight_sync, rollout.val_kwargs, shared.response_length
+    ignore_eos = rollout.ignore_eos
+    return RolloutOptions(
+        engine_name=rollout.name, seed=shared.seed, spec=role.spec, ranks=role.ranks, engine=engine,
+        train=sampling_options(rollout.do_sample, shared.temperature, rollout.top_k, rollout.top_p, length,
+                               ignore_eos),
+        validate=sampling_options(val.do_sample, val.temperature, val.top_k, val.top_p, length, ignore_eos),
+        response_length=length, free_cache_engine=rollout.free_cache_engine, override_config=shared.override_config,
+        weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks))
+
+
+def _as_list(files: str | list[str] | None) -> list[str] | None:
+    return [files] if isinstance(files, str) else None if files is None else list(files)
+
+
+def data_options(config: PPOConfig) -> DataOptions:
+    data, model = config.data, config.actor_rollout_ref.model
+    return DataOptions(
+        train_files=_as_list(data.train_files), val_files=_as_list(data.val_files),
+        tokenizer=model.tokenizer_path or data.tokenizer, trust_remote_code=model.trust_remote_code,
+        prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
+        filter_overlong_prompts=data.filter_overlong_prompts,
+        apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs), train_max_samples=data.train_max_samples,
+        val_max_samples=data.val_max_samples, gen_batch_size=data.gen_batch_size, val_batch_size=data.val_batch_size,
+        shuffle=data.shuffle, validation_shuffle=data.validation_shuffle, seed=data.seed)
+
+
+def reward_options(config: PPOConfig) -> RewardOptions:
+    overlong, custom = config.reward_model.overlong_buffer, config.custom_reward_function
+    shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
+                              overlong.log) if overlong.enable else None
+    return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping)
+
+
+def algorithm_options(config: PPOConfig, shared: SharedKeys) -> AlgorithmOptions:
+    algo = config.algorithm
+    ctrl, groups = algo.kl_ctrl, algo.filter_groups
+    kl = KLInRewardOptions(algo.kl_penalty, ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+    return AlgorithmOptions(
+        adv_estimator=shared.adv_estimator, gamma=algo.gamma, lam=algo.lam,
+        norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_in_reward=kl if shared.use_kl_in_reward else None,
+        correction=correction_options(algo.rollout_correction, shared.decoupled),
+        filter_groups=FilterGroupsOptions(groups.metric, groups.max_num_gen_batches) if groups.enable else None)
+
+
+def loop_options(config: PPOConfig, shared: SharedKeys, step: StepSize, save_hf: bool) -> LoopOptions:
+    trainer = config.trainer
+    return LoopOptions(
+        total_steps=None, total_training_steps=trainer.total_training_steps, total_epochs=trainer.total_epochs,
+        total_rollout_steps=config.rollout.total_rollout_steps if config.rollout is not None else None,
+        seed=shared.seed, samples_per_prompt=shared.samples_per_prompt,
+        val_samples_per_prompt=config.actor_rollout_ref.rollout.val_kwargs.n, train_batch_size=step.train_batch_size,
+        critic_warmup=trainer.critic_warmup, val_before_train=trainer.val_before_train, test_freq=trainer.test_freq,
+        save_freq=trainer.save_freq, resume_mode=trainer.resume_mode, resume_from_path=trainer.resume_from_path,
+        run_dir=trainer.default_local_dir,
+        max_ckpt_to_keep={"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep},
+        save_hf=save_hf, balance_batch=trainer.balance_batch, actor_mini_batch_size=step.actor_mini,
+        critic_mini_batch_size=step.critic_mini, log_val_generations=trainer.log_val_generations)
+
+
+def cluster_options(config: PPOConfig) -> ClusterOptions:
+    trainer, pool = config.trainer, config.rollout
+    return ClusterOptions(
+        ray_init=dict(config.ray_kwargs.ray_init), trainer_nodes=trainer.nnodes,
+        trainer_gpus_per_node=trainer.n_gpus_per_node, rollout_nodes=pool.nnodes if pool else None,
+        rollout_gpus_per_node=pool.n_gpus_per_node if pool else None,
+        collective_timeout=datetime.timedelta(seconds=trainer.collective_timeout_s))
+
+
+def async_options(config: PPOConfig) -> AsyncOptions | None:
+    a = config.async_training
+    if a is None:
+        return None
+    return AsyncOptions(partial_rollout=bool(a.partial_rollout), staleness_threshold=a.staleness_threshold,
+                        trigger_parameter_sync_step=a.trigger_parameter_sync_step, require_batches=a.require_batches)
+
+
+def recompute_enabled(override_transformer_config: dict[str, Any], gradient_checkpointing: bool) -> bool:
+    """Full per-layer recompute: `model.enable_gradient_checkpointing`, or Megatron's `recompute_granularity`
+    given through `override_transformer_config` (the key verl users set)."""
+    return gradient_checkpointing or override_transformer_config.get("recompute_granularity") in ("full", "selective")
+
+
+def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> OptimOptions:
+    return OptimOptions(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=clip_grad,
+                        distributed=distributed,
+                        total_steps=optim.total_training_steps if optim.total_training_steps > 0 else None,
+                        warmup_steps=optim.lr_warmup_steps, warmup_ratio=optim.lr_warmup_steps_ratio,
+                        decay_style=optim.lr_decay_style, decay_steps=optim.lr_decay_steps,
+                        min_lr_ratio=optim.min_lr_ratio)
+
+
+def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], gradient_checkpointing: bool,
+                  optim: OptimOptions | None, override_config: dict[str, Any], load_weight: bool,
+                  value_head: bool = False) -> ModelOptions:
+    override = megatron.override_transformer_config
+    engine = EngineOptions(
+        sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(override, gradient_checkpointing),
+        dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
+        moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
+        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
+    offload = OffloadOptions(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload)
+    path = megatron.dist_checkpointing_path
+    dist = path if megatron.use_dist_checkpointing else None
+    return ModelOptions(spec, ranks, engine, offload, dict(override_config), load_weight, dist)
+
+
+def policy_loss_options(config: PPOConfig, decoupled: bool, use_kl_loss: bool,
+                        response_length: int) -> PolicyLossOptions:
+    """The actor loss; in bypass mode loss_type=reinforce replaces the surrogate and brings its own IS weights.
+    `decoupled`, `use_kl_loss`, `response_length`: those keys' values, which the planner reads once."""
+    actor, correction = config.actor_rollout_ref.actor, config.algorithm.rollout_correction
+    reinforce = not decoupled and correction.loss_type == "reinforce"
+    weighted = reinforce and correction.rollout_is is not None
+    bypass_is = (correction.rollout_is, correction.rollout_is_threshold) if weighted else None
+    return PolicyLossOptions(
+        loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else actor.policy_loss.loss_mode,
+        bypass_is=bypass_is,
+        clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
+        entropy_coeff=actor.entropy_coeff, use_kl_loss=use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
+        kl_loss_type=actor.kl_loss_type, max_response_length=actor.loss_scale_factor or response_length)
+
+
+def sampling_options(do_sample: bool, temperature: float, top_k: int, top_p: float, max_tokens: int,
+                     ignore_eos: bool) -> SamplingOptions:
+    return SamplingOptions(max_tokens=max_tokens, temperature=temperature if do_sample else 0.0, top_k=top_k,
+                           top_p=top_p, ignore_eos=ignore_eos)
+
+
+def correction_options(rc: RolloutCorrectionConfig, decoupled: bool) -> CorrectionOptions:
+    return CorrectionOptions(rollout_is=rc.rollout_is, rollout_is_threshold=rc.rollout_is_threshold,
+                             rollout_is_batch_normalize=rc.rollout_is_batch_normalize, rejection=rc.rejection(),
+                             decoupled=decoupled)
