@@ -19,19 +19,25 @@ from shardrl.trainer.prompt_feed import PromptFeed
 from shardrl.trainer.rollouter import ENGINE_KEYS, Rollouter
 from shardrl.trainer.staleness import Budget
 from shardrl.trainer.tracking import Timeline
+from shardrl.workers.rollout import RolloutWorker
 
 N, PROMPTS_PER_BATCH, RESPONSE_LEN = 2, 3, 16
 
 
 class FakeRollout:
-    """`stream` as RolloutWorker's, per replica: queue the new rows, run `steps` steps, return what finished (a
-request is finished when `done(its sample seed, its token versions)`)."""
+    """A rollout role handle whose `RolloutWorker.stream` is faked per replica: queue the new rows, run `steps` steps,
+return what finished (a request is finished when `done(its sample seed, its token versions)`)."""
 
     def __init__(self, num_replicas: int, done: Callable[[int, list[int]], bool]) -> None:
         self.layout = SimpleNamespace(dp=num_replicas)
         self.done, self.version = done, 0
         self.running: list[list[tuple[Batch, list[int]]]] = [[] for _ in range(num_replicas)]
         self.new_rows_per_call: list[int] = []
+
+    def call(self, method, *args):
+        """As `RoleHandle.call`: only the rollouter's one call, `RolloutWorker.stream`, is faked."""
+        assert method is RolloutWorker.stream, method
+        return self.stream(*args)
 
     def stream(self, prompts: list[Batch | None], steps: list[int]) -> list[tuple[Batch | None, dict]]:
         self.new_rows_per_call.append(sum(len(p) for p in prompts if p is not None))
