@@ -55,7 +55,8 @@ from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.tensor_overlap import TPOverlap
 from shardrl.workers.actor import update_policy
 from shardrl.workers.engine import ModelEngine

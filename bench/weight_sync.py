@@ -32,7 +32,8 @@ from transformers import Qwen2Config, Qwen3MoeConfig
 from shardrl.job.options import EngineOptions
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.offload import offload
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.sync.colocated import ColocatedSync

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from shardrl.controller import Dispatch, ResourcePool, Role, WorkerError, WorkerGroup, dispatch_mode, init_ray
 from shardrl.controller.dispatch import DispatchError, route
 from shardrl.data.batch import Batch
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 
 pytestmark = pytest.mark.timeout(180)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import test modules

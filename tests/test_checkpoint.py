@@ -29,7 +29,8 @@ from shardrl.models.hf_bridge import CheckpointError, load_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.optimizer import AdamW
 from shardrl.parallel.spec import ShardSpec
 

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from shardrl.controller import Dispatch, ResourcePool, Role, WorkerError, WorkerGroup, collective_timeout, init_ray
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 
 pytestmark = pytest.mark.timeout(120)
 ray.cloudpickle.register_pickle_by_value(sys.modules[__name__])  # Ray's workers cannot import a test module

@@ -25,7 +25,8 @@ from shardrl.controller import (
     init_ray,
 )
 from shardrl.data.batch import NUM_PAD_KEY, Batch
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 
 pytestmark = pytest.mark.timeout(120)
 

@@ -5,7 +5,7 @@ import torch
 
 from shardrl.controller.dispatch import Dispatch, DispatchError, output_owner, route
 from shardrl.data.batch import NUM_PAD_KEY, Batch
-from shardrl.parallel.layout import LayoutSpec
+from shardrl.parallel.layout_spec import LayoutSpec
 
 
 def _batch(n: int) -> Batch:

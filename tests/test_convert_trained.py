@@ -20,7 +20,8 @@ from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.workers.actor import compute_log_prob
 from shardrl.job.options import EngineOptions, ForwardBatching, OptimOptions
 from shardrl.workers.engine import ModelEngine

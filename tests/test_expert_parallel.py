@@ -9,7 +9,8 @@ import torch.distributed as dist
 
 from shardrl.parallel.expert import MoELayer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from test_expert import ATOL, NAMES, full_weights, load_full, reference_moe, reference_router_losses
 
 H, F_SIZE, E, K = 16, 8, 8, 2

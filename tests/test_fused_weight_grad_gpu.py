@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from shardrl.parallel.data import GradBuffers
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.gpu

@@ -13,7 +13,8 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.workers.actor import policy_loss_fn
 from shardrl.workers.engine import ModelEngine, all_reduce_sum, make_micro_batches
 from test_parity_matrix import BATCH, KEYS, RESPONSE, grads_as_data, make_batch

@@ -20,7 +20,8 @@ from torch import Tensor, nn
 
 from shardrl.parallel.data import GradBuffers, sum_of_squares
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
 
 H, F, HEADS, V, E, N = 6, 12, 4, 12, 4, 16  # hidden, ffn (HEADS heads of 3), vocab, experts, global tokens

@@ -8,7 +8,8 @@ import torch
 import torch.distributed as dist
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GROUP_NAMES, GroupRegistry, Layout, LayoutError, LayoutSpec, rank_tables
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import GROUP_NAMES, LayoutError, LayoutSpec, rank_tables
 
 
 def test_rank_tables_tp2_pp2_dp2_hand_written():

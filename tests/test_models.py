@@ -11,7 +11,8 @@ from shardrl.models.config import FAMILY_PREFIX, ModelConfig, ModelConfigError, 
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.tiny import TINY_CONFIGS, hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
-from shardrl.parallel.layout import Layout, LayoutSpec, rank_tables
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec, rank_tables
 from shardrl.parallel.spec import get_spec
 
 FAMILIES = list(TINY_CONFIGS)

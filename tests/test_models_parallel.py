@@ -15,7 +15,8 @@ from shardrl.models.hf_bridge import HFCheckpointReader, export_hf_weights, load
 from shardrl.models.tiny import TINY_CONFIGS, hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.spec import get_spec
 from shardrl.parallel.tensor import token_split_sizes
 from shardrl.parallel.vocab import gather_vocab

@@ -12,7 +12,8 @@ import torch.distributed as dist
 from torch import nn
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
 from test_grad_finalize import SMALL_BUCKET_MB, ToyModel, batch, create_layout, full_params, reference_loss, shard_of

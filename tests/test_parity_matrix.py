@@ -16,7 +16,8 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import export_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.workers.actor import compute_log_prob, policy_loss_fn
 from shardrl.job.options import EngineOptions, ForwardBatching, OptimOptions, PolicyLossOptions
 from shardrl.workers.engine import ModelEngine, all_reduce_sum, make_micro_batches

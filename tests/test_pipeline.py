@@ -13,7 +13,8 @@ import torch
 from torch import nn
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.p2p import PipelineCommError
 from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
 

@@ -11,7 +11,8 @@ import torch
 from shardrl.job.options import EngineOptions
 from shardrl.models.config import ModelConfig
 from shardrl.models.tiny import make_tiny_checkpoint
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.offload import offload, reload
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.sync.colocated import ColocatedSync

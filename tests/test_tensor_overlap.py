@@ -24,7 +24,8 @@ from shardrl.parallel.activation import swiglu
 from shardrl.models.tiny import make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.spec import get_spec
 from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear, token_split_sizes
 from shardrl.parallel.tensor_overlap import TPOverlap, column_parallel, row_parallel

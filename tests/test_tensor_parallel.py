@@ -13,7 +13,8 @@ from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.tiny import hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.spec import get_spec
 from shardrl.parallel.tensor import (
     ColumnParallelLinear,

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from torch.testing import assert_close
 
 from shardrl.parallel.launch import run_distributed
-from shardrl.parallel.layout import Layout, LayoutSpec
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.vocab import padded_vocab_size, vocab_parallel_logprobs
 
 T = 9

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardrl.data.batch import NUM_PAD_KEY, Batch
-from shardrl.parallel.layout import LayoutSpec
+from shardrl.parallel.layout_spec import LayoutSpec
 
 DISPATCH_ATTR = "dispatch_mode"
 DISPATCH_LAYOUT_ATTR = "dispatch_layout"

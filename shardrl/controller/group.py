@@ -23,7 +23,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, Dispatch, route
 from shardrl.controller.host import RankHost, rank_env
 from shardrl.controller.pool import ResourcePool
-from shardrl.parallel.layout import LayoutSpec
+from shardrl.parallel.layout_spec import LayoutSpec
 
 DEFAULT_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
 DEFAULT_CALL_TIMEOUT_S = 3600.0

@@ -11,7 +11,7 @@ from typing import Any, Literal
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
 from shardrl.job.schema import Mode, PPOConfig
-from shardrl.parallel.layout import LayoutError, LayoutSpec, rank_tables
+from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
 
 
 @dataclass(frozen=True)

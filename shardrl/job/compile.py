@@ -43,7 +43,7 @@ from shardrl.job.schema import (
     PPOConfig,
     RolloutCorrectionConfig,
 )
-from shardrl.parallel.layout import LayoutSpec
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.rewards.manager import OverlongShaping
 from shardrl.rollout.runner import EngineConfig
 

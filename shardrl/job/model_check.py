@@ -11,7 +11,7 @@ from typing import Any
 from shardrl.job.errors import ConfigError
 from shardrl.job.schema import ModelSourceConfig, PPOConfig
 from shardrl.models.config import OverrideError, apply_overrides
-from shardrl.parallel.layout import LayoutSpec
+from shardrl.parallel.layout_spec import LayoutSpec
 
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
 

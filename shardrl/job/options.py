@@ -25,7 +25,7 @@ from shardrl.job.schema import (
     KLEstimator,
 )
 from shardrl.models.fast_paths import FastPaths
-from shardrl.parallel.layout import LayoutSpec
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.rewards.manager import OverlongShaping
 from shardrl.rollout.request import SamplingParams
 from shardrl.rollout.runner import EngineConfig

@@ -16,7 +16,7 @@ from typing import Annotated, Any, Literal
 from shardrl.algos.policy_loss import PolicyLossMode
 from shardrl.algos.rejection import RejectionSampling, parse_rejection
 from shardrl.job.build import Fraction, Max, Min, NonNegFloat, NonNegInt, PosFloat, PosInt
-from shardrl.parallel.layout import LayoutSpec
+from shardrl.parallel.layout_spec import LayoutSpec
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo"]
 LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]

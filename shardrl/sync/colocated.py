@@ -14,7 +14,9 @@ from typing import Protocol
 
 from torch import nn
 
-from shardrl.parallel.layout import Layout, LayoutError
+from shardrl.parallel.layout import Layout
+
+from shardrl.parallel.layout_spec import LayoutError
 from shardrl.parallel.offload import HostBuffers
 from shardrl.sync.shards import Shards
 from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync

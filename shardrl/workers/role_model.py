@@ -11,7 +11,8 @@ from shardrl.data.batch import Batch
 from shardrl.job.options import ModelOptions
 from shardrl.models.checkpoint import load_model_from_dist
 from shardrl.models.config import ModelConfig
-from shardrl.parallel.layout import GroupRegistry, Layout, LayoutSpec
+from shardrl.parallel.layout import GroupRegistry, Layout
+from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.offload import offload, on_device
 from shardrl.workers.engine import ModelEngine
 
