@@ -148,3 +148,17 @@ def test_free_cache_engine_frees_the_colocated_kv_cache_after_generating(task, s
     third = frees.generate_sequences(prompts)  # woken for the next generation: same samples
     assert torch.equal(first.tensors["responses"], second.tensors["responses"])
     assert torch.equal(second.tensors["responses"], third.tensors["responses"])
+
+
+def test_trust_remote_code_reaches_the_tokenizer_load(tmp_path):
+    class Loaded(Exception):
+        pass
+
+    def load(path, **kwargs):
+        raise Loaded(kwargs)
+
+    compiled = plan("actor_rollout_ref.model.trust_remote_code=true", f"trainer.default_local_dir={tmp_path}")
+    with mock.patch.object(launch.AutoTokenizer, "from_pretrained", side_effect=load), \
+            pytest.raises(Loaded) as loaded:
+        launch.train(compiled)
+    assert loaded.value.args[0] == {"trust_remote_code": True}
