@@ -100,9 +100,10 @@ def test_aggregation_modes_by_hand():
     assert (scale.num_tokens, scale.num_seqs) == (5.0, 2.0)
     expected = {
         "token-mean": 15 / 5,
+        "token-sum": 15,
         "seq-mean-token-sum": (6 + 9) / 2,
         "seq-mean-token-mean": (2 + 4.5) / 2,
-        "seq-mean-token-sum-norm": 15 / 4,  # verl's Dr. GRPO: sum / max_response_length, no mean over sequences
+        "seq-mean-token-sum-norm": (6 + 9) / 2 / 4,  # verl 0.9's Dr. GRPO: mean over sequences / max_response_length
     }
     for mode, value in expected.items():
         assert aggregate_loss(per_token, mask, mode, scale).item() == pytest.approx(value, abs=1e-12)
@@ -350,6 +351,7 @@ def test_gspo_log_ratio_clamped_above_at_10_only():
 
 def test_unknown_loss_mode_names_the_key():
     inputs = _gspo_inputs()
-    with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode='gpo' is not one of \['vanilla', 'gspo'\]"):
+    with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode='gpo' is not one of "
+                                         r"\['vanilla', 'gspo', 'gpg', 'cispo', 'sapo'\]"):
         actor_loss(**inputs, scale=LossScale.from_mask(inputs["response_mask"], 4), loss_agg_mode="token-mean",
                    clip=GSPO_CLIP, loss_mode="gpo")

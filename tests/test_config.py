@@ -275,12 +275,12 @@ def test_loss_scale_factor_is_the_divisor_of_seq_mean_token_sum_norm():
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     scale = LossScale.from_mask(mask, options.max_response_length)
     loss = aggregate_loss(per_token, mask, options.loss_agg_mode, scale)
-    assert loss.item() == (1 + 2 + 4 + 5 + 6) / 4096
+    assert loss.item() == (1 + 2 + 4 + 5 + 6) / 2 / 4096  # the mean over the 2 sequences, over the factor
 
 
 def test_unknown_policy_loss_mode_names_the_key_and_the_modes():
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.policy_loss.loss_mode: 'gpo' is not one of "
-                                          r"vanilla \| gspo$"):
+                                          r"vanilla \| gspo \| gpg \| cispo \| sapo$"):
         compose("ppo_trainer", ["actor_rollout_ref.actor.policy_loss.loss_mode=gpo"])
 
 

@@ -8,8 +8,10 @@ No parallelism and no batch container here: tensors in, tensors and metric dicts
 """
 
 from shardrl.algos import advantages as _builtin_estimators  # noqa: F401  (registers gae, grpo, ... by import)
+from shardrl.algos.advantages import gdpo_reward_components
 from shardrl.algos.aggregate import LOSS_AGG_MODES, LossScale, aggregate_loss, loss_counts, scaled_token_mean
 from shardrl.algos.kl import (
+    KL_ESTIMATORS,
     AdaptiveKLController,
     FixedKLController,
     KLController,
@@ -23,13 +25,17 @@ from shardrl.algos.policy_loss import (
     ClipRange,
     PolicyLossMode,
     actor_loss,
+    cispo_loss,
+    gpg_loss,
     gspo_loss,
     ppo_clip_loss,
+    sapo_loss,
 )
 from shardrl.algos.registry import AdvantageInputs, compute_advantage, get_adv_estimator, register_adv_estimator
 from shardrl.algos.value_loss import value_loss
 
 __all__ = [
+    "KL_ESTIMATORS",
     "LOSS_AGG_MODES",
     "POLICY_LOSS_MODES",
     "AdaptiveKLController",
@@ -43,8 +49,11 @@ __all__ = [
     "actor_loss",
     "aggregate_loss",
     "apply_kl_penalty",
+    "cispo_loss",
     "compute_advantage",
+    "gdpo_reward_components",
     "get_adv_estimator",
+    "gpg_loss",
     "gspo_loss",
     "kl_estimate",
     "loss_counts",
@@ -52,6 +61,7 @@ __all__ = [
     "ppo_clip_loss",
     "register_adv_estimator",
     "rollout_correction",
+    "sapo_loss",
     "scaled_token_mean",
     "truncated_is_weights",
     "value_loss",

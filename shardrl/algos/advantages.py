@@ -1,14 +1,18 @@
 """The built-in advantage estimators, with the meaning verl users know under the same names.
 
-Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, opo) score a response by the sum of its token rewards
-over valid tokens (those of `score_mask` when given: the tokens as sampled, before rejection sampling) and give that
-one number to every valid token. Group estimators compare a response with the
+Outcome estimators (grpo, rloo, reinforce_plus_plus_baseline, opo, gpg, grpo_passk) score a response by the sum of
+its token rewards
+over valid tokens (those of `score_mask` when given: the tokens as sampled, before rejection sampling) and give
+that one number to every valid token; gdpo reads per-sample reward components instead. Group estimators compare a
+response with the
 other samples of the same prompt (`index`, the prompt uid); a prompt with a single sample has no group to compare
 with and keeps its raw score (baseline 0, scale 1). Every result is zero at masked positions, and nothing stored at
 a masked position (reward, value) affects any valid one.
 """
 
-from collections.abc import Sequence
+import math
+import numbers
+from collections.abc import Mapping, Sequence
 from typing import TypeVar
 
 import torch
@@ -39,6 +43,26 @@ def _group_stats(scores: torch.Tensor, ids: torch.Tensor) -> tuple[torch.Tensor,
     squared_deviation = scores.new_zeros(num_groups).index_add_(0, ids, (scores - mean[ids]) ** 2)  # [G]
     std = (squared_deviation / (count - 1).clamp(min=1)).sqrt()  # [G]
     return count[ids], mean[ids], std[ids]
+
+
+def _group_normalise(scores: torch.Tensor, ids: torch.Tensor, by_std: bool) -> torch.Tensor:
+    """GRPO's per-sample (score - group mean) / (group std + eps) `[B]`, or without the division; a single-sample
+    group keeps its raw score."""
+    count, mean, std = _group_stats(scores, ids)
+    single = count == 1
+    centred = scores - torch.where(single, 0.0, mean)
+    if by_std:
+        centred = centred / (torch.where(single, 1.0, std) + GRPO_EPS)
+    return centred
+
+
+def _flat_groups(scores: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """`[B]` True for the samples of groups of two or more whose scores are all exactly equal (no spread)."""
+    num_groups = int(ids.max()) + 1
+    top = scores.new_full((num_groups,), -torch.inf).scatter_reduce(0, ids, scores, "amax")  # [G]
+    bottom = scores.new_full((num_groups,), torch.inf).scatter_reduce(0, ids, scores, "amin")  # [G]
+    count = torch.bincount(ids, minlength=num_groups)  # [G]
+    return ((count >= 2) & (top == bottom))[ids]
 
 
 def _sequence_scores(inputs: AdvantageInputs) -> torch.Tensor:
@@ -77,11 +101,7 @@ def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(score - group mean), divided by the group std unless `norm_adv_by_std_in_grpo` is off (Dr. GRPO)."""
     scores = _sequence_scores(inputs)  # [B]
-    count, mean, std = _group_stats(scores, _group_ids_for(inputs, "grpo"))
-    single = count == 1
-    centred = scores - torch.where(single, 0.0, mean)
-    if inputs.norm_adv_by_std_in_grpo:
-        centred = centred / (torch.where(single, 1.0, std) + GRPO_EPS)
+    centred = _group_normalise(scores, _group_ids_for(inputs, "grpo"), inputs.norm_adv_by_std_in_grpo)
     advantages = _broadcast(centred, inputs.response_mask)
     return advantages, advantages
 
@@ -135,3 +155,89 @@ def opo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     baseline = torch.where(count == 1, 0.0, (weighted / total_length)[ids])
     advantages = _broadcast(scores - baseline, inputs.response_mask)
     return advantages, advantages
+
+
+@register_adv_estimator("gpg")
+def gpg(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPG (Chu et al. 2025, arXiv 2504.02546): alpha * (score - group mean), never divided by the std.
+
+    alpha = B / (B - M), with B the batch's samples and M those of groups whose scores are all equal: they get
+    advantage 0 and no gradient, so alpha rescales the batch-mean gradient to a mean over the samples that carry
+    one (the paper's accurate gradient estimation; its code divides the loss by (B - M) / B). verl 0.9's `gpg`
+    takes B - M = the samples with a nonzero score instead. A single-sample group keeps its raw score and counts
+    as valid; with no valid sample alpha is B and every advantage 0. `norm_adv_by_std_in_grpo` is not read.
+    """
+    scores = _sequence_scores(inputs)  # [B]
+    ids = _group_ids_for(inputs, "gpg")
+    flat = _flat_groups(scores, ids)  # [B]
+    centred = torch.where(flat, 0.0, _group_normalise(scores, ids, by_std=False))
+    alpha = len(scores) / (~flat).sum().clamp(min=1).to(scores.dtype)
+    advantages = _broadcast(alpha * centred, inputs.response_mask)
+    return advantages, advantages
+
+
+@register_adv_estimator("grpo_passk")
+def grpo_passk(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pass@k GRPO (verl's `grpo_passk`, after arXiv 2503.19595): only each group's best sample gets a nonzero
+    advantage, its lead over the runner-up (max - second max), divided by the group std (+ eps) unless
+    `norm_adv_by_std_in_grpo` is off. A tie at the top gives the group 0. Needs at least two samples per group."""
+    scores = _sequence_scores(inputs)  # [B]
+    ids = _group_ids_for(inputs, "grpo_passk")
+    count, _, std = _group_stats(scores, ids)
+    if bool((count < 2).any()):
+        raise ValueError("algorithm.adv_estimator=grpo_passk needs at least 2 samples per prompt "
+                         "(actor_rollout_ref.rollout.n >= 2); a prompt group has 1")
+    by_score = torch.sort(scores, descending=True, stable=True).indices
+    order = by_score[torch.sort(ids[by_score], stable=True).indices]  # [B] grouped, each group best first
+    grouped = ids[order]
+    first = torch.cat([grouped.new_ones(1, dtype=torch.bool), grouped[1:] != grouped[:-1]]).nonzero().squeeze(-1)
+    best, runner_up = order[first], order[first + 1]  # [G] each
+    lead = scores[best] - scores[runner_up]
+    if inputs.norm_adv_by_std_in_grpo:
+        lead = lead / (std[best] + GRPO_EPS)
+    advantages = _broadcast(torch.zeros_like(scores).index_put((best,), lead), inputs.response_mask)
+    return advantages, advantages
+
+
+@register_adv_estimator("gdpo")
+def gdpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """GDPO (Liu et al. 2026, arXiv 2601.05242; verl 0.9's `gdpo`): each reward component k is normalised in its
+    group on its own, A_k = (r_k - group mean) / (group std + eps) (a single-sample group keeps r_k), the weighted
+    sum sum_k w_k A_k is given to every valid token and whitened over all valid tokens of the batch.
+
+    Normalising components apart keeps combinations that one summed reward would merge (0+1 and 1+0) apart, and a
+    component with a large spread does not drown the others. The components are `reward_components` [K, B] (the
+    reward function's extras named by `algorithm.gdpo_reward_keys`), not `token_level_rewards`, as in verl: an
+    in-reward KL penalty or overlong shaping of the score does not enter. As in verl the batch whitening is over
+    tokens (a response weighs by its length; the paper normalises over responses), and the std division always
+    applies (`norm_adv_by_std_in_grpo` is not read).
+    """
+    components = _require(inputs.reward_components, "reward_components (algorithm.gdpo_reward_keys)", "gdpo")
+    ids = _group_ids_for(inputs, "gdpo")
+    num_components = components.shape[0]
+    weights = [1.0] * num_components if inputs.reward_weights is None else list(inputs.reward_weights)
+    if len(weights) != num_components:
+        raise ValueError(f"gdpo: {len(weights)} reward weights for {num_components} reward components")
+    total = torch.zeros_like(components[0])  # [B]
+    for weight, component in zip(weights, components):
+        total = total + weight * _group_normalise(component, ids, by_std=True)
+    advantages = masked_whiten(_broadcast(total, inputs.response_mask), inputs.response_mask)
+    return advantages, advantages
+
+
+def gdpo_reward_components(extras: Mapping[str, Sequence], keys: Sequence[str],
+                           num_samples: int) -> torch.Tensor:
+    """`[K, B]` float32 reward components for gdpo from per-sample columns (`extras`: the reward function's dict
+    entries other than "score", beside the batch's other columns); each value must be a finite number (or a bool)."""
+    rows = []
+    for key in keys:
+        if key not in extras:
+            raise ValueError(f"algorithm.gdpo_reward_keys: {key!r} is not a per-sample column of the batch (it has "
+                             f"{sorted(extras)}); the reward function must return it in its dict beside 'score'")
+        values = list(extras[key])
+        bad = [i for i, v in enumerate(values) if not isinstance(v, numbers.Real) or not math.isfinite(v)]
+        if len(values) != num_samples or bad:
+            where = f"sample {bad[0]} has {values[bad[0]]!r}" if bad else f"{len(values)} values for {num_samples}"
+            raise ValueError(f"algorithm.gdpo_reward_keys: {key!r} needs a finite number for every sample; {where}")
+        rows.append([float(v) for v in values])
+    return torch.tensor(rows, dtype=torch.float32).reshape(len(keys), num_samples)

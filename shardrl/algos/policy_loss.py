@@ -1,13 +1,15 @@
 """The actor's objective: a clipped surrogate, off-policy weights, entropy bonus, KL loss.
 
-The surrogate is chosen by `actor.policy_loss.loss_mode` (verl's key): `vanilla`, PPO's per-token ratio with
-clip-higher and dual clip, or `gspo`, GSPO's per-sequence ratio (Zheng et al. 2025, arXiv 2507.18071); in bypass
-mode `algorithm.rollout_correction.loss_type=reinforce` replaces it with REINFORCE (`reinforce`).
+The surrogate is chosen by `actor.policy_loss.loss_mode` (verl's key and names): `vanilla`, PPO's per-token ratio
+with clip-higher and dual clip; `gspo`, GSPO's per-sequence ratio (Zheng et al. 2025, arXiv 2507.18071); `gpg`, GPG's
+plain policy gradient (Chu et al. 2025, arXiv 2504.02546); `cispo`, MiniMax-M1's clipped, detached IS weight on the
+log-prob gradient (arXiv 2506.13585); `sapo`, SAPO's soft gate instead of the hard clip (Gao et al. 2025, arXiv
+2511.20347). In bypass mode `algorithm.rollout_correction.loss_type=reinforce` replaces it with REINFORCE.
 
 Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
-same scale (and `loss_agg_mode`, except gspo's surrogate: seq-mean-token-mean, as in verl), so the micro-batch losses
-(and their gradients) add up to the mini-batch loss, and each metric is the micro batch's share of the mini-batch
-value (the trainer sums metrics over micro batches and DP ranks).
+same scale (and `loss_agg_mode`, except the gspo and sapo surrogates: seq-mean-token-mean, as in verl), so the
+micro-batch losses (and their gradients) add up to the mini-batch loss, and each metric is the micro batch's share of
+the mini-batch value (the trainer sums metrics over micro batches and DP ranks).
 """
 
 from collections.abc import Callable
@@ -26,24 +28,34 @@ GSPO_LOG_RATIO_MAX = 10.0
 
 @dataclass(frozen=True)
 class ClipRange:
-    """PPO clip settings with verl's names (`actor.clip_ratio`, `clip_ratio_low/high`, `clip_ratio_c`).
+    """The surrogates' trust-region settings with verl's names (`actor.clip_ratio`, `clip_ratio_low/high`,
+    `clip_ratio_c`; SAPO's `policy_loss.tau_pos/tau_neg`).
 
     The ratio is clipped to [1 - low, 1 + high]; low and high default to clip_ratio. A larger high than low
     ("clip-higher", DAPO) lets unlikely tokens with positive advantage grow faster, which keeps entropy up.
     clip_ratio_c bounds the loss of negative-advantage tokens at -A * c (dual clip), so one token whose ratio
     exploded cannot dominate the update; only the vanilla loss has a dual clip (gspo ignores clip_ratio_c).
+    weight_clip: the range clips a detached importance weight (cispo), not a trust region, so low >= 1 is allowed
+    and means no lower bound (the paper's setting; verl's CISPO example sets clip_ratio_low=10).
+    tau_pos / tau_neg: the temperatures of SAPO's soft gate for tokens with A > 0 / A <= 0 (only sapo reads them).
     """
 
     clip_ratio: float = 0.2
     clip_ratio_low: float | None = None
     clip_ratio_high: float | None = None
     clip_ratio_c: float = 3.0
+    weight_clip: bool = False
+    tau_pos: float = 1.0
+    tau_neg: float = 1.05
 
     def __post_init__(self) -> None:
-        if not 0.0 <= self.low < 1.0 or self.high < 0.0:
-            raise ValueError(f"actor clip range needs 0 <= clip_ratio_low < 1 and clip_ratio_high >= 0; got {self}")
+        if self.low < 0.0 or (self.low >= 1.0 and not self.weight_clip) or self.high < 0.0:
+            raise ValueError(f"actor clip range needs 0 <= clip_ratio_low < 1 (any low >= 0 with loss_mode=cispo) "
+                             f"and clip_ratio_high >= 0; got {self}")
         if self.clip_ratio_c <= 1.0:
             raise ValueError(f"actor.clip_ratio_c must be > 1 (dual-clip lower bound); got {self.clip_ratio_c}")
+        if self.tau_pos <= 0.0 or self.tau_neg <= 0.0:
+            raise ValueError(f"SAPO's tau_pos and tau_neg must be > 0; got {self.tau_pos}, {self.tau_neg}")
 
     @property
     def low(self) -> float:
@@ -140,17 +152,99 @@ def reinforce_loss(
     return -advantages * log_prob, metrics
 
 
-PolicyLossMode = Literal["vanilla", "gspo"]  # actor.policy_loss.loss_mode
+def _valid_log_ratio(log_prob: torch.Tensor, old_log_prob: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """log(pi / pi_old) `[B, T]` on valid tokens, clamped to +-LOG_RATIO_BOUND, and 0 at masked positions: padding
+    may hold inf/NaN log-probs, and a constant there keeps both the values and the gradients of padding finite."""
+    return torch.where(valid, log_prob - old_log_prob, 0.0).clamp(-LOG_RATIO_BOUND, LOG_RATIO_BOUND)
+
+
+def gpg_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token GPG loss `[B, T]` = -A * log pi (Chu et al. 2025, arXiv 2504.02546; verl's `gpg`): the policy
+    gradient itself, no ratio, no clipping (`clip` is not used), aggregated by `loss_agg_mode`. GPG's scale factor
+    alpha lives in its advantages (`algorithm.adv_estimator=gpg`). Masked positions give 0 and no gradient, whatever
+    they hold. Metrics: ppo_kl (k1 estimate of KL(old || current), a share of the mini-batch token mean)."""
+    valid = response_mask.bool()
+    per_token = -torch.where(valid, advantages, 0.0) * torch.where(valid, log_prob, 0.0)
+    metrics = {"ppo_kl": scaled_token_mean(-_valid_log_ratio(log_prob, old_log_prob, valid), response_mask, scale)}
+    return per_token, metrics
+
+
+def cispo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token CISPO loss `[B, T]` = -sg(clip(r, 1 - low, 1 + high)) * A * log pi (MiniMax-M1, arXiv 2506.13585;
+    verl's `cispo`), r = pi / pi_old.
+
+    Unlike PPO, a clipped token keeps its gradient: the clip bounds the (detached) importance weight that scales
+    d log pi, so every token, however far its ratio moved, contributes sg(w) * A * d log pi. clip_ratio_low >= 1
+    (`clip.weight_clip`) removes the lower bound, as the paper does; clip_ratio_c is not used. Aggregated by
+    `loss_agg_mode` (the paper's is token-mean). Masked positions give 0 and no gradient, whatever they hold.
+    Metrics (shares of mini-batch token means): pg_clipfrac (the weight was clipped), ppo_kl (k1 of KL(old || current)).
+    """
+    valid = response_mask.bool()
+    log_ratio = _valid_log_ratio(log_prob, old_log_prob, valid)  # [B, T]
+    ratio = log_ratio.exp().detach()
+    weight = ratio.clamp(1.0 - clip.low, 1.0 + clip.high)  # [B, T] sg(clip(r))
+    per_token = -weight * torch.where(valid, advantages, 0.0) * torch.where(valid, log_prob, 0.0)
+    metrics = {
+        "pg_clipfrac": scaled_token_mean((weight != ratio).float(), response_mask, scale),
+        "ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale),
+    }
+    return per_token, metrics
+
+
+def sapo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Per-token SAPO loss `[B, T]` = -f(r) * A with the soft gate f(r) = sigmoid(tau * (r - 1)) * 4 / tau
+    (Gao et al. 2025, arXiv 2511.20347; verl's `sapo`), r = pi / pi_old, tau = tau_pos where A > 0, else tau_neg.
+
+    f(1) = 2 / tau and f'(r) = 4 s (1 - s) with s = sigmoid(tau (r - 1)), which is 1 at r = 1: on policy the
+    gradient is the plain policy gradient, and it fades smoothly as r leaves 1 (faster with a larger tau) instead of
+    being cut at the clip bounds; a larger tau_neg damps negative-advantage tokens sooner. The hard clip keys are not
+    used. As in verl, `actor_loss` aggregates this surrogate with seq-mean-token-mean whatever `loss_agg_mode` says
+    (the paper's sequence-level mean). Masked positions give 0 and no gradient, whatever they hold.
+    Metrics: ppo_kl (k1 estimate of KL(old || current), a share of the mini-batch token mean).
+    """
+    valid = response_mask.bool()
+    log_ratio = _valid_log_ratio(log_prob, old_log_prob, valid)  # [B, T]
+    advantages = torch.where(valid, advantages, 0.0)
+    tau = torch.where(advantages > 0, clip.tau_pos, clip.tau_neg).to(log_ratio.dtype)  # [B, T]
+    gate = torch.sigmoid(tau * (log_ratio.exp() - 1.0)) * (4.0 / tau)  # [B, T] f(r)
+    per_token = -gate * advantages
+    metrics = {"ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale)}
+    return per_token, metrics
+
+
+PolicyLossMode = Literal["vanilla", "gspo", "gpg", "cispo", "sapo"]  # actor.policy_loss.loss_mode
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
 PolicyLossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossScale, ClipRange],
     tuple[torch.Tensor, dict[str, torch.Tensor]],
 ]
 # reinforce is chosen by algorithm.rollout_correction.loss_type (bypass mode), not by loss_mode.
-_POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss, "reinforce": reinforce_loss}
-# Surrogates whose policy-gradient term has its own aggregation (verl: GSPO's loss is a mean over sequences of
-# token means, whatever `loss_agg_mode`); entropy and KL terms still follow `loss_agg_mode`.
-_FIXED_PG_AGG_MODES: dict[str, str] = {"gspo": "seq-mean-token-mean"}
+_POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss, "gpg": gpg_loss,
+                                           "cispo": cispo_loss, "sapo": sapo_loss, "reinforce": reinforce_loss}
+# Surrogates whose policy-gradient term has its own aggregation (verl: GSPO's and SAPO's losses are means over
+# sequences of token means, whatever `loss_agg_mode`); entropy and KL terms still follow `loss_agg_mode`.
+_FIXED_PG_AGG_MODES: dict[str, str] = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
 
 
 def actor_loss(
@@ -173,8 +267,9 @@ def actor_loss(
     """This micro batch's share of the actor loss (a scalar to call backward on) and its metrics.
 
     loss = agg(w * surrogate) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
-    - loss_mode: the surrogate, `vanilla` (ppo_clip_loss), `gspo` (gspo_loss, whose term is always aggregated
-      with seq-mean-token-mean, as in verl) or `reinforce` (reinforce_loss); the other terms do not change.
+    - loss_mode: the surrogate, `vanilla` (ppo_clip_loss), `gspo` (gspo_loss), `gpg` (gpg_loss), `cispo`
+      (cispo_loss), `sapo` (sapo_loss) or `reinforce` (reinforce_loss); gspo's and sapo's terms are always
+      aggregated with seq-mean-token-mean, as in verl; the other terms do not change.
     - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
       The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
     - bypass_is: (rollout_is, rollout_is_threshold) of verl's bypass-mode REINFORCE (loss_mode `reinforce`): the
@@ -182,8 +277,8 @@ def actor_loss(
       per sequence, recomputed in every micro batch and detached.
     - entropy `[B, T]`: pass it to get the `entropy` metric; required when entropy_coeff != 0.
     - ref_log_prob `[B, T]`: pass it when `actor.use_kl_loss` is on; the KL term uses `kl_loss_type`.
-    Metrics: pg_loss, pg_clipfrac, ppo_kl, pg_clipfrac_lower (vanilla only: the dual clip), and entropy / kl_loss
-    when those terms are present.
+    Metrics: pg_loss, ppo_kl, pg_clipfrac (vanilla, gspo, cispo), pg_clipfrac_lower (vanilla only: the dual clip),
+    and entropy / kl_loss when those terms are present.
     """
     if loss_mode not in _POLICY_LOSSES:
         raise ValueError(f"actor.policy_loss.loss_mode={loss_mode!r} is not one of {list(POLICY_LOSS_MODES)}")

@@ -27,6 +27,10 @@ class AdvantageInputs:
     # [B, T] the tokens whose rewards make up an outcome score; None: response_mask. Under rejection sampling it is
     # the mask as sampled, so a rejected token's reward (or a rejected sequence's score) still counts, as in verl.
     score_mask: torch.Tensor | None = None
+    # [K, B] the reward components gdpo normalises one by one (`algorithm.gdpo_reward_keys`, from the reward
+    # function's per-sample extras) and their weights [K] (`algorithm.gdpo_reward_weights`; None: 1 each).
+    reward_components: torch.Tensor | None = None
+    reward_weights: Sequence[float] | None = None
 
 
 AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor]]

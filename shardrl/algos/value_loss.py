@@ -24,9 +24,17 @@ def value_loss(
     returns `[B, T]`: the targets. v_clip keeps the new prediction within `critic.cliprange_value` of the old one;
     taking the larger error means a prediction that moved too far gains nothing by having moved (the PPO value
     clip), so the critic cannot jump on one batch.
+    As verl 0.9's `compute_value_loss`, the aggregation (`critic.loss_agg_mode`) uses the mini batch's global counts,
+    as the actor's does; seq-mean-token-sum-norm divides by `scale.max_response_length` (the response length).
     Metrics: vf_loss, vf_clipfrac (the clipped error is the larger one), vpred_mean.
     """
-    vpreds_clipped = values + (vpreds - values).clamp(-cliprange_value, cliprange_value)  # [B, T]
+    valid = response_mask.bool()  # [B, T]
+    # where on the inputs, not only on the loss: padding may hold inf/NaN (a prediction or target never written),
+    # and although aggregate_loss drops its error, the error's gradient there, 0 * 2 (v - R), would be NaN.
+    vpreds, values, returns = (torch.where(valid, x, 0.0) for x in (vpreds, values, returns))
+    # Clamped between bounds (verl's clip_by_value), not values + clamp(vpreds - values): inside the bounds that
+    # rounds away from vpreds by an ulp, and vf_clipfrac would count the noise as clipping.
+    vpreds_clipped = vpreds.clamp(values - cliprange_value, values + cliprange_value)  # [B, T]
     unclipped = (vpreds - returns).square()
     clipped = (vpreds_clipped - returns).square()
     per_token = 0.5 * torch.maximum(unclipped, clipped)

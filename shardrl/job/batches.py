@@ -35,7 +35,7 @@ class MicroBatching:
 
 @dataclass(frozen=True)
 class RolePlan:
-    name: Literal["actor", "ref", "critic", "rollout"]
+    name: Literal["actor", "ref", "teacher", "critic", "rollout"]
     spec: LayoutSpec
     ranks: list[int]
     tables: dict[str, list[list[int]]]
@@ -58,6 +58,7 @@ class SharedKeys:
     use_critic: bool
     use_kl_loss: bool
     use_kl_in_reward: bool
+    distillation: bool  # distillation.enabled: the teacher role
 
     @property
     def use_reference_policy(self) -> bool:
@@ -72,7 +73,8 @@ def read_shared(config: PPOConfig) -> SharedKeys:
                    response_length=rollout.response_length, temperature=rollout.temperature,
                    override_config=dict(arr.model.override_config), decoupled=algo.rollout_correction.decoupled,
                    adv_estimator=adv, use_critic=enable if enable is not None else adv == "gae",
-                   use_kl_loss=arr.actor.use_kl_loss, use_kl_in_reward=algo.use_kl_in_reward)
+                   use_kl_loss=arr.actor.use_kl_loss, use_kl_in_reward=algo.use_kl_in_reward,
+                      distillation=config.distillation.enabled)
 
 
 @dataclass(frozen=True)
@@ -126,6 +128,8 @@ def _batches_of(shared: SharedKeys, role: str, step: StepSize) -> dict[str, _Bat
 
     if role == "ref":
         return {"log_prob": log_prob("actor_rollout_ref.ref")}
+    if role == "teacher":
+        return {"log_prob": log_prob("distillation.teacher_model")}
     if role == "critic":
         return {"update": _BatchKeys(step.critic_mini, "critic.ppo_mini_batch_size", "critic",
                                      "ppo_micro_batch_size", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),
@@ -139,7 +143,8 @@ def _batches_of(shared: SharedKeys, role: str, step: StepSize) -> dict[str, _Bat
     return batches
 
 
-def train_role(config: PPOConfig, shared: SharedKeys, role: str, key: str, ranks: list[int], step: StepSize) -> RolePlan:
+def train_role(config: PPOConfig, shared: SharedKeys, role: str, key: str, ranks: list[int],
+               step: StepSize) -> RolePlan:
     try:
         spec = config.at(key).layout(len(ranks))
     except LayoutError as err:

@@ -75,6 +75,15 @@ REFUSED: tuple[Refused, ...] = (
             "KV cache (it never shares its GPUs with training); set false", applies=_detached),
     Refused("actor_rollout_ref.ref.megatron.use_distributed_optimizer", _is(False), True, "the reference policy "
             "never trains: it has no optimizer to distribute; set false"),
+    *(Refused(f"distillation.{group}enable_resource_pool", _is(False), True, "shardrl's teacher runs on the "
+              "trainer pool beside the reference policy (its layout: distillation.teacher_model.megatron.*); set "
+              "false") for group in ("", "teacher_model.")),
+    *(Refused(f"distillation.{group}{size}", _is(0), 8, "the teacher has no pool of its own (it shares the trainer "
+              "pool); leave it 0") for group in ("", "teacher_model.") for size in ("n_gpus_per_node", "nnodes")),
+    Refused("distillation.distillation_loss.topk", _is(None), 32, "top-k distillation losses are not supported (the "
+            "teacher scores the sampled token); leave it null"),
+    Refused("distillation.teacher_model.megatron.use_distributed_optimizer", _is(False), True, "the teacher never "
+            "trains: it has no optimizer to distribute; set false"),
     Refused("reward_model.enable", _is(False), True, "model-based reward models are not supported yet; use rule-based "
             "rewards (custom_reward_function.path) with reward_model.enable=false"),
 )
@@ -85,6 +94,10 @@ ACCEPTED: tuple[Accepted, ...] = (
     Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),
     Accepted("async_training.use_rollout_log_probs", "must agree with algorithm.rollout_correction.decoupled "
              "(rules.py)"),
+    Accepted("distillation.distillation_loss.policy_loss_mode", "vanilla is the only one (verl's too; the type "
+             "allows no other value)"),
+    Accepted("distillation.teacher_model.megatron.seed", "must equal the actor's (rules.py): the teacher loads its "
+             "weights, so nothing of it is random"),
     Accepted("actor_rollout_ref.ref.megatron.seed", "must equal the actor's (rules.py): the reference policy loads "
              "the actor's initial weights, so nothing of it is random"),
     *(Accepted(f"critic.model.{key}", "must equal actor_rollout_ref.model's (rules.py): the critic reads the actor's "

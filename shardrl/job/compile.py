@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from shardrl.algos import ClipRange
+from shardrl.algos.distillation import DistillationSettings
 from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize
 from shardrl.job.options import (
     ActorOptions,
@@ -33,6 +34,7 @@ from shardrl.job.options import (
     RewardOptions,
     RolloutOptions,
     SamplingOptions,
+    TeacherOptions,
     UpdateOptions,
     WeightSyncOptions,
 )
@@ -72,7 +74,26 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, shared.seed),
         loss=policy_loss_options(config, shared.decoupled, shared.use_kl_loss, shared.response_length),
         log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
-        checkpoint=_checkpoint_options(actor.checkpoint))
+        checkpoint=_checkpoint_options(actor.checkpoint),
+        distillation=distillation_settings(config) if shared.distillation else None)
+
+
+def distillation_settings(config: PPOConfig) -> DistillationSettings:
+    """The actor loss's distillation term (verl's distillation_loss; the teacher alone trains it without task
+    rewards, at weight 1)."""
+    loss = config.distillation.distillation_loss
+    return DistillationSettings(
+        estimator=loss.loss_mode, use_policy_gradient=loss.use_policy_gradient, use_task_rewards=loss.use_task_rewards,
+        coef=loss.distillation_loss_coef if loss.use_task_rewards else 1.0, loss_max_clamp=loss.loss_max_clamp,
+        log_prob_min_clamp=loss.log_prob_min_clamp,
+        clip=ClipRange(loss.clip_ratio, loss.clip_ratio_low, loss.clip_ratio_high))
+
+
+def teacher_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> TeacherOptions:
+    teacher = config.distillation.teacher_model
+    # Frozen like the reference policy, with weights of its own; the student's model overrides are not its own.
+    model = model_options(teacher.megatron, role.spec, role.ranks, False, None, {}, load_weight=True)
+    return TeacherOptions(teacher.model_path, model, role.batches["log_prob"].forward())
 
 
 def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOptions:
@@ -139,12 +160,15 @@ def reward_options(config: PPOConfig) -> RewardOptions:
 def algorithm_options(config: PPOConfig, shared: SharedKeys) -> AlgorithmOptions:
     algo = config.algorithm
     ctrl, groups = algo.kl_ctrl, algo.filter_groups
+    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
     kl = KLInRewardOptions(algo.kl_penalty, ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
     return AlgorithmOptions(
         adv_estimator=shared.adv_estimator, gamma=algo.gamma, lam=algo.lam,
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_in_reward=kl if shared.use_kl_in_reward else None,
         correction=correction_options(algo.rollout_correction, shared.decoupled),
-        filter_groups=FilterGroupsOptions(groups.metric, groups.max_num_gen_batches) if groups.enable else None)
+        filter_groups=FilterGroupsOptions(groups.metric, groups.max_num_gen_batches) if groups.enable else None,
+        gdpo_reward_keys=None if keys is None else tuple(keys),
+        gdpo_reward_weights=None if weights is None else tuple(weights))
 
 
 def loop_options(config: PPOConfig, shared: SharedKeys, step: StepSize, save_hf: bool) -> LoopOptions:
@@ -217,10 +241,13 @@ def policy_loss_options(config: PPOConfig, decoupled: bool, use_kl_loss: bool,
     reinforce = not decoupled and correction.loss_type == "reinforce"
     weighted = reinforce and correction.rollout_is is not None
     bypass_is = (correction.rollout_is, correction.rollout_is_threshold) if weighted else None
+    surrogate = actor.policy_loss
     return PolicyLossOptions(
-        loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else actor.policy_loss.loss_mode,
+        loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else surrogate.loss_mode,
         bypass_is=bypass_is,
-        clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c),
+        clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c,
+                       weight_clip=surrogate.loss_mode == "cispo", tau_pos=surrogate.tau_pos,
+                       tau_neg=surrogate.tau_neg),
         entropy_coeff=actor.entropy_coeff, use_kl_loss=use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type, max_response_length=actor.loss_scale_factor or response_length)
 

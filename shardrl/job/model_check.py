@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from shardrl.job.errors import ConfigError
-from shardrl.job.schema import ModelSourceConfig, PPOConfig
+from shardrl.job.schema import PPOConfig
 from shardrl.models.config import OverrideError, apply_overrides
 from shardrl.parallel.layout_spec import LayoutSpec
 
@@ -26,40 +26,46 @@ ROLE_KEYS = {
     "actor": _megatron_keys("actor_rollout_ref.actor.megatron"),
     "ref": _megatron_keys("actor_rollout_ref.ref.megatron"),
     "critic": _megatron_keys("critic.megatron"),
+    "teacher": _megatron_keys("distillation.teacher_model.megatron"),
     "rollout": {"tp": "actor_rollout_ref.rollout.tensor_model_parallel_size",
                 "ep": "actor_rollout_ref.rollout.expert_parallel_size"},
 }
 
 
-def read_hf_config(model: ModelSourceConfig, key: str) -> tuple[dict[str, Any], str] | None:
-    """config.json of a local model directory with `model.override_config` applied, and its path; else None.
-    `key` names the model group for errors."""
-    if model.path is None:
+def read_hf_config(path: str | None, overrides: dict[str, Any], key: str) -> tuple[dict[str, Any], str] | None:
+    """config.json of a local model directory `path` with `overrides` (`model.override_config`) applied, and its
+    path; else None. `key` names the path's config key for errors."""
+    if path is None:
         return None
-    path = Path(model.path).expanduser() / "config.json"
-    if not path.is_file():
+    file = Path(path).expanduser() / "config.json"
+    if not file.is_file():
         return None
     try:
-        hf = json.loads(path.read_text())
+        hf = json.loads(file.read_text())
     except json.JSONDecodeError as err:
-        raise ConfigError(f"{key}.path", f"{path} is not valid JSON ({err})") from None
+        raise ConfigError(key, f"{file} is not valid JSON ({err})") from None
+    group = key.rpartition(".")[0]
     try:
-        return apply_overrides(hf, model.override_config), str(path)
+        return apply_overrides(hf, overrides), str(file)
     except OverrideError as err:
-        raise ConfigError(f"{key}.override_config.{err.field}", str(err).partition(": ")[2] or str(err)) from None
+        raise ConfigError(f"{group}.override_config.{err.field}", str(err).partition(": ")[2] or str(err)) from None
 
 
 def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:
     """Check every planned role against its model's config.json; returns one note per role for the printout."""
+    actor, critic = config.actor_rollout_ref.model, config.critic.model
+    teacher = config.distillation.teacher_model
+    sources = (("actor_rollout_ref.model.path", actor.path, actor.override_config, ("actor", "ref", "rollout")),
+               ("critic.model.path", critic.path, critic.override_config, ("critic",)),
+               ("distillation.teacher_model.model_path", teacher.model_path, {}, ("teacher",)))
     notes = []
-    for key, names in (("actor_rollout_ref.model", ("actor", "ref", "rollout")), ("critic.model", ("critic",))):
+    for key, path, overrides, names in sources:
         names = [n for n in names if n in specs]
         if not names:
             continue
-        model = config.at(key)
-        found = read_hf_config(model, key)
+        found = read_hf_config(path, overrides, key)
         if found is None:
-            where = "built-in tiny model" if model.path is None else f"{model.path}: no local config.json"
+            where = "built-in tiny model" if path is None else f"{path}: no local config.json"
             notes.append(f"{'/'.join(names)} model: {where}; model checks skipped")
             continue
         hf, source = found

@@ -18,6 +18,7 @@ from typing import Any, Literal
 import torch
 
 from shardrl.algos import ClipRange
+from shardrl.algos.distillation import DistillationSettings
 from shardrl.algos.rejection import RejectionSampling
 from shardrl.job.schema import (
     AdvEstimator,
@@ -134,14 +135,25 @@ class CheckpointOptions:
 
 
 @dataclass(frozen=True)
+class TeacherOptions:
+    """The on-policy distillation teacher: a frozen model of its own (any size, the student's tokenizer) scoring the
+    student's sampled tokens, built on the actor's ranks like the reference policy."""
+
+    model_path: str
+    model: ModelOptions
+    log_prob: ForwardBatching
+
+
+@dataclass(frozen=True)
 class ActorOptions:
     seed: int  # torch's seed before the model is built (megatron.seed: the init of weights not loaded)
     model: ModelOptions
     update: UpdateOptions
     loss: PolicyLossOptions
     log_prob: ForwardBatching | None  # the old-logprob pass; None when PPO anchors on behaviour logprobs
-    temperature: float  # logprobs are taken at the rollout's sampling temperature
+    temperature: float  # logprobs are taken at the rollout's sampling temperature (the teacher's too)
     checkpoint: CheckpointOptions
+    distillation: DistillationSettings | None  # on-policy distillation's term of the actor loss; None: off
 
 
 @dataclass(frozen=True)
@@ -265,6 +277,8 @@ class AlgorithmOptions:
     kl_in_reward: KLInRewardOptions | None
     correction: CorrectionOptions
     filter_groups: FilterGroupsOptions | None  # DAPO's dynamic sampling, when enabled
+    gdpo_reward_keys: tuple[str, ...] | None = None  # adv_estimator=gdpo: the reward extras it normalises one by one
+    gdpo_reward_weights: tuple[float, ...] | None = None  # and their weights (None: 1 each)
 
 
 @dataclass(frozen=True)

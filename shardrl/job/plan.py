@@ -37,6 +37,7 @@ from shardrl.job.compile import (
     ref_options,
     reward_options,
     rollout_options,
+    teacher_options,
 )
 from shardrl.job.model_check import check_model
 from shardrl.job.options import (
@@ -50,6 +51,7 @@ from shardrl.job.options import (
     RefOptions,
     RewardOptions,
     RolloutOptions,
+    TeacherOptions,
     TrackingOptions,
 )
 from shardrl.job.schema import Mode, PPOConfig
@@ -75,6 +77,7 @@ class JobPlan:
     critic_model_path: str | None
     actor: ActorOptions
     ref: RefOptions | None
+    teacher: TeacherOptions | None  # on-policy distillation's teacher
     critic: CriticOptions | None
     rollout: RolloutOptions
     data: DataOptions
@@ -125,6 +128,11 @@ def plan_job(config: PPOConfig) -> JobPlan:
         roles["ref"] = train_role(config, shared, "ref", "actor_rollout_ref.ref.megatron", trainer_ranks, step)
     else:
         skipped["ref"] = "actor.use_kl_loss and algorithm.use_kl_in_reward are both false"
+    if shared.distillation:
+        roles["teacher"] = train_role(config, shared, "teacher", "distillation.teacher_model.megatron", trainer_ranks,
+                                      step)
+    else:
+        skipped["teacher"] = "distillation.enabled is false"
     if shared.use_critic:
         roles["critic"] = train_role(config, shared, "critic", "critic.megatron", trainer_ranks, step)
     else:
@@ -150,6 +158,7 @@ def plan_job(config: PPOConfig) -> JobPlan:
         critic_model_path=config.critic.model.path,
         actor=actor,
         ref=ref_options(config, shared, roles["ref"]) if "ref" in roles else None,
+        teacher=teacher_options(config, shared, roles["teacher"]) if "teacher" in roles else None,
         critic=critic_options(config, shared, roles["critic"]) if "critic" in roles else None,
         rollout=rollout_options(config, shared, roles["rollout"], sync_ranks),
         data=data_options(config),
@@ -201,7 +210,7 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
     if config.async_training is not None:
         settings = ", ".join(f"{k}={v}" for k, v in vars(config.async_training).items() if v is not None)
         lines.append(f"async_training: {settings}")
-    for name in ("actor", "ref", "critic", "rollout"):
+    for name in ("actor", "ref", "teacher", "critic", "rollout"):
         if name in plan.skipped:
             lines.append(f"{name}: skipped ({plan.skipped[name]})")
             continue

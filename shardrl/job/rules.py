@@ -37,26 +37,87 @@ def validate(config: PPOConfig) -> None:
     if config.critic.enable is False and config.algorithm.adv_estimator == "gae":
         raise ConfigError("critic.enable", "adv_estimator=gae needs a critic (values); enable it or use grpo")
     _validate_shared_model_keys(config)
+    _validate_distillation(config)
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
     _validate_async(config)
     _validate_behaviour_logprobs(config)
     _validate_dapo(config)
+    _validate_estimators(config)
+
+
+def _validate_estimators(config: PPOConfig) -> None:
+    """Keys only some advantage estimators and surrogates read: gdpo's reward components (and what gdpo leaves
+    out), grpo_passk's groups, and the lower clip bound that only cispo may drop."""
+    algo = config.algorithm
+    keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
+    if algo.adv_estimator != "gdpo":
+        for name, value in (("gdpo_reward_keys", keys), ("gdpo_reward_weights", weights)):
+            if value is not None:
+                raise ConfigError(f"algorithm.{name}", f"is read by adv_estimator=gdpo only (it is "
+                                                       f"{algo.adv_estimator}); remove it or set adv_estimator=gdpo")
+    elif not keys or len(set(keys)) != len(keys):
+        raise ConfigError("algorithm.gdpo_reward_keys", f"adv_estimator=gdpo needs distinct names of the reward "
+                                                        f"components it normalises (per-sample entries of the reward "
+                                                        f"function's dict result, e.g. [format,accuracy]); got {keys}")
+    elif weights is not None and len(weights) != len(keys):
+        raise ConfigError("algorithm.gdpo_reward_weights", f"{len(weights)} weights for {len(keys)} "
+                                                           "gdpo_reward_keys; give one per key, or null for 1 each")
+    elif not algo.norm_adv_by_std_in_grpo:
+        raise ConfigError("algorithm.norm_adv_by_std_in_grpo", "false is not read by adv_estimator=gdpo (each reward "
+                                                               "component is divided by its group std, as in verl and "
+                                                               "the GDPO paper); set true")
+    elif algo.use_kl_in_reward:
+        raise ConfigError("algorithm.use_kl_in_reward", "true has no effect with adv_estimator=gdpo (its advantages "
+                                                        "come from the reward components, not the token rewards, as "
+                                                        "in verl); use actor_rollout_ref.actor.use_kl_loss=true")
+    if algo.adv_estimator == "grpo_passk" and config.actor_rollout_ref.rollout.n < 2:
+        raise ConfigError("actor_rollout_ref.rollout.n", "adv_estimator=grpo_passk needs >= 2 samples per prompt (it "
+                                                         "rewards each group's best over its runner-up)")
+    actor = config.actor_rollout_ref.actor
+    name = "clip_ratio" if actor.clip_ratio_low is None else "clip_ratio_low"
+    low = getattr(actor, name)
+    if low >= 1 and actor.policy_loss.loss_mode != "cispo":
+        raise ConfigError(f"actor_rollout_ref.actor.{name}", f"{low} >= 1 drops the lower clip bound, which only "
+                                                             "policy_loss.loss_mode=cispo allows (it clips a detached "
+                                                             "weight); use a value < 1")
 
 
 def _validate_shared_model_keys(config: PPOConfig) -> None:
     """Keys verl lets differ per role that shardrl's roles share: the reference loads the actor's initial weights
     (no seed of its own) and the critic reads the actor's token ids (its tokenizer)."""
     arr, critic = config.actor_rollout_ref, config.critic
-    if arr.ref.megatron.seed != arr.actor.megatron.seed:
-        raise ConfigError("actor_rollout_ref.ref.megatron.seed", f"{arr.ref.megatron.seed} differs from the actor's "
-                                                                 f"{arr.actor.megatron.seed}; the reference policy "
-                                                                 "loads the actor's initial weights, so leave it unset")
+    frozen = (("actor_rollout_ref.ref.megatron.seed", arr.ref.megatron.seed, "reference policy"),
+              ("distillation.teacher_model.megatron.seed", config.distillation.teacher_model.megatron.seed, "teacher"))
+    for key, seed, role in frozen:
+        if seed != arr.actor.megatron.seed:
+            raise ConfigError(key, f"{seed} differs from the actor's {arr.actor.megatron.seed}; the {role} loads its "
+                                   "weights, so nothing of it is random: leave it unset")
     for key in ("tokenizer_path", "trust_remote_code"):
         mine, actors = getattr(critic.model, key), getattr(arr.model, key)
         if mine != actors:
             raise ConfigError(f"critic.model.{key}", f"{mine!r} differs from actor_rollout_ref.model.{key}={actors!r}; "
                                                      "the critic reads the actor's token ids, so leave it unset")
+
+
+TOPK_DISTILLATION = ("forward_kl_topk", "forward_kl_topk_tail")
+
+
+def _validate_distillation(config: PPOConfig) -> None:
+    """On-policy distillation needs a teacher, and shardrl's teacher gives the log-prob of the sampled token only."""
+    distillation = config.distillation
+    loss, key = distillation.distillation_loss, "distillation.distillation_loss"
+    if not distillation.enabled:
+        return
+    if distillation.teacher_model.model_path is None:
+        raise ConfigError("distillation.teacher_model.model_path", "must be set when distillation.enabled=true (an "
+                                                                   "HF model directory with the student's tokenizer)")
+    if loss.loss_mode in TOPK_DISTILLATION:
+        raise ConfigError(f"{key}.loss_mode", f"{loss.loss_mode} needs the teacher's top-k logits, which shardrl's "
+                                              "teacher does not give; use k1 (use_policy_gradient=true) or k3")
+    if not loss.use_policy_gradient and loss.loss_mode in ("kl", "k1"):
+        raise ConfigError(f"{key}.loss_mode", f"{loss.loss_mode} with use_policy_gradient=false: k1's gradient does "
+                                              "not depend on the teacher; use k3, or use_policy_gradient=true")
 
 
 def _validate_async(config: PPOConfig) -> None:

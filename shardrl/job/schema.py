@@ -18,9 +18,10 @@ from shardrl.algos.rejection import RejectionSampling, parse_rejection
 from shardrl.job.build import Fraction, Max, Min, NonNegFloat, NonNegInt, PosFloat, PosInt
 from shardrl.parallel.layout_spec import LayoutSpec
 
-AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo"]
-LossAggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
-KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3"]  # verl's names and their k1/k2/k3 aliases
+AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
+                       "gpg", "grpo_passk", "gdpo"]
+LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
 DType = Literal["float32", "bfloat16", "float16"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
@@ -113,10 +114,13 @@ class PolicyLossConfig:
 
     vanilla: PPO's per-token ratio with clip-higher and dual clip. gspo: GSPO's per-sequence geometric-mean ratio
     (Zheng et al. 2025), clipped with clip_ratio_low/high (the paper uses 3e-4 / 4e-4 and seq-mean-token-mean);
-    clip_ratio_c is ignored.
+    clip_ratio_c is ignored. gpg: -A log pi (GPG). cispo: -sg(clip(r)) A log pi (MiniMax-M1's CISPO). sapo: SAPO's
+    soft gate with temperatures tau_pos / tau_neg instead of the hard clip.
     """
 
     loss_mode: PolicyLossMode
+    tau_pos: PosFloat  # SAPO's gate temperature for A > 0
+    tau_neg: PosFloat  # SAPO's gate temperature for A <= 0
 
 
 @dataclass(frozen=True)
@@ -356,6 +360,8 @@ class AlgorithmConfig:
     kl_ctrl: KLControlConfig
     rollout_correction: RolloutCorrectionConfig
     filter_groups: FilterGroupsConfig
+    gdpo_reward_keys: list[str] | None  # gdpo: the reward function's per-sample extras normalised one by one
+    gdpo_reward_weights: list[float] | None  # gdpo: their weights; null: 1 each
 
 
 @dataclass(frozen=True)
@@ -443,6 +449,59 @@ class AsyncTrainingConfig:
     partial_rollout: bool | None = None
 
 
+# verl's distillation loss modes: single-sample KL estimators of the sampled token (shardrl's), and top-k ones
+# (refused by rules.py: they need the teacher's top-k logits).
+DistillationLossMode = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk",
+                               "forward_kl_topk_tail"]
+
+
+@dataclass(frozen=True)
+class DistillationLossConfig:
+    """verl's `distillation.distillation_loss`: how the teacher's per-token log-probs enter the actor's loss
+    (shardrl.algos.distillation)."""
+
+    loss_mode: DistillationLossMode  # the per-token estimator of KL(student || teacher) on the sampled token
+    topk: PosInt | None  # top-k modes only, which shardrl does not have: null
+    use_task_rewards: bool  # false: the distillation loss alone trains the actor
+    distillation_loss_coef: NonNegFloat  # its weight beside the task's policy loss (use_task_rewards only)
+    loss_max_clamp: PosFloat | None  # per-token loss clamped to [-c, c]; null: no clamp
+    log_prob_min_clamp: float | None  # student and teacher log-probs clamped below at this value; null: none
+    use_policy_gradient: bool  # true: -loss as a per-token advantage of a clipped PG loss; false: backprop the loss
+    policy_loss_mode: Literal["vanilla"]
+    clip_ratio: PosFloat  # the PG loss's clip range where clip_ratio_low / high are null
+    clip_ratio_low: PosFloat | None
+    clip_ratio_high: PosFloat | None
+
+
+@dataclass(frozen=True)
+class TeacherModelConfig:
+    """verl's `distillation.teacher_model`: a frozen model scoring the student's samples, built on the trainer pool
+    like the reference policy, with its own weights (`model_path`, any size, the student's tokenizer) and layout."""
+
+    model_path: str | None
+    enable_resource_pool: bool  # verl's own teacher pool; shardrl's teacher shares the trainer pool: false
+    n_gpus_per_node: NonNegInt  # of verl's teacher pool: 0
+    nnodes: NonNegInt
+    log_prob_micro_batch_size: PosInt | None
+    log_prob_micro_batch_size_per_gpu: PosInt | None
+    log_prob_use_dynamic_bsz: bool
+    log_prob_max_token_len_per_gpu: PosInt
+    megatron: MegatronConfig
+
+
+@dataclass(frozen=True)
+class DistillationConfig:
+    """On-policy distillation (verl's `distillation` group): the student (the actor) learns from a teacher's
+    log-probs of the tokens the student sampled, beside or instead of the task reward."""
+
+    enabled: bool
+    enable_resource_pool: bool  # verl's own teacher pool: false
+    n_gpus_per_node: NonNegInt
+    nnodes: NonNegInt
+    teacher_model: TeacherModelConfig
+    distillation_loss: DistillationLossConfig
+
+
 @dataclass(frozen=True)
 class PPOConfig:
     """The whole config (root of the Hydra tree); build it with `load_config` or `compose`."""
@@ -455,6 +514,7 @@ class PPOConfig:
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     ray_kwargs: RayConfig
+    distillation: DistillationConfig
     rollout: RolloutPoolConfig | None = field(default=None)  # async modes only
     async_training: AsyncTrainingConfig | None = field(default=None)  # async modes only
 

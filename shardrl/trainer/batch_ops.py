@@ -10,7 +10,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from shardrl.algos import AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, rollout_correction
+from shardrl.algos import (AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, gdpo_reward_components,
+                           rollout_correction)
 from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.rewards.manager import SampleScores, compute_token_level_scores
@@ -130,13 +131,19 @@ def apply_rewards_and_correction(batch: Batch, algo: AlgorithmOptions,
 
 def advantages(batch: Batch, algo: AlgorithmOptions) -> None:
     """Advantages on the kept tokens; an outcome score still sums the rewards of all sampled tokens (verl sums the
-    whole reward row), so rejecting a token or a sequence leaves its group's baseline as it was."""
+    whole reward row), so rejecting a token or a sequence leaves its group's baseline as it was. gdpo's reward
+    components are the batch's non-tensor columns named by `algorithm.gdpo_reward_keys` (the reward function's
+    per-sample extras, as verl keeps them in its non_tensor_batch)."""
     t = batch.tensors
+    keys = algo.gdpo_reward_keys
+    components = (gdpo_reward_components(batch.non_tensors, keys, len(batch)).to(t["token_level_rewards"])
+                  if keys is not None else None)
     inputs = AdvantageInputs(
         token_level_rewards=t["token_level_rewards"], response_mask=t["response_mask"],
         values=t["values"] if "values" in t.keys() else None, index=batch.non_tensors["uid"],
         gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
-        score_mask=t["sampled_response_mask"] if "sampled_response_mask" in t.keys() else None)
+        score_mask=t["sampled_response_mask"] if "sampled_response_mask" in t.keys() else None,
+        reward_components=components, reward_weights=algo.gdpo_reward_weights)
     t["advantages"], t["returns"] = compute_advantage(algo.adv_estimator, inputs)
 
 

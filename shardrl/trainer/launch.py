@@ -13,6 +13,7 @@ from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
 from shardrl.data import builtin_task
 from shardrl.data.chat import pad_id
 from shardrl.data.rl_dataset import PromptLoader, RLDataset
+from shardrl.job.errors import ConfigError
 from shardrl.job.plan import JobPlan
 from shardrl.rewards.registry import default_compute_score, load_custom_reward
 from shardrl.trainer.fully_async import FullyAsyncTrainer
@@ -67,6 +68,8 @@ def train(plan: JobPlan) -> None:
     paths = resolve_paths(plan)
     data = plan.data
     tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer, trust_remote_code=data.trust_remote_code)
+    if plan.teacher is not None:
+        check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
 
     def dataset(files: list[str], max_samples: int) -> RLDataset:
         return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
@@ -101,6 +104,21 @@ def train(plan: JobPlan) -> None:
         group.shutdown()
 
 
+def check_teacher_vocabulary(teacher_path: str, student, trust_remote_code: bool) -> None:
+    """The teacher scores the student's token ids, so both must mean the same tokens: the teacher's tokenizer must
+    have the student's vocabulary (its model may pad its embedding to another size). Raises ConfigError."""
+    key = "distillation.teacher_model.model_path"
+    try:
+        teacher = AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=trust_remote_code)
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, f"{teacher_path}: no tokenizer could be loaded ({str(err).splitlines()[0]})") from None
+    mine, theirs = student.get_vocab(), teacher.get_vocab()
+    if mine != theirs:
+        differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
+        raise ConfigError(key, f"the teacher's vocabulary ({len(theirs)} tokens) differs from the student's "
+                               f"({len(mine)}), e.g. {differ}; distillation needs the student's tokenizer")
+
+
 def training_steps(plan: JobPlan, loader: PromptLoader) -> int:
     """trainer.total_training_steps, else the data's prompts (total_epochs over the loader; fully async:
     rollout.total_rollout_steps samples when set) in steps of `plan.step_prompts` prompts."""
@@ -123,13 +141,14 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
     if plan.placement == "colocated":
         actor = Role("actor", ActorRolloutRefWorker,
                      dict(actor=plan.actor, ref=plan.ref, rollout=plan.rollout, model_path=paths.model,
-                          pad_token_id=pad_token_id), actor_spec, {"rollout": plan.rollout.spec}, **on_trainer)
+                          pad_token_id=pad_token_id, teacher=plan.teacher), actor_spec, {"rollout": plan.rollout.spec},
+                     **on_trainer)
         roles = [actor]
     else:
         pools.append(ResourcePool("rollout", cluster.rollout_nodes, cluster.rollout_gpus_per_node, plan.device))
         actor = Role("actor", DetachedActorWorker,
                      dict(actor=plan.actor, ref=plan.ref, weight_sync=plan.rollout.weight_sync,
-                          model_path=paths.model), actor_spec, **on_trainer)
+                          model_path=paths.model, teacher=plan.teacher), actor_spec, **on_trainer)
         rollout = Role("rollout", RolloutWorker, dict(options=plan.rollout, model_path=paths.model,
                                                       pad_token_id=pad_token_id), plan.rollout.spec,
                        ranks=plan.rollout_ranks)

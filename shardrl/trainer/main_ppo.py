@@ -37,7 +37,11 @@ def run(cfg: DictConfig) -> int:
         return 2
     from shardrl.trainer.launch import train  # heavy imports (Ray, models) only when training starts
 
-    train(plan)
+    try:
+        train(plan)
+    except ConfigError as err:  # found while loading data and tokenizers, before any worker starts
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     return 0
 
 

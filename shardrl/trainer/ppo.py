@@ -98,7 +98,8 @@ class PPOTrainer:
             return batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
-        """On a scored batch: balance -> log-probs (old, ref) -> values -> advantages -> update critic, actor."""
+        """On a scored batch: balance -> log-probs (old, ref, distillation teacher) -> values -> advantages ->
+        update critic, actor."""
         w, t = self.workers, self.timeline
         metrics: dict[str, Any] = {}
         if self.loop.balance_batch:
@@ -113,6 +114,9 @@ class PPOTrainer:
         if self.plan.ref is not None:
             with t.phase(step, "ref"):
                 batch = batch.union(w.actor.call(ActorRefWorker.compute_ref_log_prob, batch))
+        if self.plan.teacher is not None:
+            with t.phase(step, "teacher"):
+                batch = batch.union(w.actor.call(ActorRefWorker.compute_teacher_log_prob, batch))
         if w.critic is not None:
             with t.phase(step, "values"):
                 batch = batch.union(w.critic.call(CriticWorker.compute_values, batch))

@@ -19,9 +19,17 @@ import torch
 from torch import Tensor
 
 from shardrl.algos import LossScale, actor_loss
+from shardrl.algos.distillation import DistillationSettings, distillation_loss
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.data.batch import Batch
-from shardrl.job.options import ActorOptions, ForwardBatching, PolicyLossOptions, RefOptions, UpdateOptions
+from shardrl.job.options import (
+    ActorOptions,
+    ForwardBatching,
+    PolicyLossOptions,
+    RefOptions,
+    TeacherOptions,
+    UpdateOptions,
+)
 from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.models.transformer import Transformer
@@ -51,8 +59,10 @@ def compute_log_prob(engine: ModelEngine, batch: Batch, batching: ForwardBatchin
     return stack_outputs(outputs, "log_probs", restore).cpu(), stack_outputs(outputs, "entropy", restore).cpu()
 
 
-def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: float):
-    """The per-micro-batch actor loss (algos.actor_loss with the mini batch's global counts)."""
+def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: float,
+                   distillation: DistillationSettings | None = None):
+    """The per-micro-batch actor loss (algos.actor_loss with the mini batch's global counts), with on-policy
+    distillation's term (algos.distillation) added to it, or alone when distillation trains without task rewards."""
 
     def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
@@ -62,29 +72,37 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
             options.clip, is_weights=d.get("is_weights"), bypass_is=options.bypass_is, entropy=entropy,
             entropy_coeff=options.entropy_coeff, ref_log_prob=d["ref_log_probs"] if options.use_kl_loss else None,
             kl_loss_coef=options.kl_loss_coef, kl_loss_type=options.kl_loss_type, loss_mode=options.loss_mode)
+        if distillation is not None:
+            term, term_metrics = distillation_loss(log_prob, d["old_log_probs"], d["teacher_log_probs"],
+                                                   d["response_mask"], scale, options.loss_agg_mode, distillation)
+            loss = (loss if distillation.use_task_rewards else 0.0) + distillation.coef * term
+            metrics |= {"distillation/loss": term.detach()} | {f"distillation/{k}": v for k, v in term_metrics.items()}
         return loss, {**metrics, "log_probs": log_prob}
 
     return loss_fn
 
 
 def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, update: UpdateOptions,
-                  temperature: float = 1.0) -> dict[str, list[float]]:
+                  temperature: float = 1.0, distillation: DistillationSettings | None = None) -> dict[str, list[float]]:
     """PPO epochs over mini batches of `batch`; one optimizer step per mini batch; metrics per step."""
     keys = ["old_log_probs", "advantages", "response_mask"]
     keys += [k for k in ("is_weights",) if k in batch.tensors.keys()]
     keys += ["ref_log_probs"] if loss.use_kl_loss else []
-    return train_epochs(engine, batch, update, keys, lambda scale: policy_loss_fn(loss, scale, temperature),
-                        loss.max_response_length)
+    keys += ["teacher_log_probs"] if distillation is not None else []
+    return train_epochs(engine, batch, update, keys,
+                        lambda scale: policy_loss_fn(loss, scale, temperature, distillation), loss.max_response_length)
 
 
 class ActorRefWorker:
     def __init__(self, actor: ActorOptions, ref: RefOptions | None, model_path: str,
-                 registry: GroupRegistry | None = None) -> None:
+                 registry: GroupRegistry | None = None, teacher: TeacherOptions | None = None) -> None:
         torch.manual_seed(actor.seed)
-        self.options, self.ref_options, self.model_path = actor, ref, model_path
+        self.options, self.ref_options, self.teacher_options, self.model_path = actor, ref, teacher, model_path
         self.registry = GroupRegistry() if registry is None else registry  # actor, ref and rollout layouts share it
         self.actor = build_engine(actor.model, model_path, self.registry)
         self.ref = build_engine(ref.model, model_path, self.registry) if ref is not None else None
+        self.teacher = (build_engine(teacher.model, teacher.model_path, self.registry) if teacher is not None
+                        else None)
 
     def _actor_resident(self):
         return resident(self.actor, self.options.model)
@@ -102,11 +120,19 @@ class ActorRefWorker:
         return Batch({"ref_log_probs": log_probs})
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
+    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
+        """The distillation teacher's log-probs of the sampled tokens, at the actor's temperature."""
+        with resident(self.teacher, self.teacher_options.model):
+            log_probs, _ = compute_log_prob(self.teacher, batch, self.teacher_options.log_prob,
+                                            self.options.temperature)
+        return Batch({"teacher_log_probs": log_probs})
+
+    @dispatch_mode(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch, step: int) -> dict[str, list[float]]:
         update = dataclasses.replace(self.options.update, seed=self.options.update.seed + step)
         with self._actor_resident():
             return update_policy(self.actor, unpadded_rows(batch), self.options.loss, update,
-                                 self.options.temperature)
+                                 self.options.temperature, self.options.distillation)
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:

@@ -73,7 +73,8 @@ class ModelEngine:
             self.optimizer = AdamW(params, layout, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                    clip_grad=o.clip_grad, distributed=o.distributed)
             if o.total_steps is None:
-                raise ValueError("OptimOptions.total_steps is None: bind the plan's steps first (JobPlan.with_total_steps)")
+                raise ValueError("OptimOptions.total_steps is None: bind the plan's steps first "
+                                 "(JobPlan.with_total_steps)")
             self.scheduler = LRScheduler(self.optimizer, total_steps=o.total_steps, warmup_steps=o.warmup_steps,
                                          warmup_steps_ratio=o.warmup_ratio, style=o.decay_style,
                                          min_lr_ratio=o.min_lr_ratio, decay_steps=o.decay_steps)

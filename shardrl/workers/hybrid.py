@@ -11,7 +11,7 @@ from __future__ import annotations
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
-from shardrl.job.options import ActorOptions, RefOptions, RolloutOptions
+from shardrl.job.options import ActorOptions, RefOptions, RolloutOptions, TeacherOptions
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.rollout.engine import Engine
@@ -23,8 +23,9 @@ from shardrl.workers.samples import generate
 
 class ActorRolloutRefWorker(ActorRefWorker):
     def __init__(self, actor: ActorOptions, ref: RefOptions | None, rollout: RolloutOptions, model_path: str,
-                 pad_token_id: int, registry: GroupRegistry | None = None) -> None:
-        super().__init__(actor, ref, model_path, registry)
+                 pad_token_id: int, registry: GroupRegistry | None = None,
+                 teacher: TeacherOptions | None = None) -> None:
+        super().__init__(actor, ref, model_path, registry, teacher)
         self.rollout_options, self.pad_token_id = rollout, pad_token_id
         model_config = ModelConfig.from_pretrained(model_path, overrides=rollout.override_config)
         self.rollout = Engine(model_config, create_layout(rollout.spec, rollout.ranks, self.registry), rollout.engine)

@@ -1,0 +1,218 @@
+"""On-policy distillation (verl's `distillation` keys): the loss against hand-computed values, its guards (padding,
+clamps, micro-batch splits), the config's refusals, the teacher at another layout than the student, and a student
+trained against a fixed teacher alone moving toward it."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+from shardrl.algos.aggregate import LossScale
+from shardrl.algos.distillation import DistillationSettings, distillation_loss
+from shardrl.algos.policy_loss import ClipRange
+from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.data import builtin_task
+from shardrl.data.batch import Batch
+from shardrl.data.chat import prompt_token_ids
+from shardrl.job.errors import ConfigError
+from shardrl.job.load import compose
+from shardrl.job.plan import plan_job
+from shardrl.parallel.launch import run_distributed
+from shardrl.trainer.launch import check_teacher_vocabulary
+
+
+def settings(estimator="k1", policy_gradient=True, **kw):
+    base = dict(use_task_rewards=False, coef=1.0, loss_max_clamp=None, log_prob_min_clamp=None, clip=ClipRange(0.2))
+    return DistillationSettings(estimator, policy_gradient, **(base | kw))
+
+
+STUDENT = torch.tensor([[-1.0, -2.0, -0.5], [-0.2, -3.0, 0.0]])
+TEACHER = torch.tensor([[-0.5, -2.5, -4.0], [-1.2, -1.0, 0.0]])
+MASK = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 0.0]])  # 5 tokens
+
+
+def test_supervised_k3_is_the_token_mean_of_k3_and_its_gradient():
+    student = STUDENT.clone().requires_grad_()
+    loss, metrics = distillation_loss(student, STUDENT, TEACHER, MASK, LossScale.from_mask(MASK, 3), "token-mean",
+                                      settings("k3", policy_gradient=False))
+    pairs = [(-1.0, -0.5), (-2.0, -2.5), (-0.5, -4.0), (-0.2, -1.2), (-3.0, -1.0)]
+    k3 = [math.exp(t - s) - (t - s) - 1 for s, t in pairs]  # r - 1 - log r, r = p_t / p_s
+    assert loss.item() == pytest.approx(sum(k3) / 5)
+    assert metrics["reverse_kl"].item() == pytest.approx(sum(s - t for s, t in pairs) / 5)
+    loss.backward()
+    # d k3 / d log p_s = 1 - p_t / p_s
+    expected = [[(1 - math.exp(t - s)) / 5 for s, t in pairs[:3]], [(1 - math.exp(t - s)) / 5 for s, t in pairs[3:]]
+                + [0.0]]
+    torch.testing.assert_close(student.grad, torch.tensor(expected))
+
+
+def test_policy_gradient_k1_uses_minus_the_reverse_kl_as_advantage():
+    """At the anchor (ratio 1, nothing clipped) the surrogate is -A = d per token, and its gradient is -A = d as
+    well, through the student's log-prob only: the teacher's choice gets pushed up."""
+    student = STUDENT.clone().requires_grad_()
+    loss, metrics = distillation_loss(student, STUDENT, TEACHER, MASK, LossScale.from_mask(MASK, 3), "token-mean",
+                                      settings("k1"))
+    d = (STUDENT - TEACHER) * MASK
+    assert loss.item() == pytest.approx(float(d.sum() / 5))
+    loss.backward()
+    torch.testing.assert_close(student.grad, d / 5)
+    assert metrics["pg_clipfrac"].item() == 0.0
+
+
+def test_clamps_and_padding_never_reach_the_loss():
+    student = STUDENT.clone()
+    student[1, 2] = float("nan")
+    teacher = TEACHER.clone()
+    teacher[1, 2] = -float("inf")
+    teacher[0, 2] = -40.0  # clamped to -10, then d to [-2, 2]
+    student = student.requires_grad_()
+    loss, _ = distillation_loss(student, STUDENT, teacher, MASK, LossScale.from_mask(MASK, 3), "token-mean",
+                                settings("k1", policy_gradient=False, loss_max_clamp=2.0, log_prob_min_clamp=-10.0))
+    d = [-0.5, 0.5, 2.0, 1.0, -2.0]  # -0.5 - (-10) = 9.5 clamped to 2; -3 - (-1) = -2
+    assert loss.item() == pytest.approx(sum(d) / 5)
+    loss.backward()
+    assert torch.isfinite(student.grad).all() and student.grad[1, 2] == 0.0
+
+
+def test_micro_batches_add_up_to_the_whole_batch():
+    rows = [slice(0, 1), slice(1, 2)]
+    whole_scale = LossScale.from_mask(MASK, 3)
+    for estimator, pg in (("k1", True), ("k3", False)):
+        whole, _ = distillation_loss(STUDENT, STUDENT, TEACHER, MASK, whole_scale, "seq-mean-token-mean",
+                                     settings(estimator, pg))
+        parts = sum(distillation_loss(STUDENT[r], STUDENT[r], TEACHER[r], MASK[r], whole_scale, "seq-mean-token-mean",
+                                      settings(estimator, pg))[0] for r in rows)
+        assert parts.item() == pytest.approx(whole.item())
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["distillation.enabled=true"], "distillation.teacher_model.model_path"),
+    (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
+      "distillation.distillation_loss.loss_mode=forward_kl_topk"], "distillation.distillation_loss.loss_mode"),
+    (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
+      "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=false"],
+     "distillation.distillation_loss.loss_mode"),
+    (["distillation.teacher_model.megatron.seed=3"], "distillation.teacher_model.megatron.seed"),
+])
+def test_config_refusals_name_the_key(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        plan_job(compose("ppo_trainer", overrides))
+    assert err.value.key == key
+
+
+def make_teacher(task: dict, out: Path, layers: int = 4, hidden: int = 96, std: float = 0.3, seed: int = 7) -> Path:
+    """A teacher of another size than the student, with the student's tokenizer and a peaked random init."""
+    student = AutoConfig.from_pretrained(task["model"])
+    config = AutoConfig.for_model(
+        "qwen2", vocab_size=student.vocab_size, hidden_size=hidden, intermediate_size=2 * hidden,
+        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+        tie_word_embeddings=False, bos_token_id=None, eos_token_id=student.eos_token_id,
+        pad_token_id=student.pad_token_id, initializer_range=std, architectures=["Qwen2ForCausalLM"])
+    torch.manual_seed(seed)
+    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out)
+    AutoTokenizer.from_pretrained(task["model"]).save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return builtin_task.prepare(tmp_path_factory.mktemp("task"))
+
+
+@pytest.fixture(scope="module")
+def teacher(task, tmp_path_factory):
+    return make_teacher(task, tmp_path_factory.mktemp("teacher"))
+
+
+def test_a_teacher_with_another_vocabulary_is_refused(task, tmp_path):
+    other = AutoTokenizer.from_pretrained(task["model"])
+    other.add_tokens(["<tool>"])
+    other.save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="vocabulary .* differs from the student's") as err:
+        check_teacher_vocabulary(str(tmp_path), AutoTokenizer.from_pretrained(task["model"]), False)
+    assert err.value.key == "distillation.teacher_model.model_path"
+
+
+def teacher_log_probs(model_path: str, teacher_path: str, overrides: list[str], batch: Batch):
+    from shardrl.workers.actor import ActorRefWorker
+
+    os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
+    plan = plan_job(compose("ppo_trainer", overrides)).with_total_steps(1)
+    worker = ActorRefWorker(plan.actor, plan.ref, model_path, teacher=plan.teacher)
+    return worker.compute_teacher_log_prob(batch).tensors["teacher_log_probs"]
+
+
+def sample_batch(vocab: int) -> Batch:
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(2, vocab, (4, 6), generator=generator)
+    mask = torch.ones(4, 6, dtype=torch.long)
+    return Batch({"input_ids": ids, "attention_mask": mask, "position_ids": torch.arange(6).expand(4, 6),
+                  "responses": ids[:, 3:], "response_mask": torch.ones(4, 3)})
+
+
+def test_the_teacher_at_tp2_and_at_pp2_gives_the_single_process_log_probs(task, teacher):
+    """The teacher is laid out by its own megatron keys (here TP2, then PP2 over 2 ranks), whatever the student's
+    layout, and scores exactly as one process does."""
+    base = ["trainer.device=cpu", f"distillation.enabled=true", f"distillation.teacher_model.model_path={teacher}",
+            "data.train_batch_size=2", "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+            "actor_rollout_ref.rollout.n=2", "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
+    batch = sample_batch(AutoConfig.from_pretrained(task["model"]).vocab_size)
+    single = teacher_log_probs(task["model"], str(teacher), base + ["trainer.n_gpus_per_node=1"], batch)
+    # hand check of the single-process teacher: transformers' own log-probs of the response tokens
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    with torch.no_grad():
+        logits = model(batch.tensors["input_ids"]).logits[:, 2:5].log_softmax(-1)
+    expected = logits.gather(-1, batch.tensors["responses"][..., None])[..., 0]
+    torch.testing.assert_close(single, expected, rtol=1e-5, atol=1e-5)
+    for layout in (["distillation.teacher_model.megatron.tensor_model_parallel_size=2"],
+                   ["distillation.teacher_model.megatron.pipeline_model_parallel_size=2"]):
+        overrides = base + ["trainer.n_gpus_per_node=2"] + layout
+        ranks = run_distributed(2, teacher_log_probs, task["model"], str(teacher), overrides, batch)
+        for scored in ranks:
+            torch.testing.assert_close(scored, single, rtol=1e-5, atol=1e-5)
+
+
+def first_token_reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[list[int]]) -> float:
+    """Exact KL(student || teacher) of the first response token's distribution, averaged over fixed prompts (no
+    sampling noise: the full softmax of both models)."""
+    student, teacher = (AutoModelForCausalLM.from_pretrained(d) for d in (student_dir, teacher_dir))
+    total = 0.0
+    with torch.no_grad():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            log_s = student(x).logits[0, -1].log_softmax(-1)
+            log_t = teacher(x).logits[0, -1].log_softmax(-1)
+            total += float((log_s.exp() * (log_s - log_t)).sum())
+    return total / len(prompts)
+
+
+def test_a_student_trained_on_the_teacher_alone_moves_toward_it(task, teacher, tmp_path):
+    """No task reward: the exact reverse KL to a fixed teacher of another size, on fixed prompts, falls at every one
+    of 10 steps (the actor is exported after each)."""
+    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path}",
+           "trainer.logger=[file]", "trainer.total_training_steps=10", "trainer.test_freq=-1",
+           "trainer.val_before_train=false", "trainer.save_freq=1",
+           "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]", "distillation.enabled=true",
+           f"distillation.teacher_model.model_path={teacher}", "distillation.distillation_loss.use_task_rewards=false",
+           "distillation.distillation_loss.loss_mode=k1", "data.train_batch_size=128",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=128"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    tokenizer = AutoTokenizer.from_pretrained(task["model"])
+    texts = [f"{a}->{b}->" for a, b in ((1, 2), (3, 4), (5, 6), (7, 8), (9, 0), (2, 7))]
+    prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": t}] for t in texts])
+    kl = [first_token_reverse_kl(Path(task["model"]), teacher, prompts)]
+    kl += [first_token_reverse_kl(tmp_path / f"global_step_{step}" / "actor_hf", teacher, prompts)
+           for step in range(1, 11)]
+    assert kl[0] > 0.5, kl
+    assert all(later < earlier for earlier, later in zip(kl, kl[1:])), str(kl)
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert all("actor/distillation/reverse_kl" in r and "actor/pg_loss" in r for r in rows)
