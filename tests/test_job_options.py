@@ -51,6 +51,7 @@ def plan(*overrides, name="ppo_trainer"):
     ("actor_rollout_ref.actor.megatron.seed=7", lambda p: p.actor.seed == 7 and p.loop.seed == 1),
     ("critic.model.path=/some/reward_model", lambda p: p.critic_model_path == "/some/reward_model"),
     ("data.tokenizer=/some/tokenizer", lambda p: p.data.tokenizer == "/some/tokenizer"),
+    ("critic.loss_scale_factor=100", lambda p: p.critic.max_response_length == 100),
 ])
 def test_each_formerly_dead_key_reaches_its_option(override, read):
     compiled = plan(override, "algorithm.adv_estimator=gae")

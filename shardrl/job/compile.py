@@ -112,7 +112,8 @@ def critic_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Cri
         seed=critic.megatron.seed, model=model,
         update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, shared.seed),
         values=role.batches["values"].forward(), loss_agg_mode=critic.loss_agg_mode,
-        cliprange_value=critic.cliprange_value, max_response_length=shared.response_length,
+        cliprange_value=critic.cliprange_value,
+        max_response_length=critic.loss_scale_factor or shared.response_length,
         checkpoint=_checkpoint_options(critic.checkpoint))
 
 

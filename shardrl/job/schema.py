@@ -262,6 +262,7 @@ class CriticConfig:
     shuffle: bool
     cliprange_value: PosFloat
     loss_agg_mode: LossAggMode
+    loss_scale_factor: PosInt | None  # divisor of seq-mean-token-sum-norm; null: rollout.response_length
     grad_clip: PosFloat | None
     load_weight: bool
     optim: OptimConfig
