@@ -216,3 +216,58 @@ def test_a_student_trained_on_the_teacher_alone_moves_toward_it(task, teacher, t
     assert all(later < earlier for earlier, later in zip(kl, kl[1:])), str(kl)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert all("actor/distillation/reverse_kl" in r and "actor/pg_loss" in r for r in rows)
+
+
+# The real training path (update_policy: global counts over micro batches and DP), one step at lr 0: the loss and the
+# gradient norm of the distillation term are the same for any micro-batch cut and for DP 1 and 2.
+DISTILL_CUTS = {"micro8": (8, None), "micro1": (1, None), "micro4": (4, None), "dynamic24tokens": (None, 24)}
+
+
+def distill_step(ckpt: str, micro_batch_size: int | None, max_token_len: int | None) -> dict[str, tuple]:
+    from test_loss_aggregation import BATCH, _engine, training_batch
+
+    from shardrl.job.options import PolicyLossOptions, UpdateOptions
+    from shardrl.workers.actor import update_policy
+
+    actor = _engine(ckpt, value_head=False)
+    layout = actor.layout
+    batch = training_batch(ckpt)
+    mask = batch.tensors["response_mask"]
+    teacher = torch.randn(mask.shape, generator=torch.Generator().manual_seed(3)) - 2.0
+    batch.tensors["teacher_log_probs"] = torch.where(mask.bool(), teacher, math.nan)  # padding holds NaN
+    share = batch.take(list(range(layout.dp_rank * BATCH // layout.dp_size,
+                                  (layout.dp_rank + 1) * BATCH // layout.dp_size)))
+    update = UpdateOptions(mini_batch_size=len(share), micro_batch_size=micro_batch_size, max_token_len=max_token_len)
+    out = {}
+    for name, distill in (("k1-pg", settings("k1")), ("k3-supervised", settings("k3", policy_gradient=False)),
+                          ("k3-with-task", settings("k3", policy_gradient=False, use_task_rewards=True, coef=0.5))):
+        metrics = update_policy(actor, share, PolicyLossOptions(clip=ClipRange(0.2), max_response_length=8), update,
+                                distillation=distill)
+        out[name] = (metrics["distillation/loss"][0], metrics["distillation/reverse_kl"][0], metrics["grad_norm"][0])
+    return out
+
+
+@pytest.fixture(scope="module")
+def distill_reference(tmp_path_factory):
+    from shardrl.models.tiny import make_tiny_checkpoint
+
+    ckpt = str(make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("distill") / "m"))
+    return ckpt, distill_step(ckpt, *DISTILL_CUTS["micro8"])
+
+
+def assert_same(actual: dict, expected: dict, what: str) -> None:
+    for name, values in expected.items():
+        assert all(math.isfinite(v) for v in values), (name, values)
+        assert actual[name] == pytest.approx(values, rel=1e-5, abs=1e-7), f"{what}, {name}"
+
+
+@pytest.mark.parametrize("cut", ["micro1", "micro4", "dynamic24tokens"])
+def test_distillation_is_the_same_for_any_micro_batching(distill_reference, cut):
+    ckpt, reference = distill_reference
+    assert_same(distill_step(ckpt, *DISTILL_CUTS[cut]), reference, cut)
+
+
+def test_distillation_is_the_same_at_dp2(distill_reference):
+    ckpt, reference = distill_reference
+    for rank_result in run_distributed(2, distill_step, ckpt, *DISTILL_CUTS["micro1"]):
+        assert_same(rank_result, reference, "DP2")
