@@ -289,47 +289,46 @@ def test_gspo_gradient_is_the_gspo_token_gradient_and_not_vanilla():
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 def test_gspo_equals_vanilla_when_the_policy_has_not_moved(mode):
-    # All ratios 1: both surrogates are -A per token. GSPO's term is aggregated with seq-mean-token-mean whatever
-    # `mode` says (verl's rule), the entropy and KL terms with `mode`; so GSPO's loss is vanilla's with its
-    # policy-gradient term swapped for vanilla's seq-mean-token-mean one, in value and gradient.
+    # All ratios 1: both surrogates are -A per token, and since verl 0.9.1 GSPO's term follows `loss_agg_mode` like
+    # every other term, so GSPO's loss is vanilla's, in value, gradient and metrics.
     batch = _ragged_batch(seed=5)
     on_policy = torch.where(batch["mask"].bool(), batch["old"], 1e3)
     scale = LossScale.from_mask(batch["mask"], 12)
 
-    def run(loss_mode: str, agg_mode: str, pg_only: bool = False) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    def run(loss_mode: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
         log_prob = on_policy.clone().requires_grad_()
-        extra = {} if pg_only else dict(entropy=batch["entropy"], entropy_coeff=0.01, ref_log_prob=batch["ref"],
-                                        kl_loss_coef=0.05)
-        loss, metrics = actor_loss(log_prob, batch["old"], batch["advantages"], batch["mask"], scale, agg_mode,
+        loss, metrics = actor_loss(log_prob, batch["old"], batch["advantages"], batch["mask"], scale, mode,
                                    ClipRange(0.2, clip_ratio_high=0.28), is_weights=batch["is_weights"],
-                                   loss_mode=loss_mode, **extra)
+                                   loss_mode=loss_mode, entropy=batch["entropy"], entropy_coeff=0.01,
+                                   ref_log_prob=batch["ref"], kl_loss_coef=0.05)
         return loss, torch.autograd.grad(loss, log_prob)[0], metrics
 
-    gspo, gspo_grad, gspo_metrics = run("gspo", mode)
-    vanilla, vanilla_grad, vanilla_metrics = run("vanilla", mode)
-    swapped_pg, swapped_pg_grad, swapped_metrics = run("vanilla", "seq-mean-token-mean", pg_only=True)
-    own_pg, own_pg_grad, _ = run("vanilla", mode, pg_only=True)
-    torch.testing.assert_close(gspo, vanilla - own_pg + swapped_pg, atol=1e-12, rtol=0)
-    assert swapped_pg_grad.abs().sum() > 0
-    torch.testing.assert_close(gspo_grad, vanilla_grad - own_pg_grad + swapped_pg_grad, atol=1e-12, rtol=0)
-    torch.testing.assert_close(gspo_metrics["pg_loss"], swapped_metrics["pg_loss"], atol=1e-12, rtol=0)
-    for name in ("pg_clipfrac", "ppo_kl", "entropy", "kl_loss"):
+    gspo, gspo_grad, gspo_metrics = run("gspo")
+    vanilla, vanilla_grad, vanilla_metrics = run("vanilla")
+    torch.testing.assert_close(gspo, vanilla, atol=1e-12, rtol=0)
+    assert gspo_grad.abs().sum() > 0
+    torch.testing.assert_close(gspo_grad, vanilla_grad, atol=1e-12, rtol=0)
+    for name in ("pg_loss", "pg_clipfrac", "ppo_kl", "entropy", "kl_loss"):
         torch.testing.assert_close(gspo_metrics[name], vanilla_metrics[name], atol=1e-12, rtol=0)
 
 
-def test_gspo_term_is_a_mean_over_sequences_whatever_loss_agg_mode():
-    # verl aggregates GSPO's surrogate with seq-mean-token-mean even when loss_agg_mode says otherwise; the
-    # reference (_gspo_reference) weighs each token 1 / (len_i * num_seqs). Token-mean would weigh 1 / 8.
+def test_gspo_term_follows_loss_agg_mode_as_verl_091():
+    # The reference (_gspo_reference) gives each token's loss, and its gradient under seq-mean-token-mean (the
+    # paper's: weight 1 / (len_i * num_seqs)); token-mean weighs every token 1 / num_tokens instead.
     inputs = _gspo_inputs()
     log_prob = inputs.pop("log_prob").requires_grad_()
-    expected_losses, expected_grads = _gspo_reference(0.2, 0.28)
-    for mode in LOSS_AGG_MODES:
+    losses, seq_mean_grads = _gspo_reference(0.2, 0.28)
+    num_seqs, num_tokens = len(losses), sum(len(r) for r in losses)
+    token_mean_grads = [[g * len(r) * num_seqs / num_tokens for g in r] for r in seq_mean_grads]
+    expected = {"seq-mean-token-mean": (sum(sum(r) / len(r) for r in losses) / num_seqs, seq_mean_grads),
+                "token-mean": (sum(sum(r) for r in losses) / num_tokens, token_mean_grads)}
+    for mode, (value, grads) in expected.items():
         loss, metrics = actor_loss(log_prob, **inputs, scale=LossScale.from_mask(inputs["response_mask"], 4),
                                    loss_agg_mode=mode, clip=GSPO_CLIP, loss_mode="gspo")
-        assert loss.item() == pytest.approx(sum(sum(r) / len(r) for r in expected_losses) / 4, abs=1e-12), mode
+        assert loss.item() == pytest.approx(value, abs=1e-12), mode
         assert metrics["pg_loss"].item() == pytest.approx(loss.item(), abs=1e-12)
         (grad,) = torch.autograd.grad(loss, log_prob)
-        torch.testing.assert_close(grad, _padded(expected_grads, 0.0))
+        torch.testing.assert_close(grad, _padded(grads, 0.0), msg=mode)
 
 
 def test_gspo_log_ratio_clamped_above_at_10_only():
@@ -355,3 +354,24 @@ def test_unknown_loss_mode_names_the_key():
                                          r"\['vanilla', 'gspo', 'gpg', 'cispo', 'sapo'\]"):
         actor_loss(**inputs, scale=LossScale.from_mask(inputs["response_mask"], 4), loss_agg_mode="token-mean",
                    clip=GSPO_CLIP, loss_mode="gpo")
+
+
+@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "gpg", "cispo", "sapo"])
+def test_nan_advantages_and_weights_on_padding_reach_no_loss_or_gradient(loss_mode):
+    batch = _ragged_batch(seed=9)
+    padding = ~batch["mask"].bool()
+    scale = LossScale.from_mask(batch["mask"], 12)
+    clip = ClipRange(0.2, clip_ratio_high=0.28)
+
+    def run(advantages, weights):
+        log_prob = batch["old"].clone().requires_grad_()
+        loss, _ = actor_loss(log_prob, batch["old"], advantages, batch["mask"], scale, "token-mean", clip,
+                             is_weights=weights, loss_mode=loss_mode)
+        return loss, torch.autograd.grad(loss, log_prob)[0]
+
+    clean, clean_grad = run(batch["advantages"], batch["is_weights"])
+    dirty, dirty_grad = run(torch.where(padding, math.nan, batch["advantages"]),
+                            torch.where(padding, math.inf, batch["is_weights"]))
+    assert torch.isfinite(dirty) and torch.isfinite(dirty_grad).all()
+    torch.testing.assert_close(dirty, clean, atol=0, rtol=0)
+    torch.testing.assert_close(dirty_grad, clean_grad, atol=0, rtol=0)

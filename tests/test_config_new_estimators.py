@@ -49,6 +49,8 @@ def test_verl_spellings_reach_the_options():
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,a]"], "algorithm.gdpo_reward_keys",
      "needs distinct names"),
     (["algorithm.gdpo_reward_keys=[a]"], "algorithm.gdpo_reward_keys", "is read by adv_estimator=gdpo only"),
+    (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[acc,uid]"], "algorithm.gdpo_reward_keys",
+     "'uid' is a column every sample already has"),
     (["algorithm.gdpo_reward_weights=[1]"], "algorithm.gdpo_reward_weights", "is read by adv_estimator=gdpo only"),
     (["algorithm.adv_estimator=gdpo", "algorithm.gdpo_reward_keys=[a,b]", "algorithm.gdpo_reward_weights=[1]"],
      "algorithm.gdpo_reward_weights", "1 weights for 2 gdpo_reward_keys"),
@@ -122,8 +124,6 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 '''
 
 
-@pytest.mark.xfail(strict=True, reason="the trainer does not keep the reward function's per-sample extras in the "
-                                       "batch yet (batch_ops.score drops them), so gdpo finds no components")
 def test_default_job_runs_gdpo_on_the_reward_extras(tmp_path):
     reward = tmp_path / "reward.py"
     reward.write_text(REWARD_WITH_COMPONENTS)

@@ -7,7 +7,7 @@ log-prob gradient (arXiv 2506.13585); `sapo`, SAPO's soft gate instead of the ha
 2511.20347). In bypass mode `algorithm.rollout_correction.loss_type=reinforce` replaces it with REINFORCE.
 
 Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
-same scale (and `loss_agg_mode`, except the gspo and sapo surrogates: seq-mean-token-mean, as in verl), so the
+same scale (and `loss_agg_mode`, except the sapo surrogate: seq-mean-token-mean, as in verl 0.9.1), so the
 micro-batch losses (and their gradients) add up to the mini-batch loss, and each metric is the micro batch's share of
 the mini-batch value (the trainer sums metrics over micro batches and DP ranks).
 """
@@ -242,9 +242,10 @@ PolicyLossFn = Callable[
 # reinforce is chosen by algorithm.rollout_correction.loss_type (bypass mode), not by loss_mode.
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss, "gpg": gpg_loss,
                                            "cispo": cispo_loss, "sapo": sapo_loss, "reinforce": reinforce_loss}
-# Surrogates whose policy-gradient term has its own aggregation (verl: GSPO's and SAPO's losses are means over
-# sequences of token means, whatever `loss_agg_mode`); entropy and KL terms still follow `loss_agg_mode`.
-_FIXED_PG_AGG_MODES: dict[str, str] = {"gspo": "seq-mean-token-mean", "sapo": "seq-mean-token-mean"}
+# Surrogates whose policy-gradient term has its own aggregation (verl 0.9.1: SAPO's loss is a mean over sequences of
+# token means, whatever `loss_agg_mode`; GSPO's follows `loss_agg_mode` since 0.9.1, the paper's being
+# seq-mean-token-mean); entropy and KL terms always follow `loss_agg_mode`.
+_FIXED_PG_AGG_MODES: dict[str, str] = {"sapo": "seq-mean-token-mean"}
 
 
 def actor_loss(
@@ -268,7 +269,7 @@ def actor_loss(
 
     loss = agg(w * surrogate) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
     - loss_mode: the surrogate, `vanilla` (ppo_clip_loss), `gspo` (gspo_loss), `gpg` (gpg_loss), `cispo`
-      (cispo_loss), `sapo` (sapo_loss) or `reinforce` (reinforce_loss); gspo's and sapo's terms are always
+      (cispo_loss), `sapo` (sapo_loss) or `reinforce` (reinforce_loss); sapo's term is always
       aggregated with seq-mean-token-mean, as in verl; the other terms do not change.
     - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
       The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
@@ -288,6 +289,10 @@ def actor_loss(
                              f"is_weights {'given' if is_weights is not None else 'none'}")
         is_weights, _ = truncated_is_weights(log_prob.detach() - old_log_prob, response_mask, *bypass_is)
     surrogate = _POLICY_LOSSES[loss_mode]
+    valid = response_mask.bool()  # padding may hold anything in any input: it never reaches a term or a gradient
+    advantages = torch.where(valid, advantages, 0.0)
+    if is_weights is not None:
+        is_weights = torch.where(valid, is_weights, 0.0)
     pg_per_token, metrics = surrogate(log_prob, old_log_prob, advantages, response_mask, scale, clip)
     if is_weights is not None:
         pg_per_token = pg_per_token * is_weights.detach()

@@ -46,6 +46,10 @@ def validate(config: PPOConfig) -> None:
     _validate_estimators(config)
 
 
+# Non-tensor columns of every sample batch (the dataset's and the rollout's); gdpo's reward components join them.
+SAMPLE_COLUMNS = ("uid", "data_source", "reward_model", "extra_info", "finish_reason")
+
+
 def _validate_estimators(config: PPOConfig) -> None:
     """Keys only some advantage estimators and surrogates read: gdpo's reward components (and what gdpo leaves
     out), grpo_passk's groups, and the lower clip bound that only cispo may drop."""
@@ -60,6 +64,9 @@ def _validate_estimators(config: PPOConfig) -> None:
         raise ConfigError("algorithm.gdpo_reward_keys", f"adv_estimator=gdpo needs distinct names of the reward "
                                                         f"components it normalises (per-sample entries of the reward "
                                                         f"function's dict result, e.g. [format,accuracy]); got {keys}")
+    elif taken := sorted(set(keys) & {*SAMPLE_COLUMNS, config.data.reward_fn_key}):
+        raise ConfigError("algorithm.gdpo_reward_keys", f"{taken[0]!r} is a column every sample already has; the "
+                                                        "reward components become columns too: name them otherwise")
     elif weights is not None and len(weights) != len(keys):
         raise ConfigError("algorithm.gdpo_reward_weights", f"{len(weights)} weights for {len(keys)} "
                                                            "gdpo_reward_keys; give one per key, or null for 1 each")

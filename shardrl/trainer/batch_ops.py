@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import uuid
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -63,12 +64,19 @@ def balance_over_dp(batch: Batch, loop: LoopOptions, actor_dp: int,
     return batch.take(order), metrics
 
 
-def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions) -> tuple[Batch, SampleScores]:
+def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions,
+          keep_extras: Sequence[str] = ()) -> tuple[Batch, SampleScores]:
     """`token_level_scores` `[B, R]` (with `reward_model.overlong_buffer`'s shaping when enabled; validation too, as
-    verl's DAPO recipe scores it) and the per-sample scores and extras."""
+    verl's DAPO recipe scores it) and the per-sample scores and extras. The extras named in `keep_extras` (gdpo's
+    reward components) also become non-tensor columns of the batch, which later steps read."""
     scores = compute_token_level_scores(batch, tokenizer, score_fn, reward.overlong,
                                         data_source_key=reward.data_source_key)
     batch.tensors["token_level_scores"] = scores.token_level
+    for key in keep_extras:
+        if key not in scores.extras:
+            raise ValueError(f"algorithm.gdpo_reward_keys: the reward function returned no {key!r} (its extras: "
+                             f"{sorted(scores.extras)}); return it in every sample's result dict")
+        batch.non_tensors[key] = as_object_array(scores.extras[key])
     return batch, scores
 
 

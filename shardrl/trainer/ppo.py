@@ -95,7 +95,8 @@ class PPOTrainer:
 
     def score(self, batch: Batch, step: int) -> tuple[Batch, SampleScores]:
         with self.timeline.phase(step, "reward"):
-            return batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
+            return batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward,
+                                   self.algorithm.gdpo_reward_keys or ())
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
         """On a scored batch: balance -> log-probs (old, ref, distillation teacher) -> values -> advantages ->
