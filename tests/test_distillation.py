@@ -219,7 +219,8 @@ def test_a_student_trained_on_the_teacher_alone_moves_toward_it(task, teacher, t
 
 
 # The real training path (update_policy: global counts over micro batches and DP), one step at lr 0: the loss and the
-# gradient norm of the distillation term are the same for any micro-batch cut and for DP 1 and 2.
+# gradient norm of the distillation term (and of a straight-through KL loss) are the same for any micro-batch cut and
+# for DP 1 and 2.
 DISTILL_CUTS = {"micro8": (8, None), "micro1": (1, None), "micro4": (4, None), "dynamic24tokens": (None, 24)}
 
 
@@ -244,6 +245,13 @@ def distill_step(ckpt: str, micro_batch_size: int | None, max_token_len: int | N
         metrics = update_policy(actor, share, PolicyLossOptions(clip=ClipRange(0.2), max_response_length=8), update,
                                 distillation=distill)
         out[name] = (metrics["distillation/loss"][0], metrics["distillation/reverse_kl"][0], metrics["grad_norm"][0])
+    # The KL loss with a straight-through estimator (k3's value, k2's gradient) splits the same way.
+    share.tensors["ref_log_probs"] = share.tensors["teacher_log_probs"]
+    for kl_type in ("k3+", "low_var_kl"):
+        loss = PolicyLossOptions(clip=ClipRange(0.2), max_response_length=8, use_kl_loss=True, kl_loss_coef=0.1,
+                                 kl_loss_type=kl_type)
+        metrics = update_policy(actor, share, loss, update)
+        out[f"kl-{kl_type}"] = (metrics["kl_loss"][0], metrics["pg_loss"][0], metrics["grad_norm"][0])
     return out
 
 
@@ -271,3 +279,9 @@ def test_distillation_is_the_same_at_dp2(distill_reference):
     ckpt, reference = distill_reference
     for rank_result in run_distributed(2, distill_step, ckpt, *DISTILL_CUTS["micro1"]):
         assert_same(rank_result, reference, "DP2")
+
+
+def test_straight_through_kl_keeps_k3s_value_with_another_gradient(distill_reference):
+    _, reference = distill_reference
+    (plus_kl, _, plus_norm), (k3_kl, _, k3_norm) = reference["kl-k3+"], reference["kl-low_var_kl"]
+    assert plus_kl == pytest.approx(k3_kl, rel=1e-6) and plus_norm != pytest.approx(k3_norm, rel=1e-3)
