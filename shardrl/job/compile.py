@@ -89,7 +89,7 @@ def distillation_settings(config: PPOConfig) -> DistillationSettings:
         clip=ClipRange(loss.clip_ratio, loss.clip_ratio_low, loss.clip_ratio_high))
 
 
-def teacher_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> TeacherOptions:
+def teacher_options(config: PPOConfig, role: RolePlan) -> TeacherOptions:
     teacher = config.distillation.teacher_model
     # Frozen like the reference policy, with weights of its own; the student's model overrides are not its own.
     model = model_options(teacher.megatron, role.spec, role.ranks, False, None, {}, load_weight=True)

@@ -158,7 +158,7 @@ def plan_job(config: PPOConfig) -> JobPlan:
         critic_model_path=config.critic.model.path,
         actor=actor,
         ref=ref_options(config, shared, roles["ref"]) if "ref" in roles else None,
-        teacher=teacher_options(config, shared, roles["teacher"]) if "teacher" in roles else None,
+        teacher=teacher_options(config, roles["teacher"]) if "teacher" in roles else None,
         critic=critic_options(config, shared, roles["critic"]) if "critic" in roles else None,
         rollout=rollout_options(config, shared, roles["rollout"], sync_ranks),
         data=data_options(config),
