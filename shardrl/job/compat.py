@@ -73,6 +73,10 @@ REFUSED: tuple[Refused, ...] = (
             "token's behaviour logprob (the off-policy contract); set true"),
     Refused("actor_rollout_ref.rollout.free_cache_engine", _is(False), True, "the detached rollout pool keeps its "
             "KV cache (it never shares its GPUs with training); set false", applies=_detached),
+    *(Refused(f"{group}.megatron.{state}_offload", _is(False), True, f"the {role} never trains: it has no "
+              f"{state} state to offload (param_offload keeps its weights in host memory); set false")
+      for group, role in (("actor_rollout_ref.ref", "reference policy"), ("distillation.teacher_model", "teacher"))
+      for state in ("grad", "optimizer")),
     Refused("actor_rollout_ref.ref.megatron.use_distributed_optimizer", _is(False), True, "the reference policy "
             "never trains: it has no optimizer to distribute; set false"),
     *(Refused(f"distillation.{group}enable_resource_pool", _is(False), True, "shardrl's teacher runs on the "

@@ -228,7 +228,11 @@ def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], 
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
         moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
         moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
-    offload = OffloadOptions(megatron.param_offload, megatron.grad_offload, megatron.optimizer_offload)
+    # A frozen role (reference, teacher: no optimizer) has no gradients or optimizer state to offload: compat.py
+    # refuses those keys for it.
+    trains = optim is not None
+    offload = OffloadOptions(megatron.param_offload, trains and megatron.grad_offload,
+                             trains and megatron.optimizer_offload)
     path = megatron.dist_checkpointing_path
     dist = path if megatron.use_dist_checkpointing else None
     return ModelOptions(spec, ranks, engine, offload, dict(override_config), load_weight, dist)
