@@ -103,10 +103,6 @@ class ModelSourceConfig:
     enable_gradient_checkpointing: bool
     use_remove_padding: bool
 
-    @property
-    def tokenizer(self) -> str | None:
-        return self.tokenizer_path or self.path
-
 
 @dataclass(frozen=True)
 class PolicyLossConfig:
