@@ -43,7 +43,8 @@ def test_constant_ignores_decay_steps():
 
 def test_warmup_ratio_is_taken_of_decay_steps():
     # verl: lr_warmup_steps = int(lr_warmup_steps_ratio * lr_decay_steps): 0.25 * 8 = 2 steps, not 0.25 * 100.
-    linear = _scheduled_lrs(9, total_steps=100, warmup_steps_ratio=0.25, style="linear", min_lr_ratio=0.1, decay_steps=8)
+    linear = _scheduled_lrs(9, total_steps=100, warmup_steps_ratio=0.25, style="linear", min_lr_ratio=0.1,
+                            decay_steps=8)
     assert linear[:3] == pytest.approx([0.0, 5e-4, 1e-3])
     assert linear[5] == pytest.approx(5.5e-4) and linear[8] == pytest.approx(MIN)
 
