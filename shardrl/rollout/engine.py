@@ -50,6 +50,7 @@ class EngineStats:
     decode_seconds: float = 0.0
     decode_wait_seconds: float = 0.0
     decode_host_launches: int = 0
+    cached_prefill_tokens: int = 0  # tokens a continuation found cached instead of prefilling them
     graph_captures: int = 0  # decode CUDA graphs captured (again after every wake: the cache moved)
     graph_capture_seconds: float = 0.0
 
@@ -119,6 +120,7 @@ class Engine:
         """New weights are in place (written into this rank's shards by `update_weights` or by weight sync): tokens
         sampled from now on carry `version` (default: one more) as their policy version."""
         self._drop_ahead()  # its tokens would carry the new version but come from the old weights
+        self.scheduler.release_parked()  # their keys and values came from the old weights
         self.policy_version = self.policy_version + 1 if version is None else version
 
     def sleep(self, offload_weights: bool = False) -> None:
@@ -127,6 +129,7 @@ class Engine:
         if self.scheduler.has_work():
             raise EngineError("sleep: requests are still in flight; call abort() or run them to completion first")
         self._drop_ahead()
+        self.scheduler.release_parked()
         self.runner.release_memory(offload_weights)
 
     def wake_up(self, kv_cache: bool = True) -> None:
@@ -136,18 +139,46 @@ class Engine:
 
     # ---- requests ------------------------------------------------------------------------------------------------
 
-    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None) -> list[str]:
-        """Queue `params.n` samples of one prompt; returns their request ids (`<id>` or `<id>/<i>` when n > 1)."""
+    def submit(self, prompt_ids: list[int], params: SamplingParams, request_id: str | None = None,
+               keep_cache: bool = False, continues: str | None = None) -> list[str]:
+        """Queue `params.n` samples of one prompt; returns their request ids (`<id>` or `<id>/<i>` when n > 1).
+
+        Multi-turn: with `keep_cache` a finished request keeps its KV-cache slot (parked) until a request that
+        `continues` it arrives or `release_cache` frees it. A continuation's prompt is the parked sequence plus the
+        turn's new tokens; it takes the parked slot and prefills only what is not cached (the parked sequence's
+        last token, whose keys the cache may lack, and the new tokens). When the slot went meanwhile (lent to a new
+        sequence, dropped by a weight update) the continuation is prefilled whole, with the same result."""
         if not 0 < len(prompt_ids) < self.config.max_model_len:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens: needs 1 to max_model_len-1="
                               f"{self.config.max_model_len - 1} tokens")
+        if continues is not None and params.n != 1:
+            raise EngineError(f"submit(continues={continues!r}): a continuation is one sequence; n={params.n}")
         base = str(next(self._counter)) if request_id is None else request_id
         ids = [base] if params.n == 1 else [f"{base}/{i}" for i in range(params.n)]
         for i, rid in enumerate(ids):
             seed = None if params.seed is None else params.seed + i
             stop = frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_ids)
-            self.scheduler.add(Request(rid, list(prompt_ids), params, stop, self.config.max_model_len, seed))
+            request = Request(rid, list(prompt_ids), params, stop, self.config.max_model_len, seed,
+                              keep_cache=keep_cache)
+            if continues is not None:
+                self._take_cache(continues, request)
+            self.scheduler.add(request)
         return ids
+
+    def _take_cache(self, parked_id: str, request: Request) -> None:
+        """Hand `request` the slot of parked `parked_id` with the prefix they share (if still parked)."""
+        parked = self.scheduler.take_parked(parked_id)
+        if parked is None:
+            return
+        request.slot = parked.slot
+        request.cached = min(_common_prefix(parked.all_ids(), request.prompt_ids), parked.num_tokens - 1,
+                             len(request.prompt_ids) - 1)
+        if request.cached == 0:
+            self.scheduler.free_slot(request)
+
+    def release_cache(self, request_ids: Iterable[str] | None = None) -> None:
+        """Free the slots of parked requests (all when None): their trajectories ended."""
+        self.scheduler.release_parked(None if request_ids is None else set(request_ids))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work()
@@ -218,6 +249,7 @@ class Engine:
         finished = self._record(list(zip(requests, rows)))
         self.stats.prefill_steps += 1
         self.stats.prefill_tokens += num_tokens
+        self.stats.cached_prefill_tokens += sum(r.cached for r in requests)
         self.stats.prefill_seconds += time.perf_counter() - start
         return finished
 
@@ -230,7 +262,7 @@ class Engine:
         params = [(r or batch.requests[0]).params for r in rows]
         seeds = [r.seed if r else None for r in rows]
         sampling = SamplingBatch.build(params, seeds, self.model_config.vocab_size, self.device)
-        self.runner.load_decode_inputs(rows, sampling)
+        self.runner.load_decode_inputs(rows, sampling, batch.idle_positions)
         length = max(r.num_tokens for r in batch.requests)
         self.stats.decode_host_launches += 1
         out = self.runner.decode(batch.num_rows, length, sampling)
@@ -305,6 +337,15 @@ def _check_layout(layout: Layout, model_config: ModelConfig) -> None:
     if model_config.moe is not None and layout.ep_size * layout.etp_size != layout.tp_size:
         raise EngineError(f"rollout expert_parallel_size={layout.ep_size} x expert TP {layout.etp_size} must equal "
                           f"tensor_model_parallel_size={layout.tp_size}: experts stay inside one engine replica")
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
 
 
 def _eos_ids(config: ModelConfig) -> tuple[int, ...]:

@@ -10,8 +10,10 @@ pays for the tokens it holds, not for the longest row times the rows. Elsewhere 
 `cache[:B, :L]` under a mask. Slot count comes from a byte budget:
 `gpu_memory_utilization` on GPU, a token budget on CPU (see `num_slots_for_budget`).
 
-Prefill never reads the cache: a (re)started sequence is prefilled whole (prompt plus any tokens generated before an
-abort), so prefill attention is the model's own packed attention, and the hook only stores k and v.
+A fresh or restarted sequence is prefilled whole (prompt plus any tokens generated before an abort): its prefill
+attention is the model's own packed attention, and the hook only stores k and v. A multi-turn continuation keeps
+its slot between turns and prefills only its new tokens, which attend to the cached prefix too
+(`CachedPrefixAttention`).
 """
 
 from __future__ import annotations
@@ -105,6 +107,43 @@ class PrefillAttention:
         keys[self.slots, self.positions] = k  # k [T, nkv, D]
         values[self.slots, self.positions] = v
         return packed_attention(q, k, v, seqs, scale)
+
+
+class CachedPrefixAttention:
+    """Hook for a prefill of continuations: sequence b's new tokens sit at positions `starts[b]`..`starts[b] +
+    new_lengths[b] - 1` of slot `seq_slots[b]`, whose positions before `starts[b]` already hold the prefix. Each
+    token's k and v are stored, then its query attends causally to its slot's positions 0..its own.
+
+    The queries are padded into one [B, Q] block and the keys read from the cache as a [B, L] block (L the longest
+    sequence), under a mask, in one SDPA call per layer: continuations are few and short next to the decode
+    batch, and the mask path is the same on every device."""
+
+    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, seq_slots: list[int], starts: list[int],
+                 new_lengths: list[int]) -> None:
+        self.cache, self.slots, self.positions = cache, slots, positions  # [T] each
+        device = positions.device
+        self.max_new, self.max_len = max(new_lengths), max(s + n for s, n in zip(starts, new_lengths))
+        # token t of the packed batch -> its row in the padded [B * Q] query block
+        self.query_rows = torch.tensor([b * self.max_new + i for b, n in enumerate(new_lengths) for i in range(n)],
+                                       device=device)
+        self.seq_slots = torch.tensor(seq_slots, device=device)
+        query_pos = torch.tensor(starts, device=device)[:, None] + torch.arange(self.max_new, device=device)  # [B, Q]
+        visible = torch.arange(self.max_len, device=device)[None, None, :] <= query_pos[:, :, None]  # [B, Q, L]
+        self.mask = visible[:, None]  # [B, 1, Q, L]; a padding query still sees key 0, so no row is all -inf
+
+    def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+        keys, values = self.cache.layer(layer_id)
+        keys[self.slots, self.positions] = k  # k [T, nkv, D]
+        values[self.slots, self.positions] = v
+        num_seqs, (_, num_heads, head_dim) = self.seq_slots.shape[0], q.shape
+        padded = q.new_zeros(num_seqs * self.max_new, num_heads, head_dim)
+        padded[self.query_rows] = q
+        queries = padded.view(num_seqs, self.max_new, num_heads, head_dim).transpose(1, 2)  # [B, nq, Q, D]
+        group = num_heads // keys.shape[2]
+        prefix_k = keys[self.seq_slots, :self.max_len].transpose(1, 2).repeat_interleave(group, dim=1)  # [B,nq,L,D]
+        prefix_v = values[self.seq_slots, :self.max_len].transpose(1, 2).repeat_interleave(group, dim=1)
+        out = F.scaled_dot_product_attention(queries, prefix_k, prefix_v, attn_mask=self.mask, scale=scale)
+        return out.transpose(1, 2).reshape(num_seqs * self.max_new, num_heads, head_dim)[self.query_rows]
 
 
 class DecodeAttention:

@@ -90,10 +90,19 @@ class Request:
     policy_versions: list[int] = field(default_factory=list)
     finish_reason: FinishReason | None = None
     slot: int | None = None
+    # Leading positions whose keys and values are already in `slot` (a continuation of a parked sequence, see
+    # `Engine.submit`): its prefill runs only the tokens after them. 0 for a sequence prefilled whole.
+    cached: int = 0
+    keep_cache: bool = False  # finished, it keeps its slot (parked) for a continuation
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)
+
+    @property
+    def prefill_len(self) -> int:
+        """Tokens its next prefill runs through the model."""
+        return self.num_tokens - self.cached
 
     def all_ids(self) -> list[int]:
         return self.prompt_ids + self.token_ids

@@ -23,6 +23,7 @@ from shardrl.parallel.tensor import pack_adjacent
 from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket
 from shardrl.rollout.kv_cache import (
+    CachedPrefixAttention,
     DecodeAttention,
     KVCache,
     PrefillAttention,
@@ -91,18 +92,18 @@ class ModelRunner:
             self._decode_logits = torch.compile(self._decode_logits, dynamic=False)
 
     def prefill_logits(self, requests: list[Request]) -> tuple[Tensor, int]:
-        """Run whole sequences (prompt plus tokens so far) into their cache slots -> (next-token logits [N, V], the
-        number of tokens the model ran).
+        """Run sequences (prompt plus tokens so far, after the `cached` positions their slot already holds) into
+        their cache slots -> (next-token logits [N, V], the number of tokens the model ran).
 
-        With `share_prefill` a sequence equal to an earlier one of `requests` is not run: the earlier one's cache
-        row is copied into its slot and its logits row repeated (the same tokens give the same keys, values and
-        logits; each request then samples its own token)."""
+        With `share_prefill` a sequence equal to an earlier one of `requests` (both prefilled whole) is not run:
+        the earlier one's cache row is copied into its slot and its logits row repeated (the same tokens give the
+        same keys, values and logits; each request then samples its own token)."""
         unique: list[Request] = []  # the sequences run through the model
         row_of: dict[tuple[int, ...], int] = {}  # a sequence -> its row among them
         rows, sources, copies = [], [], []  # each request's logits row; slots copied from and into
         for request in requests:
             key = tuple(request.all_ids())
-            if self.config.share_prefill and key in row_of:
+            if self.config.share_prefill and request.cached == 0 and key in row_of:
                 sources.append(unique[row_of[key]].slot)
                 copies.append(request.slot)
             else:
@@ -110,30 +111,41 @@ class ModelRunner:
                 unique.append(request)
             rows.append(row_of[key])
         logits = self._run_prefill(unique)  # [U, V]
-        num_run = sum(r.num_tokens for r in unique)
+        num_run = sum(r.prefill_len for r in unique)
         if not copies:
             return logits, num_run
         self.cache.copy_rows(sources, copies, max(r.num_tokens for r in unique))
         return logits[torch.tensor(rows, device=logits.device)], num_run  # [N, V]
 
     def _run_prefill(self, requests: list[Request]) -> Tensor:
-        sequences = [r.all_ids() for r in requests]
+        """One forward over the requests' uncached tokens. Fresh sequences attend among their own tokens (the
+        model's packed attention); continuations (all of the batch or none, see the scheduler) attend to their
+        cached prefix as well (`CachedPrefixAttention`)."""
+        sequences = [r.all_ids()[r.cached:] for r in requests]
         lengths = [len(s) for s in sequences]
-        host = torch.tensor([t for s in sequences for t in s] + [p for n in lengths for p in range(n)]
+        host = torch.tensor([t for s in sequences for t in s]
+                            + [p for r, n in zip(requests, lengths) for p in range(r.cached, r.cached + n)]
                             + [r.slot for r, n in zip(requests, lengths) for _ in range(n)] + lengths)
         ids, positions, slots, lengths_t = host.to(self.device, non_blocking=True).split(
             [sum(lengths)] * 3 + [len(lengths)])
         cu_seqlens = torch.nn.functional.pad(lengths_t.cumsum(0), (1, 0)).int()  # [N+1]
-        hidden = self.model(ids, positions, cu_seqlens, PrefillAttention(self.cache, slots, positions), max(lengths))
+        if requests[0].cached > 0:
+            hook = CachedPrefixAttention(self.cache, slots, positions, [r.slot for r in requests],
+                                         [r.cached for r in requests], lengths)
+        else:
+            hook = PrefillAttention(self.cache, slots, positions)
+        hidden = self.model(ids, positions, cu_seqlens, hook, max(lengths))
         return self.logits(hidden[cu_seqlens[1:] - 1])
 
-    def load_decode_inputs(self, rows: list[Request | None], sampling: SamplingBatch) -> None:
+    def load_decode_inputs(self, rows: list[Request | None], sampling: SamplingBatch,
+                           idle_positions: dict[int, int]) -> None:
         """Inputs of the next decode steps for slots 0..len(rows)-1: per running request its last token and that
-        token's position; a free slot (None) rides along at position 0 and stays there. `sampling` are the rows'
-        settings."""
+        token's position; a slot without one (None) rides along at `idle_positions` (default 0) and stays there.
+        `sampling` are the rows' settings."""
         padding = [0] * (self.cache.num_slots - len(rows))
         host = torch.tensor([[r.token_ids[-1] if r else 0 for r in rows] + padding,
-                             [r.num_tokens - 1 if r else 0 for r in rows] + padding,
+                             [r.num_tokens - 1 if r else idle_positions.get(slot, 0) for slot, r in enumerate(rows)]
+                             + padding,
                              [int(r is not None) for r in rows] + padding])  # [3, S]
         self.inputs.copy_(host, non_blocking=True)
         self.sampling.load(sampling)

@@ -5,13 +5,19 @@ sequence). Prefill goes first whenever a waiting request fits, so the decode bat
 finish; a prefill batch takes waiting requests in arrival order while a cache slot is free, at most `max_num_seqs`
 run, and its tokens stay within `max_num_batched_tokens`. A request the scheduler drops mid-run (abort) gives its
 slot back; when resumed it is prefilled again from prompt plus generated tokens.
+
+Multi-turn trajectories keep their cache between turns: a finished request that asked for it is *parked* (it keeps
+its slot, not running), and the request continuing it (the next turn: everything so far plus the environment's
+tokens) takes that slot with the shared prefix already cached, so its prefill runs only the new tokens. A parked
+slot is lent back when a new sequence finds no free one (the oldest parked first; its continuation is then
+prefilled whole). Prefill batches are all continuations or all fresh sequences: the two run different attention.
 """
 
 from __future__ import annotations
 
 import heapq
-from collections import deque
-from dataclasses import dataclass
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 from typing import Literal
 
 from shardrl.rollout.request import Request
@@ -20,11 +26,14 @@ from shardrl.rollout.request import Request
 @dataclass(frozen=True)
 class Batch:
     """A prefill of `requests` (arrival order), or a decode over slots 0..num_rows-1 where `requests` are the
-    running ones in slot order (the other rows are free slots, computed and ignored)."""
+    running ones in slot order. The other rows ride along, computed and ignored: a free slot at position 0, a held
+    one (parked, or a waiting continuation's) at `idle_positions[slot]`, the first position its continuation
+    recomputes, so the row's writes never touch the cached prefix."""
 
     kind: Literal["prefill", "decode"]
     requests: list[Request]
     num_rows: int
+    idle_positions: dict[int, int] = field(default_factory=dict)
 
 
 class Scheduler:
@@ -34,10 +43,12 @@ class Scheduler:
         self.free_slots = list(range(self.max_running))  # a heap: the lowest free slot is handed out first
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        self.parked: OrderedDict[str, Request] = OrderedDict()  # finished, holding their slot; oldest first
+        self.evictions = 0  # parked slots lent to new sequences
 
     def add(self, request: Request, front: bool = False) -> None:
-        if request.num_tokens > self.max_num_batched_tokens:
-            raise ValueError(f"request {request.request_id}: {request.num_tokens} tokens to prefill exceed "
+        if request.prefill_len > self.max_num_batched_tokens:
+            raise ValueError(f"request {request.request_id}: {request.prefill_len} tokens to prefill exceed "
                              f"max_num_batched_tokens={self.max_num_batched_tokens}; raise it")
         if front:
             self.waiting.appendleft(request)
@@ -49,7 +60,7 @@ class Scheduler:
 
     def can_admit(self) -> bool:
         """Whether the next `schedule()` would prefill (a waiting request always fits the token budget alone)."""
-        return bool(self.waiting and self.free_slots)
+        return bool(self.waiting) and self._has_slot_for(self.waiting[0])
 
     def schedule(self) -> Batch | None:
         prefill = self._take_prefill()
@@ -58,35 +69,79 @@ class Scheduler:
         if not self.running:
             return None
         slots = sorted(self.running)
-        return Batch("decode", [self.running[s] for s in slots], slots[-1] + 1)
+        num_rows = slots[-1] + 1
+        held = {r.slot: r.num_tokens - 1 for r in self.parked.values()}
+        held |= {r.slot: r.cached for r in self.waiting if r.slot is not None}
+        return Batch("decode", [self.running[s] for s in slots], num_rows,
+                     {slot: pos for slot, pos in held.items() if slot < num_rows})
+
+    def _has_slot_for(self, request: Request) -> bool:
+        return request.slot is not None or bool(self.free_slots) or bool(self.parked)
 
     def _take_prefill(self) -> list[Request]:
         batch: list[Request] = []
         num_tokens = 0
-        while self.waiting and self.free_slots:
+        while self.waiting and self._has_slot_for(self.waiting[0]):
             request = self.waiting[0]
-            if num_tokens + request.num_tokens > self.max_num_batched_tokens:
+            if batch and (request.cached > 0) != (batch[0].cached > 0):
+                break
+            if num_tokens + request.prefill_len > self.max_num_batched_tokens:
                 break
             self.waiting.popleft()
-            request.slot = heapq.heappop(self.free_slots)
+            if request.slot is None:
+                if not self.free_slots:
+                    self._evict_oldest_parked()
+                request.slot = heapq.heappop(self.free_slots)
             self.running[request.slot] = request
             batch.append(request)
-            num_tokens += request.num_tokens
+            num_tokens += request.prefill_len
         return batch
 
     def release(self, request: Request) -> None:
-        """Give a finished or aborted running request's slot back."""
+        """Give a finished or aborted running request's slot back (or park it: `request.keep_cache`)."""
         del self.running[request.slot]
+        if request.keep_cache and request.finish_reason is not None:
+            self.parked[request.request_id] = request
+            return
+        self._free(request)
+
+    def take_parked(self, request_id: str) -> Request | None:
+        """The parked request `request_id` and with it its slot (None: never parked, released or lent out)."""
+        return self.parked.pop(request_id, None)
+
+    def release_parked(self, request_ids: set[str] | None = None) -> None:
+        """Free the slots of parked requests (all when None)."""
+        for rid in list(self.parked) if request_ids is None else [r for r in request_ids if r in self.parked]:
+            self._free(self.parked.pop(rid))
+
+    def free_slot(self, request: Request) -> None:
+        """Give back a slot a request holds outside the running set (a continuation that keeps nothing of it)."""
+        self._free(request)
+
+    def _evict_oldest_parked(self) -> None:
+        _, request = self.parked.popitem(last=False)
+        self._free(request)
+        self.evictions += 1
+
+    def _free(self, request: Request) -> None:
         heapq.heappush(self.free_slots, request.slot)
         request.slot = None
+        request.cached = 0
 
     def remove(self, request_ids: set[str] | None) -> list[Request]:
-        """Take requests (all when None) out of the scheduler, running ones first in slot order, then waiting."""
+        """Take requests (all when None) out of the scheduler, running ones first in slot order, then waiting.
+        Slots go back, continuations' included: a removed request is prefilled whole when it comes back."""
         taken = [r for _, r in sorted(self.running.items()) if request_ids is None or r.request_id in request_ids]
         for request in taken:
-            self.release(request)
+            del self.running[request.slot]
+            self._free(request)
         kept: deque[Request] = deque()
         for request in self.waiting:
-            (taken if request_ids is None or request.request_id in request_ids else kept).append(request)
+            if request_ids is None or request.request_id in request_ids:
+                if request.slot is not None:
+                    self._free(request)
+                taken.append(request)
+            else:
+                kept.append(request)
         self.waiting = kept
         return taken

@@ -1,0 +1,134 @@
+"""Multi-turn continuations on the engine (CPU, fp32): a turn that continues a parked sequence prefills only its
+new tokens and samples exactly what a fresh prefill of the whole sequence samples; parked slots survive other
+sequences' decode steps riding along, are lent to new sequences when the cache is full, and go with new weights."""
+
+import pytest
+from torch.testing import assert_close
+
+from shardrl.models.tiny import make_tiny_checkpoint
+from shardrl.parallel.layout import Layout
+from shardrl.rollout.engine import Engine, EngineConfig, EngineError
+from shardrl.rollout.request import SamplingParams
+
+CONFIG = EngineConfig(max_model_len=64, cpu_kv_cache_tokens=64 * 4, max_num_batched_tokens=128)
+GREEDY = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, raw_logprobs=True)
+ENV = [17, 3, 29, 8, 11]  # "tool output" tokens appended between turns
+
+
+@pytest.fixture(scope="module", params=["qwen2", "llama"])
+def checkpoint(request, tmp_path_factory):
+    return make_tiny_checkpoint(request.param, tmp_path_factory.mktemp(request.param) / "ckpt")
+
+
+def _engine(path, config=CONFIG):
+    return Engine.from_pretrained(path, Layout.single(), config)
+
+
+def _fresh(path, prompt, params=GREEDY):
+    return _engine(path).generate([prompt], params)[0]
+
+
+def _run(engine):
+    return {out.request_id: out for out in engine.stream()}
+
+
+def test_continuation_prefills_only_new_tokens_and_equals_fresh_prefill(checkpoint):
+    engine = _engine(checkpoint)
+    first, = engine.submit([1, 5, 7, 9], GREEDY, "t0", keep_cache=True)
+    turn1 = _run(engine)[first]
+    prompt2 = turn1.prompt_ids + turn1.token_ids + ENV
+    engine.stats.prefill_tokens = 0
+    second, = engine.submit(prompt2, GREEDY, "t1", keep_cache=True, continues="t0")
+    turn2 = _run(engine)[second]
+    assert engine.stats.prefill_tokens == len(ENV) + 1  # the last sampled token (its keys may be missing) + new ones
+    assert engine.stats.cached_prefill_tokens == len(prompt2) - len(ENV) - 1
+    fresh = _fresh(checkpoint, prompt2)
+    assert turn2.token_ids == fresh.token_ids
+    assert_close(turn2.raw_logprobs, fresh.raw_logprobs, atol=1e-5, rtol=1e-5)
+    # A third turn continues the second one's parked slot in turn.
+    prompt3 = prompt2 + turn2.token_ids + ENV[:2]
+    third, = engine.submit(prompt3, GREEDY, "t2", continues="t1")
+    assert _run(engine)[third].token_ids == _fresh(checkpoint, prompt3).token_ids
+    assert not engine.scheduler.parked  # t2 did not ask to keep its slot
+
+
+def test_parked_slot_survives_other_sequences_decoding_over_it(checkpoint):
+    """Park a sequence in slot 0 while a sequence in slot 1 decodes many steps: slot 0 rides along in every decode
+    batch (rows 0..1), and must not write into the cached prefix."""
+    engine = _engine(checkpoint)
+    long_params = SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)
+    parked, = engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    other, = engine.submit([2, 4, 6, 8, 10], long_params, "b")
+    done = _run(engine)
+    assert engine.scheduler.parked["a"].slot == 0 and engine.stats.decode_steps >= 25
+    prompt2 = done[parked].prompt_ids + done[parked].token_ids + ENV
+    again, = engine.submit(prompt2, GREEDY, "a2", continues="a")
+    assert _run(engine)[again].token_ids == _fresh(checkpoint, prompt2).token_ids
+
+
+def test_waiting_continuation_keeps_its_prefix_while_others_decode(checkpoint):
+    """A continuation submitted while another sequence decodes holds its slot in the queue, idle rows included."""
+    engine = _engine(checkpoint)
+    engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    out_a = _run(engine)["a"]
+    engine.submit([2, 4, 6, 8, 10], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), "b")
+    for _ in range(5):
+        engine.step()
+    prompt2 = out_a.prompt_ids + out_a.token_ids + ENV
+    engine.submit(prompt2, GREEDY, "a2", continues="a")
+    assert _run(engine)["a2"].token_ids == _fresh(checkpoint, prompt2).token_ids
+
+
+def test_full_cache_lends_the_oldest_parked_slot_and_its_continuation_prefills_whole(checkpoint):
+    engine = _engine(checkpoint, EngineConfig(max_model_len=64, cpu_kv_cache_tokens=64 * 2,
+                                              max_num_batched_tokens=128))
+    assert engine.max_running == 2
+    engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    engine.submit([3, 5, 7], GREEDY, "b", keep_cache=True)
+    outs = _run(engine)
+    engine.submit([4, 4, 4], GREEDY, "c")  # no free slot: "a" (parked first) lends its slot
+    _run(engine)
+    assert list(engine.scheduler.parked) == ["b"] and engine.scheduler.evictions == 1
+    prompt2 = outs["a"].prompt_ids + outs["a"].token_ids + ENV
+    engine.stats.prefill_tokens = 0
+    engine.submit(prompt2, GREEDY, "a2", continues="a")
+    assert _run(engine)["a2"].token_ids == _fresh(checkpoint, prompt2).token_ids
+    assert engine.stats.prefill_tokens == len(prompt2)
+
+
+def test_new_weights_drop_parked_caches(checkpoint):
+    engine = _engine(checkpoint)
+    engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    out = _run(engine)["a"]
+    engine.set_policy_version(3)
+    assert not engine.scheduler.parked and len(engine.scheduler.free_slots) == engine.max_running
+    engine.stats.prefill_tokens = 0
+    prompt2 = out.prompt_ids + out.token_ids + ENV
+    engine.submit(prompt2, GREEDY, "a2", continues="a")
+    result = _run(engine)["a2"]
+    assert engine.stats.prefill_tokens == len(prompt2) and result.policy_versions == [3] * GREEDY.max_tokens
+
+
+def test_continuations_mixed_with_fresh_prompts_and_release(checkpoint):
+    """Several trajectories at different turns share the engine; each turn equals its fresh prefill; released
+    parked slots go back to the free list."""
+    engine = _engine(checkpoint)
+    prompts = {"x": [1, 2, 3], "y": [9, 8, 7, 6], "z": [5, 5]}
+    for rid, ids in prompts.items():
+        engine.submit(ids, GREEDY, rid, keep_cache=True)
+    outs = _run(engine)
+    for rid in ("x", "y"):
+        out = outs[rid]
+        engine.submit(out.prompt_ids + out.token_ids + ENV, GREEDY, rid + "2", keep_cache=True, continues=rid)
+    engine.submit([4, 3, 2, 1], GREEDY, "w")
+    second = _run(engine)
+    for rid in ("x", "y"):
+        assert second[rid + "2"].token_ids == _fresh(checkpoint, second[rid + "2"].prompt_ids).token_ids
+    assert second["w"].token_ids == _fresh(checkpoint, [4, 3, 2, 1]).token_ids
+    engine.release_cache()
+    assert not engine.scheduler.parked and len(engine.scheduler.free_slots) == engine.max_running
+
+
+def test_continuation_of_n_samples_is_refused(checkpoint):
+    with pytest.raises(EngineError, match="continuation is one sequence"):
+        _engine(checkpoint).submit([1, 2], SamplingParams(n=2), continues="a")
