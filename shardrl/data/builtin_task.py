@@ -23,6 +23,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 DATA_SOURCE = "shardrl/digit_successor"  # scored by shardrl.rewards.digits
+LOOKUP_SOURCE = "shardrl/digit_lookup"  # the multi-turn variant, scored by shardrl.rewards.digits too
 
 
 SPECIAL = ["<pad>", "<eos>"]
@@ -30,23 +31,61 @@ CHARS = list("0123456789->")  # spaces in the text are separators only: the pre-
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
 
-def make_tokenizer(out_dir: str | Path) -> PreTrainedTokenizerFast:
-    """A character-level tokenizer with a trivial chat template (the prompt text itself), saved to `out_dir`."""
+# Multi-turn variant, "digit lookup": the answer is a secret digit only a tool knows. The model calls the tool with
+# one token, the whole Hermes call (an added token, not special, so it decodes to the text the real parser reads);
+# that token also ends its turn (an EOS of the model). The tool's answer comes back in the template's tool turn and
+# the model must copy it. Without the call a guess is right 1 time in 10.
+CALL = '<tool_call>{"name": "lookup", "arguments": {}}</tool_call>'
+TOOL_TOKENS = [CALL, "<tool_response>", "</tool_response>"]
+TOOL_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if m['role'] == 'tool' %}<tool_response>{{ m['content'] }}</tool_response>"
+    "{% elif m['role'] == 'assistant' %}{{ m['content'] }}<eos>{% else %}{{ m['content'] }}{% endif %}{% endfor %}")
+LOOKUP_TOOL_CONFIG = f"""tools:
+  - class_name: shardrl.agents.lookup_tool.LookupTool
+    config:
+      type: native
+    tool_schema:
+      type: function
+      function:
+        name: lookup
+        description: The secret digit of this sample.
+        parameters:
+          type: object
+          properties: {{}}
+          required: []
+"""
+
+
+def make_tokenizer(out_dir: str | Path, multi_turn: bool = False) -> PreTrainedTokenizerFast:
+    """A character-level tokenizer with a trivial chat template (the prompt text itself), saved to `out_dir`;
+    `multi_turn` adds the tool tokens and a template with assistant and tool turns."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split("", behavior="isolated")])
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
     tokenizer.chat_template = CHAT_TEMPLATE
+    if multi_turn:
+        tokenizer.add_tokens(TOOL_TOKENS)
+        tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
     return tokenizer
 
 
-def make_rows(num_rows: int, seed: int) -> list[dict]:
+def make_rows(num_rows: int, seed: int, multi_turn: bool = False) -> list[dict]:
     rng = random.Random(seed)
     rows = []
     for i in range(num_rows):
         digits = [rng.randrange(10) for _ in range(rng.randint(2, 5))]
+        if multi_turn:
+            secret = str(rng.randrange(10))
+            rows.append({
+                "data_source": LOOKUP_SOURCE, "agent_name": "tool_agent",
+                "prompt": [{"role": "user", "content": " ".join(map(str, digits)) + " ->"}],
+                "ability": "tools", "reward_model": {"style": "rule", "ground_truth": secret},
+                "extra_info": {"index": i, "tools_kwargs": {"lookup": {"create_kwargs": {"value": secret}}}},
+            })
+            continue
         rows.append({
             "data_source": DATA_SOURCE,
             "prompt": [{"role": "user", "content": " ".join(map(str, digits)) + " ->"}],
@@ -57,14 +96,15 @@ def make_rows(num_rows: int, seed: int) -> list[dict]:
     return rows
 
 
-def write_dataset(path: str | Path, num_rows: int, seed: int) -> Path:
+def write_dataset(path: str | Path, num_rows: int, seed: int, multi_turn: bool = False) -> Path:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    pq.write_table(pa.Table.from_pylist(make_rows(num_rows, seed)), path)
+    pq.write_table(pa.Table.from_pylist(make_rows(num_rows, seed, multi_turn)), path)
     return path
 
 
-def make_model(out_dir: str | Path, vocab_size: int, seed: int = 0) -> Path:
+def make_model(out_dir: str | Path, vocab_size: int, seed: int = 0,
+               eos_token_ids: tuple[int, ...] = (SPECIAL.index("<eos>"),)) -> Path:
     """A randomly initialised 2-layer Qwen2-shaped model (~100k parameters), saved by HF transformers."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -72,24 +112,31 @@ def make_model(out_dir: str | Path, vocab_size: int, seed: int = 0) -> Path:
     config = AutoConfig.for_model(
         "qwen2", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=SPECIAL.index("<eos>"), pad_token_id=0, architectures=["Qwen2ForCausalLM"])
+        bos_token_id=None, eos_token_id=eos_token_ids[0] if len(eos_token_ids) == 1 else list(eos_token_ids),
+        pad_token_id=0, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(seed)
     AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
     return Path(out_dir)
 
 
-def prepare(root: str | Path, seed: int = 0, train_rows: int = 4096, val_rows: int = 256) -> dict[str, str]:
-    """Create tokenizer + model + train/val parquet under `root` (idempotent); return their paths."""
+def prepare(root: str | Path, seed: int = 0, train_rows: int = 4096, val_rows: int = 256,
+            multi_turn: bool = False) -> dict[str, str]:
+    """Create tokenizer + model + train/val parquet under `root` (idempotent); return their paths. `multi_turn`:
+    the digit-lookup variant, with its tool config (`tool_config`)."""
     root = Path(root)
     marker = root / "builtin_task.json"
     if marker.exists():
         return json.loads(marker.read_text())
-    tokenizer = make_tokenizer(root / "model")
-    make_model(root / "model", len(tokenizer), seed)
+    tokenizer = make_tokenizer(root / "model", multi_turn)
+    eos = (SPECIAL.index("<eos>"), tokenizer.convert_tokens_to_ids(CALL)) if multi_turn else (SPECIAL.index("<eos>"),)
+    make_model(root / "model", len(tokenizer), seed, eos)
     paths = {
         "model": str(root / "model"),
-        "train_files": str(write_dataset(root / "train.parquet", train_rows, seed)),
-        "val_files": str(write_dataset(root / "val.parquet", val_rows, seed + 1)),
+        "train_files": str(write_dataset(root / "train.parquet", train_rows, seed, multi_turn)),
+        "val_files": str(write_dataset(root / "val.parquet", val_rows, seed + 1, multi_turn)),
     }
+    if multi_turn:
+        (root / "tool_config.yaml").write_text(LOOKUP_TOOL_CONFIG)
+        paths["tool_config"] = str(root / "tool_config.yaml")
     marker.write_text(json.dumps(paths))
     return paths

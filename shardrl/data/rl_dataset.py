@@ -59,6 +59,8 @@ class RLDataset:
     `data_source_key` (verl's `data.reward_fn_key`): the column that picks each row's reward function, required
     in place of `data_source` and carried into batches under its own name. `chat_template_kwargs` (verl's
     `data.apply_chat_template_kwargs`): extra arguments for rendering the prompts, see `prompt_token_ids`.
+    `tools`: multi-turn tool schemas rendered into every prompt. Rows may carry `agent_name` (which agent loop runs
+    them), kept as a column when any row has it.
     """
 
     def __init__(
@@ -72,6 +74,7 @@ class RLDataset:
         max_samples: int = -1,
         data_source_key: str = "data_source",
         chat_template_kwargs: Mapping[str, Any] = {},
+        tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise ValueError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -82,7 +85,9 @@ class RLDataset:
         self.filter_overlong_prompts = filter_overlong_prompts
         self.prompt_key = prompt_key
         self.data_source_key = data_source_key
-        self.chat_template_kwargs = dict(chat_template_kwargs)
+        # Multi-turn: the tools' OpenAI schemas, which the template renders into the prompt (as the agent loop's
+        # renderer does, so the two agree).
+        self.chat_template_kwargs = dict(chat_template_kwargs) | ({"tools": tools} if tools else {})
         self.pad_token_id = pad_id(tokenizer)
         self.rows: list[dict[str, Any]] = []
         self.prompt_ids: list[list[int]] = []  # after truncation, unpadded
@@ -149,6 +154,8 @@ class RLDataset:
             "extra_info": [row.get("extra_info") or {} for row in rows],
         }
         non_tensors[self.data_source_key] = [row[self.data_source_key] for row in rows]  # data_source by default
+        if any("agent_name" in row for row in rows):
+            non_tensors["agent_name"] = [row.get("agent_name") for row in rows]
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         return Batch(tensors, non_tensors)
 

@@ -51,7 +51,11 @@ _MODEL_GROUPS = ("actor_rollout_ref.model", "critic.model")
 REFUSED: tuple[Refused, ...] = (
     Refused("data.return_raw_input_ids", _is(False), True, "no reward model re-tokenises responses; rewards read the "
             "policy's own ids"),
-    Refused("data.return_raw_chat", _is(False), True, "no reward model or agent loop reads the raw chat yet"),
+    Refused("actor_rollout_ref.rollout.multi_turn.use_inference_chat_template", _is(False), True,
+            "trajectories are the engine's sampled ids plus the environment's, never re-rendered: re-rendering "
+            "with the template would re-tokenize what the model sampled; remove the key"),
+    Refused("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", _is(None), 2,
+            "samples per prompt are actor_rollout_ref.rollout.n; set that instead"),
     Refused("data.dataloader_num_workers", _is(0), 8, "prompts are tokenised once at start and batched in memory; "
             "there are no loader workers; remove the key"),
     *(Refused(f"{group}.external_lib", _is(None), "my_models", "shardrl builds its model families natively; a "
@@ -93,6 +97,12 @@ REFUSED: tuple[Refused, ...] = (
 )
 
 ACCEPTED: tuple[Accepted, ...] = (
+    Accepted("data.return_raw_chat", "the chat messages are always kept (`raw_prompt`): agent loops and "
+             "interactions read them"),
+    Accepted("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "nothing to check: trajectories "
+             "are token-exact by construction (no turn is re-tokenized), whatever the mode"),
+    Accepted("actor_rollout_ref.rollout.agent.num_workers", "verl's count of agent-loop processes; shardrl runs "
+             "every trajectory of a rollout replica concurrently in that replica's agent runner"),
     *(Accepted(f"{role}.strategy", "megatron is the only training engine (the type allows no other value)")
       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
     Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),

@@ -6,12 +6,17 @@ checks this."""
 from __future__ import annotations
 
 import datetime
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from shardrl.agents.driver import AgentSettings
+from shardrl.agents.loop import TurnLimits
+from shardrl.agents.parsers import get_parser
 from shardrl.algos import ClipRange
 from shardrl.algos.distillation import DistillationSettings
+from shardrl.job.errors import ConfigError
 from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize
 from shardrl.job.options import (
     ActorOptions,
@@ -39,6 +44,8 @@ from shardrl.job.options import (
     WeightSyncOptions,
 )
 from shardrl.job.schema import (
+    AgentLoopConfig,
+    MultiTurnConfig,
     CheckpointConfig,
     MegatronConfig,
     OptimConfig,
@@ -132,7 +139,36 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
                                ignore_eos),
         validate=sampling_options(val.do_sample, val.temperature, val.top_k, val.top_p, length, ignore_eos),
         response_length=length, free_cache_engine=rollout.free_cache_engine, override_config=shared.override_config,
-        weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks))
+        weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks),
+        agent=agent_settings(rollout.multi_turn, rollout.agent, length, config.data.apply_chat_template_kwargs))
+
+
+def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, response_length: int,
+                   template_kwargs: dict[str, Any]) -> AgentSettings | None:
+    """verl's `multi_turn.*` and `agent.*` -> the agent runner's settings (None: multi-turn off, single turn). The
+    tokenizer is filled in at launch. Tool-call format and config files are checked here, before workers start."""
+    limits = TurnLimits(
+        response_length=response_length, max_assistant_turns=multi_turn.max_assistant_turns,
+        max_user_turns=multi_turn.max_user_turns, max_parallel_calls=multi_turn.max_parallel_calls,
+        max_tool_response_length=multi_turn.max_tool_response_length,
+        tool_response_truncate_side=multi_turn.tool_response_truncate_side, tool_timeout=multi_turn.tool_timeout,
+        max_concurrent_tool_calls=multi_turn.max_concurrent_tool_calls)
+    settings = AgentSettings(limits, None, multi_turn.format, multi_turn.tool_config_path,
+                             multi_turn.interaction_config_path, agent.agent_loop_config_path,
+                             agent.default_agent_loop, tuple(sorted(template_kwargs.items())))
+    if not multi_turn.enable:
+        return None
+    prefix = "actor_rollout_ref.rollout"
+    try:
+        get_parser(multi_turn.format)
+    except ValueError as err:
+        raise ConfigError(f"{prefix}.multi_turn.format", str(err).split(": ", 1)[-1]) from None
+    for key, path in (("multi_turn.tool_config_path", settings.tool_config_path),
+                      ("multi_turn.interaction_config_path", settings.interaction_config_path),
+                      ("agent.agent_loop_config_path", settings.agent_loop_config_path)):
+        if path is not None and not Path(path).expanduser().is_file():
+            raise ConfigError(f"{prefix}.{key}", f"{path}: no such file")
+    return settings
 
 
 def _as_list(files: str | list[str] | None) -> list[str] | None:

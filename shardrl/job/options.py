@@ -17,6 +17,7 @@ from typing import Any, Literal
 
 import torch
 
+from shardrl.agents.driver import AgentSettings
 from shardrl.algos import ClipRange
 from shardrl.algos.distillation import DistillationSettings
 from shardrl.algos.rejection import RejectionSampling
@@ -210,6 +211,7 @@ class RolloutOptions:
     free_cache_engine: bool  # colocated: free the KV cache after each generation, for training to use the memory
     override_config: dict[str, Any]
     weight_sync: WeightSyncOptions
+    agent: AgentSettings | None = None  # multi-turn agent loops (rollout.multi_turn.enable); None: single turn
 
 
 # ---- what the controller takes ---------------------------------------------------------------------------------------

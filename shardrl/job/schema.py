@@ -185,6 +185,35 @@ class WeightSyncConfig:
 
 
 @dataclass(frozen=True)
+class MultiTurnConfig:
+    """verl's `rollout.multi_turn`: tool-calling, multi-turn trajectories (`shardrl.agents`)."""
+
+    enable: bool
+    max_assistant_turns: PosInt | None  # null: no limit but the response length
+    max_user_turns: PosInt | None
+    tool_config_path: str | None
+    interaction_config_path: str | None
+    max_parallel_calls: PosInt
+    max_tool_response_length: PosInt  # characters
+    tool_response_truncate_side: Literal["left", "middle", "right"]
+    format: str  # tool-call syntax: hermes, llama3_json
+    tool_timeout: PosFloat  # seconds per tool call (shardrl)
+    max_concurrent_tool_calls: PosInt  # per rollout worker (shardrl)
+    use_inference_chat_template: bool
+    tokenization_sanity_check_mode: Literal["disable", "strict", "ignore_strippable"]
+    num_repeat_rollouts: PosInt | None
+
+
+@dataclass(frozen=True)
+class AgentLoopConfig:
+    """verl's `rollout.agent`: which agent loop runs a sample, and user loops."""
+
+    num_workers: PosInt
+    default_agent_loop: str
+    agent_loop_config_path: str | None
+
+
+@dataclass(frozen=True)
 class RolloutConfig:
     """The generation engine (colocated with the actor, or on its own pool in the async modes)."""
 
@@ -220,6 +249,8 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any]
     val_kwargs: SamplingConfig
     weight_sync: WeightSyncConfig
+    multi_turn: MultiTurnConfig
+    agent: AgentLoopConfig
 
     def layout(self, world_size: int) -> LayoutSpec:
         """The rollout's layout over its own pool: TP inside an engine replica, replicas = world / TP. Experts are

@@ -1,8 +1,9 @@
 """Batched scoring: decode each response, score it, shape it (DAPO's overlong penalty, when asked), and place the
 score on its last response token.
 
-Batch keys read (verl's names): tensors `responses` `[B, T]` (response token ids) and `response_mask` `[B, T]` (1
-on tokens the policy generated); non-tensors `data_source`, `reward_model` (dict with `ground_truth`), `extra_info`.
+Batch keys read (verl's names): tensors `responses` `[B, T]` (response token ids), `attention_mask` (its last T
+columns: the response's tokens, model and environment ones, which the scorer decodes) and `response_mask` `[B, T]`
+(1 on tokens the policy generated, which place the score); non-tensors `data_source`, `reward_model` (dict with `ground_truth`), `extra_info`.
 The column that names each sample's source, and so its reward function, is `data_source` unless `data_source_key`
 (verl's `data.reward_fn_key`) names another.
 """
@@ -82,7 +83,9 @@ def score_responses(
         raise ValueError(f"data.reward_fn_key={data_source_key!r}: the batch has no such column; it has "
                          f"{sorted(batch.non_tensors)}")
     sources = batch.non_tensors[data_source_key]
-    responses, mask = batch.tensors["responses"], batch.tensors["response_mask"].bool()  # [B, T]
+    # The whole response as the model saw it (verl's): a multi-turn one with its tool results and user turns.
+    responses = batch.tensors["responses"]  # [B, T]
+    mask = batch.tensors["attention_mask"][:, -responses.shape[1]:].bool()
     texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(responses, mask)], skip_special_tokens=True)
     scores: list[float] = []
     extras: dict[str, list[Any]] = {}

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardrl.data.builtin_task import DATA_SOURCE as BUILTIN_TASK
+from shardrl.data.builtin_task import LOOKUP_SOURCE as BUILTIN_LOOKUP_TASK
 from shardrl.rewards import digits, gsm8k
 
 ScoreFn = Callable[..., "float | dict[str, Any]"]
@@ -23,6 +24,7 @@ ScoreFn = Callable[..., "float | dict[str, Any]"]
 _RULE_SCORERS: dict[str, Callable[[str, Any], float]] = {
     "openai/gsm8k": gsm8k.compute_score,
     BUILTIN_TASK: digits.compute_score,
+    BUILTIN_LOOKUP_TASK: digits.compute_lookup_score,
 }
 
 

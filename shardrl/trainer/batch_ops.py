@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from shardrl.agents.trajectory import Source
 from shardrl.algos import (AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, gdpo_reward_components,
                            rollout_correction)
 from shardrl.data.balance import dp_balanced_order
@@ -162,6 +163,22 @@ def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[s
     return {f"{name}/mean": float(valid.mean()), f"{name}/max": float(valid.max()), f"{name}/min": float(valid.min())}
 
 
+def agent_metrics(batch: Batch) -> dict[str, float]:
+    """Multi-turn trajectories: turns, tool calls and their failures, tool time, and response tokens by who wrote
+    them (means per trajectory)."""
+    t = batch.tensors
+    turns = t["agent_turns"]
+    metrics = {"agent/num_turns/mean": float(turns.mean()), "agent/num_turns/max": float(turns.max()),
+               "agent/num_turns/min": float(turns.min())}
+    for key in ("assistant_turns", "tool_calls", "tool_errors", "tool_timeouts", "tool_seconds",
+                "tool_wait_seconds", "loop_errors"):
+        metrics[f"agent/{key}/mean"] = float(t[f"agent_{key}"].mean())
+    for source in Source:
+        metrics[f"agent/tokens_{source.name.lower()}/mean"] = float((t["response_sources"] == source).sum(-1)
+                                                                    .float().mean())
+    return metrics
+
+
 def data_metrics(batch: Batch) -> dict[str, float]:
     """verl's data metrics: advantages, returns and values over the trained (kept) tokens; lengths and entropy over
     the sampled ones (they describe the generations, whatever rejection sampling kept)."""
@@ -181,6 +198,8 @@ def data_metrics(batch: Batch) -> dict[str, float]:
         "response_length/clip_ratio": float((lengths == mask.shape[1]).float().mean()),
         "prompt_length/mean": float(t["attention_mask"][:, :-mask.shape[1]].sum(-1).float().mean()),
     }
+    if "agent_turns" in t.keys():
+        metrics |= agent_metrics(batch)
     if "values" in t.keys():
         metrics |= _masked_stats("critic/values", t["values"], mask)
     if "entropy" in t.keys():

@@ -8,6 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoTokenizer
 
+from shardrl.agents.registry import tool_schemas_of
 from shardrl.algos import make_kl_controller
 from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
 from shardrl.data import builtin_task
@@ -37,14 +38,17 @@ class RunPaths:
     tokenizer: str
     train_files: list[str]
     val_files: list[str] | None
+    tool_config: str | None  # multi-turn: the tools prompts are rendered with and agents call
 
 
 def resolve_paths(plan: JobPlan) -> RunPaths:
     """The user's model and data, or (null paths) the built-in task made under the run directory."""
-    run_dir, data = Path(plan.loop.run_dir), plan.data
+    run_dir, data, agent = Path(plan.loop.run_dir), plan.data, plan.rollout.agent
     builtin = None
     if plan.model_path is None or data.train_files is None:
-        builtin = builtin_task.prepare(run_dir / "builtin_task", seed=plan.loop.seed)
+        multi_turn = agent is not None  # the multi-turn variant: digit lookup through a tool
+        builtin = builtin_task.prepare(run_dir / ("builtin_task_multi_turn" if multi_turn else "builtin_task"),
+                                       seed=plan.loop.seed, multi_turn=multi_turn)
     model_path = plan.model_path or builtin["model"]
     tokenizer = data.tokenizer or model_path
     train = data.train_files if data.train_files is not None else [builtin["train_files"]]
@@ -52,7 +56,17 @@ def resolve_paths(plan: JobPlan) -> RunPaths:
         val = data.val_files
     else:
         val = [builtin["val_files"]] if data.train_files is None else None
-    return RunPaths(run_dir, model_path, plan.critic_model_path or model_path, tokenizer, train, val)
+    tool_config = None if agent is None else agent.tool_config_path or (builtin or {}).get("tool_config")
+    return RunPaths(run_dir, model_path, plan.critic_model_path or model_path, tokenizer, train, val, tool_config)
+
+
+def with_agent_paths(plan: JobPlan, paths: RunPaths) -> JobPlan:
+    """The plan with its agent settings' tokenizer and tool config resolved (known only at launch)."""
+    agent = plan.rollout.agent
+    if agent is None:
+        return plan
+    agent = dataclasses.replace(agent, tokenizer_path=paths.tokenizer, tool_config_path=paths.tool_config)
+    return dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, agent=agent))
 
 
 def validation_prompts(dataset: RLDataset, batch_size: int | None, shuffle: bool, seed: int):
@@ -66,15 +80,17 @@ def validation_prompts(dataset: RLDataset, batch_size: int | None, shuffle: bool
 
 def train(plan: JobPlan) -> None:
     paths = resolve_paths(plan)
+    plan = with_agent_paths(plan, paths)
     data = plan.data
     tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer, trust_remote_code=data.trust_remote_code)
+    tools = tool_schemas_of(paths.tool_config) if paths.tool_config else None
     if plan.teacher is not None:
         check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
 
     def dataset(files: list[str], max_samples: int) -> RLDataset:
         return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
                          data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs,
-                         data_source_key=plan.reward.data_source_key)
+                         data_source_key=plan.reward.data_source_key, tools=tools)
 
     # A loader batch is a generation round: train_batch_size prompts, unless dynamic sampling asks for other rounds.
     loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.gen_batch_size, data.shuffle,

@@ -8,6 +8,7 @@ memory; the next weight sync wakes it (weights first, cache after), as does a ge
 
 from __future__ import annotations
 
+from shardrl.agents.driver import build_runner
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
@@ -18,7 +19,7 @@ from shardrl.rollout.engine import Engine
 from shardrl.sync.colocated import ColocatedSync
 from shardrl.workers.actor import ActorRefWorker
 from shardrl.workers.role_model import create_layout
-from shardrl.workers.samples import generate
+from shardrl.workers.samples import generate, generate_trajectories
 
 
 class ActorRolloutRefWorker(ActorRefWorker):
@@ -29,6 +30,7 @@ class ActorRolloutRefWorker(ActorRefWorker):
         self.rollout_options, self.pad_token_id = rollout, pad_token_id
         model_config = ModelConfig.from_pretrained(model_path, overrides=rollout.override_config)
         self.rollout = Engine(model_config, create_layout(rollout.spec, rollout.ranks, self.registry), rollout.engine)
+        self.agents = None if rollout.agent is None else build_runner(self.rollout, rollout.agent)
         sync = rollout.weight_sync
         self.weight_sync = ColocatedSync(self.actor.chunks, self.actor.layout, self.actor.host_buffers, self.rollout,
                                          sync.bucket_bytes, sync.verify, collective_timeout())
@@ -40,8 +42,11 @@ class ActorRolloutRefWorker(ActorRefWorker):
         o = self.rollout_options
         sampling = o.validate if validate else o.train
         self.rollout.wake_up()  # a no-op unless free_cache_engine put the cache to sleep after the last generation
-        samples = generate(self.rollout, prompts, sampling.params(prompts.tensors["sample_seed"]), o.response_length,
-                           self.pad_token_id)
+        params = sampling.params(prompts.tensors["sample_seed"])
+        if self.agents is None:
+            samples = generate(self.rollout, prompts, params, o.response_length, self.pad_token_id)
+        else:
+            samples = generate_trajectories(self.agents, prompts, params, o.response_length, self.pad_token_id)
         if o.free_cache_engine:
             self.rollout.sleep()
         return samples

@@ -13,6 +13,7 @@ from collections import deque
 
 import torch
 
+from shardrl.agents.driver import RunnerStats, build_runner
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
@@ -23,7 +24,14 @@ from shardrl.rollout.engine import Engine, EngineStats
 from shardrl.rollout.request import SamplingParams
 from shardrl.sync.detached import DetachedSync
 from shardrl.workers.role_model import create_layout
-from shardrl.workers.samples import generate, prompt_ids_of, samples_batch
+from shardrl.workers.samples import (
+    agent_samples,
+    generate,
+    generate_trajectories,
+    prompt_ids_of,
+    samples_batch,
+    trajectories_batch,
+)
 
 REFILL_CHUNK = 8  # stream() admits new requests once 1/8 of the engine's slots are free
 Backlog = deque[tuple[list[int], SamplingParams, Batch]]  # (prompt ids, sampling params, prompt row) per request
@@ -45,14 +53,18 @@ class RolloutWorker:
         self.weight_sync = DetachedSync.receiver(self.engine, group, sync.bucket_bytes, sync.verify)
         self.prompts: dict[str, Batch] = {}  # request id -> its prompt row, while the request runs
         self.backlog: Backlog = deque()  # streamed requests not yet in the engine
+        self.agents = None if options.agent is None else build_runner(self.engine, options.agent)
+        self.streamed = 0  # streamed trajectories started (their keys)
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def generate_sequences(self, prompts: Batch, validate: bool = False) -> Batch:
         """One response per row, as `ActorRolloutRefWorker.generate_sequences`. Streamed requests still running wait
         meanwhile (paused and resumed, under the same weights)."""
-        self.engine.abort(keep=True)
         sampling = self.options.validate if validate else self.options.train
         params = sampling.params(prompts.tensors["sample_seed"])
+        if self.agents is not None:  # streamed trajectories go on beside these (same weights)
+            return generate_trajectories(self.agents, prompts, params, self.response_length, self.pad_token_id)
+        self.engine.abort(keep=True)
         samples = generate(self.engine, prompts, params, self.response_length, self.pad_token_id)
         self.engine.resume()
         return samples
@@ -64,7 +76,11 @@ class RolloutWorker:
         (None if none did), with what the engine did (`rollouter.ENGINE_KEYS`, and its `slots`). Samples keep their
         prompt row's columns, `sample_seed` included.
 
-        New requests wait in a backlog and enter the engine in refill chunks (`admit`)."""
+        New requests wait in a backlog and enter the engine in refill chunks (`admit`). Multi-turn: each row is a
+        trajectory of the agent runner, which queues its turns in the engine itself; a trajectory paused by a
+        weight sync continues under the new weights."""
+        if self.agents is not None:
+            return self._stream_trajectories(prompts, max_steps)
         if prompts is not None:
             params = self.options.train.params(prompts.tensors["sample_seed"])
             self.backlog.extend((ids, p, prompts.take([row]))
@@ -76,17 +92,41 @@ class RolloutWorker:
             if not self.engine.has_unfinished():
                 break
             finished += self.engine.step()
-        stats = self.engine.stats
-        report = {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
-                  "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
-                  "prefill_tokens": stats.prefill_tokens, "graph_capture_s": stats.graph_capture_seconds,
-                  "slots": self.engine.max_running}
+        report = self._report()
         if not finished:
             return None, report
         rows = Batch.concat([self.prompts.pop(out.request_id) for out in finished])
         samples = samples_batch(rows, finished, self.response_length, self.pad_token_id)
         samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
         return samples, report
+
+    def _stream_trajectories(self, prompts: Batch | None, max_steps: int) -> tuple[Batch | None, dict[str, float]]:
+        if prompts is not None:
+            params = self.options.train.params(prompts.tensors["sample_seed"])
+            samples = []
+            for row, sample, name in agent_samples(prompts, params):
+                key = f"s{self.streamed}"
+                self.streamed += 1
+                self.prompts[key] = prompts.take([row])
+                samples.append((key, sample, name))
+            self.agents.start(samples)
+        self.engine.stats, self.agents.stats = EngineStats(), RunnerStats()
+        finished = self.agents.drive(max_steps)
+        report = self._report() | {"tool_wait_s": self.agents.stats.tool_wait_seconds,
+                                   "decode_steps_during_tools": self.agents.stats.decode_steps_during_tools}
+        if not finished:
+            return None, report
+        rows = Batch.concat([self.prompts.pop(key) for key in finished])
+        samples = trajectories_batch(rows, list(finished.values()), self.response_length, self.pad_token_id)
+        samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
+        return samples, report
+
+    def _report(self) -> dict[str, float]:
+        stats = self.engine.stats
+        return {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
+                "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
+                "prefill_tokens": stats.prefill_tokens, "graph_capture_s": stats.graph_capture_seconds,
+                "slots": self.engine.max_running}
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int) -> dict[str, float]:

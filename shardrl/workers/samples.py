@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import torch
 
+from shardrl.agents.driver import AgentRunner
+from shardrl.agents.loop import AgentSample
+from shardrl.agents.trajectory import Trajectory
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import RequestOutput, SamplingParams
@@ -21,20 +24,26 @@ def prompt_ids_of(prompts: Batch) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
-def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length: int, pad_token_id: int) -> Batch:
+def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length: int, pad_token_id: int,
+                  packed: tuple[torch.Tensor, ...] | None = None) -> Batch:
     """Pack engine outputs (one per prompt row: the controller repeats prompts `n` times before generation) into the
-    padded sample batch."""
-    num = len(outputs)
-    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros(num, response_length)
-    log_probs = torch.zeros(num, response_length)
-    versions = torch.full((num, response_length), -1, dtype=torch.long)
-    for i, out in enumerate(outputs):
-        length = len(out.token_ids)
-        responses[i, :length] = torch.tensor(out.token_ids, dtype=torch.long)
-        response_mask[i, :length] = 1.0
-        log_probs[i, :length] = torch.tensor(out.logprobs)
-        versions[i, :length] = torch.tensor(out.policy_versions, dtype=torch.long)
+    padded sample batch. `packed`: the response tensors already made (responses, response_mask, rollout log-probs,
+    policy versions, response attention mask), for multi-turn trajectories."""
+    if packed is None:
+        num = len(outputs)
+        responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+        response_mask = torch.zeros(num, response_length)
+        log_probs = torch.zeros(num, response_length)
+        versions = torch.full((num, response_length), -1, dtype=torch.long)
+        for i, out in enumerate(outputs):
+            length = len(out.token_ids)
+            responses[i, :length] = torch.tensor(out.token_ids, dtype=torch.long)
+            response_mask[i, :length] = 1.0
+            log_probs[i, :length] = torch.tensor(out.logprobs)
+            versions[i, :length] = torch.tensor(out.policy_versions, dtype=torch.long)
+        attention = response_mask.long()
+    else:
+        responses, response_mask, log_probs, versions, attention = packed
     p = prompts.tensors
     last_position = p["position_ids"][:, -1:]  # [num, 1]
     response_positions = last_position + torch.arange(1, response_length + 1)  # [num, R]
@@ -42,14 +51,15 @@ def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length:
         "prompts": p["input_ids"],
         "responses": responses,
         "input_ids": torch.cat([p["input_ids"], responses], dim=1),
-        "attention_mask": torch.cat([p["attention_mask"], response_mask.long()], dim=1),
+        "attention_mask": torch.cat([p["attention_mask"], attention], dim=1),
         "position_ids": torch.cat([p["position_ids"], response_positions], dim=1),
         "response_mask": response_mask,
         "rollout_log_probs": log_probs,
         "policy_versions": versions,
     }
     non_tensors = dict(prompts.non_tensors)
-    non_tensors["finish_reason"] = as_object_array([out.finish_reason for out in outputs])
+    if packed is None:
+        non_tensors["finish_reason"] = as_object_array([out.finish_reason for out in outputs])
     return Batch(tensors, non_tensors, dict(prompts.meta))
 
 
@@ -58,3 +68,68 @@ def generate(engine: Engine, prompts: Batch, params: list[SamplingParams], respo
     """Sample one response per prompt row of `prompts` (this replica's share) with that row's `params`."""
     outputs = engine.generate(prompt_ids_of(prompts), params)
     return samples_batch(prompts, outputs, response_length, pad_token_id)
+
+
+def agent_samples(prompts: Batch, params: list[SamplingParams]) -> list[tuple[int, AgentSample, str | None]]:
+    """One agent-loop sample per row (keyed by row index): its chat messages, prompt ids, `extra_info` (tools and
+    interaction kwargs) and the data's `agent_name` column where there is one (None: the default loop)."""
+    nt = prompts.non_tensors
+    names = nt.get("agent_name")
+    return [(row, AgentSample(list(nt["raw_prompt"][row]), ids, dict(nt["extra_info"][row] or {}), params[row]),
+             None if names is None else names[row])
+            for row, ids in enumerate(prompt_ids_of(prompts))]
+
+
+def trajectories_batch(prompts: Batch, trajectories: list[Trajectory], response_length: int,
+                       pad_token_id: int) -> Batch:
+    """Pack finished trajectories (one per prompt row) into the padded sample batch: the response is every token
+    after the prompt, model and environment ones as they were produced; `response_mask` is 1 on model tokens only
+    (the losses, KL, entropy, advantages and correction ratios read it) and `attention_mask` on all of them (the
+    model sees the environment's tokens as context). `response_sources` says who wrote each token
+    (`agents.trajectory.Source`, -1 on padding); per-trajectory counts go in `agent_*` columns, and the reward
+    function finds `num_turns`, `turn_scores` and `tool_rewards` in `extra_info`."""
+    num = len(trajectories)
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(num, response_length)
+    attention = torch.zeros(num, response_length, dtype=torch.long)
+    log_probs = torch.zeros(num, response_length)
+    versions = torch.full((num, response_length), -1, dtype=torch.long)
+    sources = torch.full((num, response_length), -1, dtype=torch.long)
+    for i, traj in enumerate(trajectories):
+        length = len(traj.response_ids)
+        responses[i, :length] = torch.tensor(traj.response_ids, dtype=torch.long)
+        response_mask[i, :length] = torch.tensor(traj.response_mask, dtype=torch.float32)
+        attention[i, :length] = 1
+        log_probs[i, :length] = torch.tensor(traj.logprobs)
+        versions[i, :length] = torch.tensor(traj.policy_versions, dtype=torch.long)
+        sources[i, :length] = torch.tensor([int(s) for s in traj.sources], dtype=torch.long)
+    samples = samples_batch(prompts, [], response_length, pad_token_id, (responses, response_mask, log_probs,
+                                                                         versions, attention))
+    counts = {"agent_turns": [t.assistant_turns + t.user_turns for t in trajectories],
+              "agent_assistant_turns": [t.assistant_turns for t in trajectories],
+              "agent_tool_calls": [t.tool_calls for t in trajectories],
+              "agent_tool_errors": [t.tool_errors for t in trajectories],
+              "agent_tool_timeouts": [t.tool_timeouts for t in trajectories],
+              "agent_tool_seconds": [t.tool_seconds for t in trajectories],
+              "agent_tool_wait_seconds": [t.tool_wait_seconds for t in trajectories],
+              "agent_loop_errors": [float(t.error is not None) for t in trajectories]}
+    for key, values in counts.items():
+        samples.tensors[key] = torch.tensor(values, dtype=torch.float32)
+    samples.tensors["response_sources"] = sources
+    samples.non_tensors["finish_reason"] = as_object_array([t.finish_reason for t in trajectories])
+    samples.non_tensors["extra_info"] = as_object_array([
+        {**(info or {}), "num_turns": t.assistant_turns + t.user_turns, "turn_scores": list(t.turn_scores),
+         "tool_rewards": list(t.tool_rewards)}
+        for info, t in zip(prompts.non_tensors["extra_info"], trajectories)])
+    return samples
+
+
+def generate_trajectories(runner: AgentRunner, prompts: Batch, params: list[SamplingParams], response_length: int,
+                          pad_token_id: int) -> Batch:
+    """Run one agent trajectory per prompt row of `prompts` to its end (trajectories streamed meanwhile go on)."""
+    tag = object()  # keys this call's trajectories apart from any other call's
+    samples = [((tag, row), sample, name) for row, sample, name in agent_samples(prompts, params)]
+    runner.start(samples)
+    done = runner.drive(None, {key for key, _, _ in samples})
+    return trajectories_batch(prompts, [done[(tag, row)] for row in range(len(prompts))], response_length,
+                              pad_token_id)

@@ -1,0 +1,61 @@
+"""A multi-turn trajectory as the trainer receives it: the prompt ids, then every response token in order with
+where it came from. Model tokens are the engine's sampled ids with their behaviour logprobs and policy versions;
+environment tokens (tool results, user turns, the template's delimiters) are ids the environment's text was
+tokenised to on its own. Nothing here is ever decoded and encoded again: the trained sequence is exactly
+`prompt_ids + response_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum
+from typing import Any
+
+
+class Source(IntEnum):
+    """Who wrote a response token: only MODEL tokens are trained on (`response_mask`)."""
+
+    MODEL = 0
+    TOOL = 1
+    USER = 2
+
+
+@dataclass
+class Trajectory:
+    prompt_ids: list[int]
+    response_ids: list[int] = field(default_factory=list)
+    sources: list[Source] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)  # 0.0 at environment tokens
+    policy_versions: list[int] = field(default_factory=list)  # -1 at environment tokens
+    assistant_turns: int = 0
+    user_turns: int = 0  # environment turns: tool results and simulated users
+    tool_calls: int = 0
+    tool_errors: int = 0  # malformed calls, unknown tools, exceptions (timeouts counted apart)
+    tool_timeouts: int = 0
+    tool_seconds: float = 0.0  # summed over calls
+    tool_wait_seconds: float = 0.0  # wall time the trajectory waited on its tools (parallel calls overlap)
+    tool_rewards: list[float] = field(default_factory=list)
+    turn_scores: list[float] = field(default_factory=list)
+    reward_score: float | None = None  # set by an agent loop that scores itself; else the reward function scores
+    finish_reason: str = "stop"  # the last model turn's ("stop", "length") or why the loop ended it
+    error: str | None = None  # the agent loop raised: the trajectory keeps what it had, marked
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def response_mask(self) -> list[int]:
+        return [int(s == Source.MODEL) for s in self.sources]
+
+    def add_model(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+        self.response_ids += ids
+        self.sources += [Source.MODEL] * len(ids)
+        self.logprobs += logprobs
+        self.policy_versions += versions
+
+    def add_environment(self, ids: list[int], source: Source) -> None:
+        self.response_ids += ids
+        self.sources += [source] * len(ids)
+        self.logprobs += [0.0] * len(ids)
+        self.policy_versions += [-1] * len(ids)
+
+    def tokens_by_source(self) -> dict[str, int]:
+        return {s.name.lower(): sum(1 for x in self.sources if x == s) for s in Source}
