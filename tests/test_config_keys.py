@@ -38,7 +38,7 @@ VARIANTS = [
                      "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
                      "critic.use_dynamic_bsz=true", "distillation.enabled=true",
                      "distillation.teacher_model.model_path=/a/teacher"]),
-    ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae"]),
+    ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),
     ("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"]),
 ]
 

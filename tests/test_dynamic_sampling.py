@@ -124,7 +124,7 @@ def test_overlong_penalty_reaches_rewards_and_advantages(tmp_path, spelling):
     tokenizer = builtin_task.make_tokenizer(tmp_path)
     three, eos, pad = (tokenizer.convert_tokens_to_ids(t) for t in ("3", "<eos>", "<pad>"))
     batch = Batch({"responses": torch.tensor([[three, pad], [three, eos]]),
-                   "response_mask": torch.tensor([[1, 0], [1, 1]]),
+                   "response_mask": torch.tensor([[1, 0], [1, 1]]), "attention_mask": torch.tensor([[1, 0], [1, 1]]),
                    "rollout_log_probs": torch.zeros(2, 2), "old_log_probs": torch.zeros(2, 2)},
                   {"data_source": [builtin_task.DATA_SOURCE] * 2, "reward_model": [{"ground_truth": "3"}] * 2,
                    "extra_info": [{}] * 2, "uid": as_object_array(["p", "p"])})

@@ -28,7 +28,7 @@ def _scored_by_source(data_source: str, solution_str: str, ground_truth: str, ex
 def _batch(non_tensors: dict) -> Batch:
     responses = torch.tensor([[1, 2, 0], [1, 2, 0], [3, 0, 0]])
     mask = torch.tensor([[1, 1, 0], [1, 1, 0], [1, 0, 0]])
-    return Batch({"responses": responses, "response_mask": mask}, non_tensors)
+    return Batch({"responses": responses, "response_mask": mask, "attention_mask": mask}, non_tensors)
 
 
 REWARD_FIELDS = {"reward_model": [{"ground_truth": "1 2"}, {"ground_truth": "1 2"}, {"ground_truth": "3"}],

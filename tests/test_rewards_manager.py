@@ -48,7 +48,7 @@ def test_scores_decoded_responses_on_last_token():
         rows.append(ids + [tokenizer.pad_token_id] * (width - len(ids)))
         masks.append([1] * len(ids) + [0] * (width - len(ids)))
     batch = Batch(
-        {"responses": torch.tensor(rows), "response_mask": torch.tensor(masks)},
+        {"responses": torch.tensor(rows), "response_mask": torch.tensor(masks), "attention_mask": torch.tensor(masks)},
         {
             "data_source": ["openai/gsm8k"] * 3,
             "reward_model": [{"style": "rule", "ground_truth": t} for t in truths],
@@ -87,7 +87,7 @@ def test_overlong_shaping_reaches_the_last_token_score_and_logs(tmp_path):
     three, eos, pad, one = ids
     responses = torch.tensor([[three, pad, pad, pad], [three, eos, pad, pad], [three, one, one, one]])
     mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 1, 1]])
-    batch = Batch({"responses": responses, "response_mask": mask},
+    batch = Batch({"responses": responses, "response_mask": mask, "attention_mask": mask},
                   {"data_source": [builtin_task.DATA_SOURCE] * 3,
                    "reward_model": [{"ground_truth": "3"}] * 3, "extra_info": [{}] * 3})
     scored = compute_token_level_scores(batch, tokenizer, default_compute_score, OverlongShaping(4, 2, 1.5, log=True))

@@ -140,13 +140,13 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
         validate=sampling_options(val.do_sample, val.temperature, val.top_k, val.top_p, length, ignore_eos),
         response_length=length, free_cache_engine=rollout.free_cache_engine, override_config=shared.override_config,
         weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks),
-        agent=agent_settings(rollout.multi_turn, rollout.agent, length, config.data.apply_chat_template_kwargs))
+        agent=agent_settings(rollout.multi_turn, rollout.agent, length))
 
 
-def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, response_length: int,
-                   template_kwargs: dict[str, Any]) -> AgentSettings | None:
+def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig,
+                   response_length: int) -> AgentSettings | None:
     """verl's `multi_turn.*` and `agent.*` -> the agent runner's settings (None: multi-turn off, single turn). The
-    tokenizer is filled in at launch. Tool-call format and config files are checked here, before workers start."""
+    tokenizer and the chat template's arguments (the data's) are filled in at launch. Tool-call format and config files are checked here, before workers start."""
     limits = TurnLimits(
         response_length=response_length, max_assistant_turns=multi_turn.max_assistant_turns,
         max_user_turns=multi_turn.max_user_turns, max_parallel_calls=multi_turn.max_parallel_calls,
@@ -155,7 +155,7 @@ def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, response
         max_concurrent_tool_calls=multi_turn.max_concurrent_tool_calls)
     settings = AgentSettings(limits, None, multi_turn.format, multi_turn.tool_config_path,
                              multi_turn.interaction_config_path, agent.agent_loop_config_path,
-                             agent.default_agent_loop, tuple(sorted(template_kwargs.items())))
+                             agent.default_agent_loop)
     if not multi_turn.enable:
         return None
     prefix = "actor_rollout_ref.rollout"

@@ -38,7 +38,7 @@ class RunPaths:
     tokenizer: str
     train_files: list[str]
     val_files: list[str] | None
-    tool_config: str | None  # multi-turn: the tools prompts are rendered with and agents call
+    tool_config: str | None = None  # multi-turn: the tools prompts are rendered with and agents call
 
 
 def resolve_paths(plan: JobPlan) -> RunPaths:
@@ -61,11 +61,13 @@ def resolve_paths(plan: JobPlan) -> RunPaths:
 
 
 def with_agent_paths(plan: JobPlan, paths: RunPaths) -> JobPlan:
-    """The plan with its agent settings' tokenizer and tool config resolved (known only at launch)."""
+    """The plan with its agent settings' tokenizer and tool config resolved (known only at launch), and the data's
+    chat-template arguments, which the environment's turns are rendered with as the prompts are."""
     agent = plan.rollout.agent
     if agent is None:
         return plan
-    agent = dataclasses.replace(agent, tokenizer_path=paths.tokenizer, tool_config_path=paths.tool_config)
+    agent = dataclasses.replace(agent, tokenizer_path=paths.tokenizer, tool_config_path=paths.tool_config,
+                                template_kwargs=tuple(sorted(plan.data.apply_chat_template_kwargs.items())))
     return dataclasses.replace(plan, rollout=dataclasses.replace(plan.rollout, agent=agent))
 
 
