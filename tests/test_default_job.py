@@ -77,3 +77,17 @@ def test_default_job_learns_with_two_rank_actor(tmp_path, layout):
                    "trainer.total_training_steps=60", "trainer.test_freq=30")
     val = validation_rewards(rows)
     assert val[0][1] < 0.3 and val[-1][1] >= 0.9, val
+
+
+def test_builtin_multi_turn_task_learns_through_its_tool(tmp_path):
+    """`make run ARGS="actor_rollout_ref.rollout.multi_turn.enable=true data.max_response_length=8
+    trainer.total_training_steps=150"`: the digit-lookup task, whose answer only its tool knows, learns from reward
+    alone: the model learns to call the tool and copy what it answers."""
+    rows = run_job(tmp_path, "actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_response_length=8",
+                   "trainer.total_training_steps=150", "trainer.test_freq=75")
+    val = validation_rewards(rows)
+    assert val[0][0] == 0 and val[0][1] < 0.3, val
+    assert val[-1][0] == 150 and val[-1][1] >= 0.9, val
+    last = rows[-1]
+    assert last["agent/tool_calls/mean"] >= 0.9 and last["agent/tokens_tool/mean"] > 0
+    assert all(abs(r["rollout_corr/mismatch_kl"]) < 1e-4 for r in rows if "rollout_corr/mismatch_kl" in r)
