@@ -26,6 +26,7 @@ import torch
 from rollout_throughput import QWEN2_0_5B, TINY
 from transformers import Qwen2Config
 
+from shardrl.agents import driver
 from shardrl.agents.driver import AgentRunner
 from shardrl.agents.loop import (AgentContext, AgentLoop, AgentSample, Episode, SingleTurnAgentLoop, ToolBox,
                                  TurnLimits)
@@ -61,6 +62,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--env-tokens", type=int, default=16)
     parser.add_argument("--latency", type=float, default=0.1, help="seconds per simulated tool call")
     parser.add_argument("--no-compile", action="store_true", help="no EngineConfig.compile_decode on GPU")
+    parser.add_argument("--turn-chunk", type=int, default=driver.TURN_CHUNK,
+                        help="queued turns enter the engine once 1/N of the running sequences wait (driver.py)")
+    parser.add_argument("--max-turn-wait", type=int, default=driver.MAX_TURN_WAIT_STEPS,
+                        help="... or once the oldest waited this many decode steps")
+    parser.add_argument("--profile", action="store_true", help="print the top CUDA and CPU ops of the prefills")
     args = parser.parse_args()
     if args.quick:
         args.trajectories, args.prompt_len, args.turns, args.min_turn, args.max_turn = 8, 16, 3, 4, 12
@@ -100,6 +106,7 @@ def run(runner: AgentRunner, samples: list[tuple[int, AgentSample, str]], device
 
 def main() -> None:
     args = parse_args()
+    driver.TURN_CHUNK, driver.MAX_TURN_WAIT_STEPS = args.turn_chunk, args.max_turn_wait
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     engine = build_engine(args, device)
     vocab = engine.model_config.vocab_size
@@ -119,10 +126,18 @@ def main() -> None:
         return [(key * 10**6 + i, AgentSample([], p, {}, SamplingParams(max_tokens=sum(t), ignore_eos=True, seed=i)),
                  "single_turn_agent") for i, (p, t) in enumerate(zip(prompts, turns))]
 
+    prefills = time_prefills(engine, device)
     model_tokens = sum(sum(t) for t in turns)
     run(runner, multi(0)[:min(8, len(prompts))], device)  # warm-up: kernels, compile, graph capture
     run(runner, single(1)[:min(8, len(prompts))], device)
     single_s = run(runner, single(2), device)
+    prefills.clear()
+    if args.profile:
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            run(runner, multi(4)[:64], device)
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+        prefills.clear()
     multi_s = run(runner, multi(3), device)
     stats, tool_steps = engine.stats, runner.stats.decode_steps_during_tools
     continuations = args.trajectories * (args.turns - 1)
@@ -134,6 +149,7 @@ def main() -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
     generate_s = time.perf_counter() - start
+    print(f"turn chunk 1/{args.turn_chunk} of the running, at most {args.max_turn_wait} steps' wait")
     print(f"device {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'cpu'}; "
           f"{args.trajectories} trajectories x {args.turns} turns ({model_tokens} model tokens), "
           f"tool latency {args.latency * 1e3:.0f} ms, {args.env_tokens} env tokens per tool turn")
@@ -146,7 +162,36 @@ def main() -> None:
           f"cached prefix tokens per turn: {stats.cached_prefill_tokens / continuations:.1f}; "
           f"parked slots lent out: {engine.scheduler.evictions}; decode steps during tool waits: {tool_steps} "
           f"of {stats.decode_steps}")
+    print(f"multi turn engine: {stats.prefill_steps} prefill steps ({stats.prefill_seconds:.2f} s), "
+          f"{stats.decode_steps} decode steps ({stats.decode_seconds:.2f} s, {stats.decode_host_launches} launched "
+          f"from the host), {stats.decode_tokens / max(stats.decode_steps, 1):.0f} rows per decode step")
+    for kind in ("fresh", "continuation"):
+        steps = [p for p in prefills if p[0] == kind]
+        if steps:
+            print(f"  {kind} prefill steps: {len(steps)}, {sum(p[1] for p in steps) / len(steps):.1f} sequences and "
+                  f"{sum(p[2] for p in steps) / len(steps):.0f} tokens each, "
+                  f"{sum(p[3] for p in steps) * 1e3 / len(steps):.2f} ms each")
     runner.close()
+
+
+def time_prefills(engine: Engine, device: torch.device) -> list[tuple[str, int, int, float]]:
+    """Record (kind, sequences, tokens run, seconds) of every prefill forward from now on."""
+    records: list[tuple[str, int, int, float]] = []
+    forward = engine.runner.prefill_logits
+
+    def timed(requests):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        out = forward(requests)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        records.append(("continuation" if requests[0].cached else "fresh", len(requests), out[1],
+                        time.perf_counter() - start))
+        return out
+
+    engine.runner.prefill_logits = timed
+    return records
 
 
 if __name__ == "__main__":

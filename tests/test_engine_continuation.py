@@ -3,6 +3,7 @@ new tokens and samples exactly what a fresh prefill of the whole sequence sample
 sequences' decode steps riding along, are lent to new sequences when the cache is full, and go with new weights."""
 
 import pytest
+import torch
 from torch.testing import assert_close
 
 from shardrl.models.tiny import make_tiny_checkpoint
@@ -132,3 +133,25 @@ def test_continuations_mixed_with_fresh_prompts_and_release(checkpoint):
 def test_continuation_of_n_samples_is_refused(checkpoint):
     with pytest.raises(EngineError, match="continuation is one sequence"):
         _engine(checkpoint).submit([1, 2], SamplingParams(n=2), continues="a")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_continuations_on_gpu_in_bf16_equal_whole_prefills(checkpoint):
+    """The CUDA half-precision path (flash attention over keys gathered from the cache, causal from each sequence's
+    end) samples what a whole prefill samples."""
+    config = EngineConfig(max_model_len=256, max_num_batched_tokens=1024, dtype=torch.bfloat16)
+    engine = Engine.from_pretrained(checkpoint, Layout.single(torch.device("cuda")), config)
+    fresh_engine = Engine.from_pretrained(checkpoint, Layout.single(torch.device("cuda")), config)
+    prompts = {f"p{i}": [1 + (i * 7 + j) % 50 for j in range(5 + 9 * i)] for i in range(6)}
+    for rid, ids in prompts.items():
+        engine.submit(ids, GREEDY, rid, keep_cache=True)
+    firsts = _run(engine)
+    seconds = {rid: out.prompt_ids + out.token_ids + ENV[: 1 + int(rid[1:]) % 5] for rid, out in firsts.items()}
+    for rid, ids in seconds.items():
+        engine.submit(ids, GREEDY, rid + "b", continues=rid)
+    continued = _run(engine)
+    fresh = fresh_engine.generate(list(seconds.values()), GREEDY)
+    for rid, out in zip(seconds, fresh):
+        assert continued[rid + "b"].token_ids == out.token_ids
+        assert_close(continued[rid + "b"].raw_logprobs, out.raw_logprobs, atol=0.05, rtol=0)

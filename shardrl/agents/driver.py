@@ -44,6 +44,12 @@ from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import RequestOutput, SamplingParams
 
 IDLE_WAIT_S = 0.05  # a streaming drive with nothing to step waits this long for a tool before returning
+# Turns queued while others decode enter the engine together, once 1/TURN_CHUNK of the running sequences are
+# queued or the oldest has waited MAX_TURN_WAIT_STEPS decode steps: every prefill step stalls all running rows
+# (and makes the next decode step launch from the host), so one prefill per arriving turn would cost each turn a
+# whole step of the batch.
+TURN_CHUNK = 4
+MAX_TURN_WAIT_STEPS = 16
 
 
 @dataclass
@@ -79,6 +85,7 @@ class AgentRunner:
         self._thread = threading.Thread(target=self._loop.run_forever, name="agent-runner", daemon=True)
         self._thread.start()
         self._pending: list[_Turn] = []  # queued turns, submitted by the next drive step
+        self._pending_steps = 0  # decode steps the oldest queued turn has waited
         self._waiting: dict[str, _Turn] = {}  # request id -> its turn, in the engine
         self._active: dict[Hashable, asyncio.Task] = {}
         self._done: dict[Hashable, Trajectory] = {}
@@ -182,10 +189,18 @@ class AgentRunner:
         return {k: self._done.pop(k) for k in chosen}
 
     def _submit_pending(self) -> None:
-        """Hand the engine what the trajectories asked for since the last step (only a drive touches it)."""
+        """Hand the engine what the trajectories asked for since the last step (only a drive touches it), in chunks
+        while others decode (`TURN_CHUNK`)."""
         if self._release:
             self.engine.release_cache(self._release)
             self._release = []
+        if not self._pending:
+            return
+        running = len(self.engine.scheduler.running)
+        if running and len(self._pending) < -(-running // TURN_CHUNK) and self._pending_steps < MAX_TURN_WAIT_STEPS:
+            self._pending_steps += 1
+            return
+        self._pending_steps = 0
         for turn in self._pending:
             self.engine.submit(turn.prompt_ids, turn.params, turn.request_id, keep_cache=True,
                                continues=turn.continues)

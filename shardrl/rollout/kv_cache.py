@@ -114,15 +114,25 @@ class CachedPrefixAttention:
     new_lengths[b] - 1` of slot `seq_slots[b]`, whose positions before `starts[b]` already hold the prefix. Each
     token's k and v are stored, then its query attends causally to its slot's positions 0..its own.
 
-    The queries are padded into one [B, Q] block and the keys read from the cache as a [B, L] block (L the longest
-    sequence), under a mask, in one SDPA call per layer: continuations are few and short next to the decode
-    batch, and the mask path is the same on every device."""
+    On CUDA in half precision the keys of every sequence (prefix and new tokens) are gathered from the cache into
+    one packed run and the queries attend through flash attention's variable-length kernel, whose causal mask is
+    aligned to the end of each sequence's keys (query i of n new ones sees keys 0..start + i). Elsewhere the
+    queries are padded into a [B, Q] block against a [B, L] block of keys under an explicit mask (one SDPA call per
+    layer): the reference the GPU path is checked against (`bench/continuation_check.py`)."""
 
     def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, seq_slots: list[int], starts: list[int],
                  new_lengths: list[int]) -> None:
         self.cache, self.slots, self.positions = cache, slots, positions  # [T] each
         device = positions.device
-        self.max_new, self.max_len = max(new_lengths), max(s + n for s, n in zip(starts, new_lengths))
+        ends = [s + n for s, n in zip(starts, new_lengths)]
+        self.max_new, self.max_len = max(new_lengths), max(ends)
+        self.flash = uses_split_kv_decode(cache.device, cache.dtype)
+        if self.flash:  # every sequence's keys 0..end-1, packed in sequence order
+            self.key_slots = torch.tensor([slot for slot, e in zip(seq_slots, ends) for _ in range(e)], device=device)
+            self.key_positions = torch.tensor([p for e in ends for p in range(e)], device=device)
+            self.cu_queries = torch.tensor([0, *new_lengths], device=device).cumsum(0).int()
+            self.cu_keys = torch.tensor([0, *ends], device=device).cumsum(0).int()
+            return
         # token t of the packed batch -> its row in the padded [B * Q] query block
         self.query_rows = torch.tensor([b * self.max_new + i for b, n in enumerate(new_lengths) for i in range(n)],
                                        device=device)
@@ -135,6 +145,12 @@ class CachedPrefixAttention:
         keys, values = self.cache.layer(layer_id)
         keys[self.slots, self.positions] = k  # k [T, nkv, D]
         values[self.slots, self.positions] = v
+        if self.flash:
+            packed_k = keys[self.key_slots, self.key_positions]  # [sum of ends, nkv, D]
+            packed_v = values[self.key_slots, self.key_positions]
+            return torch.ops.aten._flash_attention_forward(
+                q, packed_k, packed_v, self.cu_queries, self.cu_keys, self.max_new, self.max_len, 0.0, True, False,
+                scale=scale)[0]
         num_seqs, (_, num_heads, head_dim) = self.seq_slots.shape[0], q.shape
         padded = q.new_zeros(num_seqs * self.max_new, num_heads, head_dim)
         padded[self.query_rows] = q
