@@ -66,7 +66,8 @@ def parse_args() -> argparse.Namespace:
                         help="queued turns enter the engine once 1/N of the running sequences wait (driver.py)")
     parser.add_argument("--max-turn-wait", type=int, default=driver.MAX_TURN_WAIT_STEPS,
                         help="... or once the oldest waited this many decode steps")
-    parser.add_argument("--profile", action="store_true", help="print the top CUDA and CPU ops of the prefills")
+    parser.add_argument("--max-fed-tokens", type=int, default=EngineConfig.max_fed_tokens,
+                        help="continuations of at most this many new tokens are fed through decode rows (0: never)")
     args = parser.parse_args()
     if args.quick:
         args.trajectories, args.prompt_len, args.turns, args.min_turn, args.max_turn = 8, 16, 3, 4, 12
@@ -79,7 +80,8 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
     max_len = args.prompt_len + args.turns * (args.max_turn + args.env_tokens) + 8
     config = EngineConfig(max_num_seqs=args.trajectories, max_num_batched_tokens=max(16384, max_len),
                           max_model_len=max_len, cpu_kv_cache_tokens=args.trajectories * max_len, dtype=dtype,
-                          compile_decode=device.type == "cuda" and not args.no_compile)
+                          compile_decode=device.type == "cuda" and not args.no_compile,
+                          max_fed_tokens=args.max_fed_tokens)
     torch.manual_seed(0)
     return Engine(ModelConfig.from_dict(Qwen2Config(**shape, architectures=["Qwen2ForCausalLM"]).to_dict()), Layout.single(device), config)
 
@@ -132,17 +134,11 @@ def main() -> None:
     run(runner, single(1)[:min(8, len(prompts))], device)
     single_s = run(runner, single(2), device)
     prefills.clear()
-    if args.profile:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-            run(runner, multi(4)[:64], device)
-        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
-        prefills.clear()
     multi_s = run(runner, multi(3), device)
     stats, tool_steps = engine.stats, runner.stats.decode_steps_during_tools
     continuations = args.trajectories * (args.turns - 1)
     fresh_prefill = args.trajectories * args.prompt_len
-    per_turn = (stats.prefill_tokens - fresh_prefill) / continuations
+    per_turn = (stats.prefill_tokens + stats.fed_tokens - fresh_prefill) / continuations
     engine.stats = EngineStats()
     start = time.perf_counter()
     engine.generate(prompts, [SamplingParams(max_tokens=sum(t), ignore_eos=True, seed=i) for i, t in enumerate(turns)])
@@ -158,11 +154,12 @@ def main() -> None:
     print(f"multi turn  (agent runner):    {model_tokens / multi_s:10.0f} tok/s  {multi_s:.2f} s")
     print(f"ratio multi / single (runner): {single_s / multi_s:.3f}   multi / Engine.generate: "
           f"{generate_s / multi_s:.3f}")
-    print(f"prefill tokens per continuation turn: {per_turn:.2f} (new tokens: {args.env_tokens} env + 1 model); "
+    print(f"prefilled or fed tokens per continuation turn: {per_turn:.2f} (new tokens: {args.env_tokens} env + 1 model); "
           f"cached prefix tokens per turn: {stats.cached_prefill_tokens / continuations:.1f}; "
           f"parked slots lent out: {engine.scheduler.evictions}; decode steps during tool waits: {tool_steps} "
           f"of {stats.decode_steps}")
     print(f"multi turn engine: {stats.prefill_steps} prefill steps ({stats.prefill_seconds:.2f} s), "
+          f"{stats.fed_tokens} continuation tokens fed through decode rows, "
           f"{stats.decode_steps} decode steps ({stats.decode_seconds:.2f} s, {stats.decode_host_launches} launched "
           f"from the host), {stats.decode_tokens / max(stats.decode_steps, 1):.0f} rows per decode step")
     for kind in ("fresh", "continuation"):

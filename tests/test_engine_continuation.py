@@ -155,3 +155,39 @@ def test_continuations_on_gpu_in_bf16_equal_whole_prefills(checkpoint):
     for rid, out in zip(seconds, fresh):
         assert continued[rid + "b"].token_ids == out.token_ids
         assert_close(continued[rid + "b"].raw_logprobs, out.raw_logprobs, atol=0.05, rtol=0)
+
+
+def test_a_short_continuation_joins_the_decode_batch_fed_and_equals_a_prefill(checkpoint):
+    """While another sequence decodes, a continuation with few new tokens is fed through its decode rows (no
+    prefill step): one row per new token, the last row's sample its first token, the same tokens as a prefill."""
+    engine = _engine(checkpoint)
+    engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    out_a = _run(engine)["a"]
+    engine.submit([2, 4, 6, 8, 10], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), "b")
+    engine.step()  # b's prefill: from now on a decode batch runs
+    prompt2 = out_a.prompt_ids + out_a.token_ids + ENV
+    engine.stats = type(engine.stats)()
+    engine.submit(prompt2, GREEDY, "a2", continues="a")
+    done = _run(engine)
+    assert engine.stats.prefill_steps == 0 and engine.stats.fed_tokens == len(ENV) + 1
+    fresh = _fresh(checkpoint, prompt2)
+    assert done["a2"].token_ids == fresh.token_ids
+    assert_close(done["a2"].raw_logprobs, fresh.raw_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_fed_continuation_aborted_mid_feed_resumes_whole(checkpoint):
+    engine = _engine(checkpoint)
+    engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    out_a = _run(engine)["a"]
+    engine.submit([2, 4, 6, 8, 10], SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True), "b")
+    engine.step()
+    prompt2 = out_a.prompt_ids + out_a.token_ids + ENV
+    engine.submit(prompt2, GREEDY, "a2", continues="a")
+    engine.step()
+    engine.step()  # two of its six tokens fed
+    engine.abort(keep=True)
+    engine.set_policy_version(1)
+    engine.resume()
+    done = _run(engine)
+    assert done["a2"].token_ids == _fresh(checkpoint, prompt2).token_ids
+    assert done["a2"].policy_versions == [1] * GREEDY.max_tokens

@@ -44,10 +44,11 @@ from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import RequestOutput, SamplingParams
 
 IDLE_WAIT_S = 0.05  # a streaming drive with nothing to step waits this long for a tool before returning
-# Turns queued while others decode enter the engine together, once 1/TURN_CHUNK of the running sequences are
+# Turns queued while others decode that need a prefill step (more new tokens than the engine feeds through decode
+# rows, `EngineConfig.max_fed_tokens`) enter the engine together, once 1/TURN_CHUNK of the running sequences are
 # queued or the oldest has waited MAX_TURN_WAIT_STEPS decode steps: every prefill step stalls all running rows
 # (and makes the next decode step launch from the host), so one prefill per arriving turn would cost each turn a
-# whole step of the batch.
+# whole step of the batch. Turns the engine feeds go in at once.
 TURN_CHUNK = 4
 MAX_TURN_WAIT_STEPS = 16
 
@@ -70,6 +71,7 @@ class _Turn:
     continues: str | None
     request_id: str
     future: asyncio.Future[RequestOutput]
+    new_tokens: int  # since the previous turn's last sampled token (that one included)
 
 
 class AgentRunner:
@@ -131,16 +133,18 @@ class AgentRunner:
         session = f"traj{next(self._ids)}"
         turns = itertools.count()
         last: list[str] = []  # the request id of the trajectory's last turn: its parked slot
+        length = [0]  # tokens of the trajectory when its last turn ended
 
         async def generate(prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
             request_id = f"{session}/{next(turns)}"
             turn = _Turn(prompt_ids, params, last[-1] if last else None, request_id,
-                         asyncio.get_running_loop().create_future())
+                         asyncio.get_running_loop().create_future(), len(prompt_ids) - length[0] + 1)
             last.append(request_id)
             self._in_tools -= 1 if len(last) > 1 else 0
             self._pending.append(turn)
             self._wake.set()
             out = await turn.future
+            length[0] = len(out.prompt_ids) + len(out.token_ids)
             self._in_tools += 1
             return out
 
@@ -194,18 +198,20 @@ class AgentRunner:
         if self._release:
             self.engine.release_cache(self._release)
             self._release = []
-        if not self._pending:
-            return
+        fed = self.engine.config.max_fed_tokens
+        now = [t for t in self._pending if t.continues is not None and t.new_tokens <= fed]
+        later = [t for t in self._pending if not (t.continues is not None and t.new_tokens <= fed)]
         running = len(self.engine.scheduler.running)
-        if running and len(self._pending) < -(-running // TURN_CHUNK) and self._pending_steps < MAX_TURN_WAIT_STEPS:
+        if later and running and len(later) < -(-running // TURN_CHUNK) and self._pending_steps < MAX_TURN_WAIT_STEPS:
             self._pending_steps += 1
-            return
-        self._pending_steps = 0
-        for turn in self._pending:
+        elif later:
+            now, later = now + later, []
+            self._pending_steps = 0
+        for turn in now:
             self.engine.submit(turn.prompt_ids, turn.params, turn.request_id, keep_cache=True,
                                continues=turn.continues)
             self._waiting[turn.request_id] = turn
-        self._pending.clear()
+        self._pending = later
 
 
 @dataclass(frozen=True)

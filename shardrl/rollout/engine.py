@@ -51,6 +51,7 @@ class EngineStats:
     decode_wait_seconds: float = 0.0
     decode_host_launches: int = 0
     cached_prefill_tokens: int = 0  # tokens a continuation found cached instead of prefilling them
+    fed_tokens: int = 0  # continuations' new tokens fed through decode rows instead of a prefill
     graph_captures: int = 0  # decode CUDA graphs captured (again after every wake: the cache moved)
     graph_capture_seconds: float = 0.0
 
@@ -83,7 +84,8 @@ class Engine:
         self._names = hf_name_index(self.model)
         self.policy_version = 0
         self.eos_ids = frozenset(_eos_ids(model_config) if config.eos_token_ids is None else config.eos_token_ids)
-        self.scheduler = Scheduler(self.runner.cache.num_slots, config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(self.runner.cache.num_slots, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_fed_tokens)
         self.stats = EngineStats()
         self._paused: dict[str, Request] = {}
         self._counter = itertools.count()
@@ -277,7 +279,7 @@ class Engine:
         costs a wasted row per step until the batch is next launched from the host, where a stop used to force that
         launch (and the GPU to wait for the host) every few steps of a large batch."""
         return not self.scheduler.can_admit() and all(
-            r.num_tokens < r.max_len if r.finish_reason is not None else not r.reaches_length(1)
+            r.num_tokens < r.max_len if r.finish_reason is not None else not r.reaches_length(1) and r.feed is None
             for r in step.requests)
 
     def _launch_ahead(self, step: _Launched) -> _Launched:
@@ -294,6 +296,12 @@ class Engine:
         """Append each request's (token, logprob, raw logprob) row; returns the requests this finished."""
         finished = []
         for request, (token, logprob, raw) in rows:
+            if request.feed is not None:  # a fed continuation's row: only the last prompt token's sample counts
+                self.stats.fed_tokens += 1
+                if request.feed < request.num_tokens - 1:
+                    request.feed += 1
+                    continue
+                request.feed = None
             request.append(int(token), logprob, raw if request.params.raw_logprobs else None, self.policy_version)
             if request.finish_reason is not None:
                 self.scheduler.release(request)

@@ -94,10 +94,19 @@ class Request:
     # `Engine.submit`): its prefill runs only the tokens after them. 0 for a sequence prefilled whole.
     cached: int = 0
     keep_cache: bool = False  # finished, it keeps its slot (parked) for a continuation
+    # A continuation fed through decode steps instead of a prefill (`Scheduler`): the position of the prompt token
+    # its next decode row feeds; None once the prompt is in (or for a request that was prefilled).
+    feed: int | None = None
 
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.token_ids)
+
+    def next_input(self) -> tuple[int, int]:
+        """(token, position) its next decode row feeds: a fed continuation's next prompt token, else its last."""
+        if self.feed is not None:
+            return self.prompt_ids[self.feed], self.feed
+        return self.token_ids[-1], self.num_tokens - 1
 
     @property
     def prefill_len(self) -> int:

@@ -58,6 +58,9 @@ class EngineConfig:
     # keys and values copied to the others' cache rows (verl's `enable_prefix_caching`, narrowed to whole sequences
     # prefilled together: no cache outlives its request).
     share_prefill: bool = True
+    # A multi-turn continuation of at most this many new tokens that arrives while others decode joins the decode
+    # batch and feeds them one per step instead of stalling the batch for a prefill (see `scheduler.py`); 0: never.
+    max_fed_tokens: int = 32
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
 
@@ -140,12 +143,12 @@ class ModelRunner:
     def load_decode_inputs(self, rows: list[Request | None], sampling: SamplingBatch,
                            idle_positions: dict[int, int]) -> None:
         """Inputs of the next decode steps for slots 0..len(rows)-1: per running request its last token and that
-        token's position; a slot without one (None) rides along at `idle_positions` (default 0) and stays there.
+        token's position (a fed continuation: its next prompt token, `Request.next_input`); a slot without one
+        (None) rides along at `idle_positions` (default 0) and stays there.
         `sampling` are the rows' settings."""
         padding = [0] * (self.cache.num_slots - len(rows))
-        host = torch.tensor([[r.token_ids[-1] if r else 0 for r in rows] + padding,
-                             [r.num_tokens - 1 if r else idle_positions.get(slot, 0) for slot, r in enumerate(rows)]
-                             + padding,
+        inputs = [r.next_input() if r else (0, idle_positions.get(slot, 0)) for slot, r in enumerate(rows)]
+        host = torch.tensor([[token for token, _ in inputs] + padding, [pos for _, pos in inputs] + padding,
                              [int(r is not None) for r in rows] + padding])  # [3, S]
         self.inputs.copy_(host, non_blocking=True)
         self.sampling.load(sampling)

@@ -11,6 +11,11 @@ its slot, not running), and the request continuing it (the next turn: everything
 tokens) takes that slot with the shared prefix already cached, so its prefill runs only the new tokens. A parked
 slot is lent back when a new sequence finds no free one (the oldest parked first; its continuation is then
 prefilled whole). Prefill batches are all continuations or all fresh sequences: the two run different attention.
+
+A continuation of at most `max_fed_tokens` new tokens that arrives while others decode is not prefilled: it joins
+the decode batch at once and its rows feed its new tokens one per step (their samples dropped) until the last, whose
+sample is its first token. A prefill step stalls every running row and costs a whole forward of fixed overhead; fed
+tokens cost a row each in steps that run anyway.
 """
 
 from __future__ import annotations
@@ -37,7 +42,9 @@ class Batch:
 
 
 class Scheduler:
-    def __init__(self, num_slots: int, max_num_seqs: int, max_num_batched_tokens: int) -> None:
+    def __init__(self, num_slots: int, max_num_seqs: int, max_num_batched_tokens: int,
+                 max_fed_tokens: int = 0) -> None:
+        self.max_fed_tokens = max_fed_tokens
         self.max_running = min(num_slots, max_num_seqs)
         self.max_num_batched_tokens = max_num_batched_tokens
         self.free_slots = list(range(self.max_running))  # a heap: the lowest free slot is handed out first
@@ -63,6 +70,8 @@ class Scheduler:
         return bool(self.waiting) and self._has_slot_for(self.waiting[0])
 
     def schedule(self) -> Batch | None:
+        if self.running:
+            self._take_fed()
         prefill = self._take_prefill()
         if prefill:
             return Batch("prefill", prefill, len(prefill))
@@ -77,6 +86,17 @@ class Scheduler:
 
     def _has_slot_for(self, request: Request) -> bool:
         return request.slot is not None or bool(self.free_slots) or bool(self.parked)
+
+    def _take_fed(self) -> None:
+        """Move short continuations (slot held, few new tokens) from the queue into the decode batch, fed."""
+        kept: deque[Request] = deque()
+        for request in self.waiting:
+            if request.slot is not None and request.cached > 0 and request.prefill_len <= self.max_fed_tokens:
+                request.feed = request.cached
+                self.running[request.slot] = request
+            else:
+                kept.append(request)
+        self.waiting = kept
 
     def _take_prefill(self) -> list[Request]:
         batch: list[Request] = []
@@ -127,6 +147,7 @@ class Scheduler:
         heapq.heappush(self.free_slots, request.slot)
         request.slot = None
         request.cached = 0
+        request.feed = None
 
     def remove(self, request_ids: set[str] | None) -> list[Request]:
         """Take requests (all when None) out of the scheduler, running ones first in slot order, then waiting.
