@@ -295,8 +295,13 @@ def test_a_slow_tool_does_not_stall_the_other_trajectories(tokenizer, model_path
     start = time.perf_counter()
     generate_trajectories(runner, prompts, params, 400, tokenizer.pad_token_id)
     assert time.perf_counter() - start >= 2.0
+    stats = runner.take_stats()
     # The three long trajectories decoded through the sleeper's wait: nearly all of their 300 steps fall in it.
-    assert runner.stats.decode_steps_during_tools >= 200
+    assert stats.decode_steps_during_tools >= 200
+    # Then the engine stood idle until the sleeper came back: the timeline's tool_idle spans say so.
+    assert stats.tool_idle_seconds > 0.1 and stats.tool_idle_spans
+    assert sum(end - begin for begin, end in stats.tool_idle_spans) == pytest.approx(stats.tool_idle_seconds)
+    assert runner.take_stats().decode_steps_during_tools == 0  # taken: the next call starts from zero
 
 
 def test_tool_failures_are_answered_and_counted(tokenizer, model_path, tool_config, monkeypatch):
@@ -374,3 +379,36 @@ def test_weights_updated_mid_trajectory_keep_versions_monotone(tokenizer, model_
         saw_update |= 1 in model_versions
         assert min(model_versions) >= 1 - 1  # staleness bound 1: no token older than version 0
     assert saw_update
+
+
+PYTHON_TOOL_YAML = """tools:
+  - class_name: shardrl.agents.builtin_tools.PythonTool
+    config: {type: native, wall_seconds: 2, cpu_seconds: 1, memory_mb: 256, max_output_bytes: 2000}
+"""
+
+
+def test_sandboxed_code_that_misbehaves_is_answered_and_the_trajectory_goes_on(tokenizer, model_path, tmp_path,
+                                                                               monkeypatch):
+    """The model's code loops forever, then prints without end: each call is stopped, the model reads why in its
+    next turn, and the trajectory ends normally."""
+    codes = iter(["while True: pass", "while True: print('x' * 1000)", "print(6 * 7)"])
+
+    def cued(text):
+        code = next(codes, None)
+        return ParsedTurn(text, [FunctionCall("code_interpreter", {"code": code})] if code else [], [])
+
+    monkeypatch.setitem(parsers.PARSERS, "cued_code", cued)
+    (tmp_path / "python.yaml").write_text(PYTHON_TOOL_YAML)
+    engine = _engine(model_path, PROMPT_LEN + 400)
+    limits = TurnLimits(response_length=400, tool_timeout=10, max_tool_response_length=120)
+    runner = build_runner(engine, AgentSettings(limits, str(QWEN3), "cued_code", str(tmp_path / "python.yaml"),
+                                                default_agent_loop="tool_agent"))
+    prompts = _prompts(tokenizer, ["compute"], runner.context.renderer)
+    batch = generate_trajectories(runner, prompts, [SamplingParams(max_tokens=4, ignore_eos=True, seed=1)], 400,
+                                  tokenizer.pad_token_id)
+    t = batch.tensors
+    text = tokenizer.decode(t["responses"][0][t["attention_mask"][0, PROMPT_LEN:].bool()])
+    assert t["agent_tool_calls"][0] == 3 and t["agent_loop_errors"][0] == 0
+    assert "time limit" in text.lower() or "timed out" in text.lower()
+    assert "42" in text  # the well-behaved call after them still runs
+    assert batch.non_tensors["finish_reason"][0] != "error"

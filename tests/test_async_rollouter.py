@@ -54,7 +54,7 @@ return what finished (a request is finished when `done(its sample seed, its toke
                 running = [request for request in running if not self._done(request)]
             self.running[replica] = running
             samples = Batch.concat([self._sample(row, v) for row, v in finished]) if finished else None
-            out.append((samples, dict.fromkeys(ENGINE_KEYS, 0.0) | {"slots": 4}))
+            out.append((samples, dict.fromkeys(ENGINE_KEYS, 0.0) | {"slots": 4, "tool_idle_spans": []}))
         return out
 
     def _done(self, request: tuple[Batch, list[int]]) -> bool:

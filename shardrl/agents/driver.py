@@ -19,7 +19,7 @@ import threading
 import time
 from collections.abc import Callable, Coroutine, Hashable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -55,11 +55,13 @@ MAX_TURN_WAIT_STEPS = 16
 
 @dataclass
 class RunnerStats:
-    """Since the last `take_stats`."""
+    """What the runner did since the last `take_stats`: decode steps that ran while some trajectory waited on its
+    tools (the waits it hid), and the time the engine stood idle because every trajectory waited (the waits it
+    could not), as wall-clock (`time.time()`) spans for the timeline."""
 
     decode_steps_during_tools: int = 0
-    tool_wait_seconds: float = 0.0  # wall time with some trajectory waiting on a tool and none decoding
-    trajectories: int = 0
+    tool_idle_seconds: float = 0.0
+    tool_idle_spans: list[tuple[float, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -112,6 +114,11 @@ class AgentRunner:
         `max_steps` engine steps; returns the trajectories finished meanwhile (among `keys`)."""
         return self._call(self._drive(max_steps, keys)).result()
 
+    def take_stats(self) -> RunnerStats:
+        """The stats since the last call (read between drives: only a drive writes them)."""
+        stats, self.stats = self.stats, RunnerStats()
+        return stats
+
     def pending(self) -> int:
         """Trajectories started and not yet returned."""
         return len(self._active) + len(self._done)
@@ -160,7 +167,6 @@ class AgentRunner:
                 self._release.append(last[-1])
             self._active.pop(key, None)
             self._done[key] = episode.trajectory
-            self.stats.trajectories += 1
             self._wake.set()
 
     async def _drive(self, max_steps: int | None, keys: set[Hashable] | None) -> dict[Hashable, Trajectory]:
@@ -181,14 +187,15 @@ class AgentRunner:
                 await asyncio.sleep(0)  # the trajectories whose turn finished, and the tools, run now
                 continue
             self._wake.clear()
-            start = time.perf_counter()
+            start = time.time()
             try:
                 async with asyncio.timeout(IDLE_WAIT_S if max_steps is not None else None):
                     await self._wake.wait()
             except TimeoutError:
                 break
             finally:
-                self.stats.tool_wait_seconds += time.perf_counter() - start
+                self.stats.tool_idle_seconds += time.time() - start
+                self.stats.tool_idle_spans.append((start, time.time()))
         chosen = list(self._done) if keys is None else [k for k in self._done if k in keys]
         return {k: self._done.pop(k) for k in chosen}
 

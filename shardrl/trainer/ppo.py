@@ -60,6 +60,7 @@ class PPOTrainer:
         # The colocated worker syncs its rollout when it is built; a detached pool gets its weights in fit().
         self.rollout_version: int | None = 0 if workers.rollout is None else None
         self.max_staleness = staleness.max_staleness(plan)
+        self.agent_metrics: dict[str, float] = {}  # this step's, multi-turn (`record_agent_stats`)
 
     def step(self, prompts: Batch, more_prompts: Iterable[Batch] = ()) -> dict[str, Any]:
         """generate -> score -> train (log-probs, values, advantages, updates) -> sync: the synchronous schedule.
@@ -85,7 +86,23 @@ class PPOTrainer:
 
     def generate(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
         with self.timeline.phase(step, "gen"):
-            return self.workers.generate(self.sample_rows(prompts, step, gen_round))
+            batch = self.workers.generate(self.sample_rows(prompts, step, gen_round))
+        if self.plan.rollout.agent is not None:
+            self.record_agent_stats(step)
+        return batch
+
+    def record_agent_stats(self, step: int) -> None:
+        """Multi-turn: the rollout's time idle on tools (timeline spans on the rollout lane, first replica's) and the
+        decode steps that hid tool waits, summed over the step's generation rounds (`agent_metrics`)."""
+        w = self.workers
+        per_rank = (w.actor.call(ActorRolloutRefWorker.take_agent_stats) if w.rollout is None
+                    else w.rollout.call(RolloutWorker.take_agent_stats))
+        for start, end in per_rank[0].tool_idle_spans:
+            self.timeline.add_wall_span(step, "tool_idle", "rollout", start, end)
+        m = self.agent_metrics
+        m["agent/tool_idle_s"] = m.get("agent/tool_idle_s", 0.0) + max(s.tool_idle_seconds for s in per_rank)
+        m["agent/decode_steps_during_tools"] = m.get("agent/decode_steps_during_tools", 0.0) + max(
+            s.decode_steps_during_tools for s in per_rank)
 
     def sample_rows(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
         """`rollout.n` rows per prompt (one per sample, grouped by uid), seeded by (seed, step, round, row): what
@@ -151,7 +168,8 @@ class PPOTrainer:
 
     def step_metrics(self, batch: Batch, step: int) -> dict[str, float]:
         """Timing of the step's phases and its token throughput (after the step's phases closed)."""
-        metrics = self.timeline.step_timing(step)
+        metrics = self.timeline.step_timing(step) | self.agent_metrics
+        self.agent_metrics = {}
         tokens = float(batch.tensors["attention_mask"].sum())
         return metrics | {"perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["timing_s/step"]}
 

@@ -39,7 +39,8 @@ from shardrl.workers.rollout import RolloutWorker
 
 STEPS_PER_CALL = 16  # engine steps per stream call: how long a pause request may wait for the rollouter
 # what RolloutWorker.stream reports per call, summed over calls and replicas
-ENGINE_KEYS = ("engine_s", "prefill_s", "decode_steps", "decode_rows", "prefill_tokens", "graph_capture_s")
+ENGINE_KEYS = ("engine_s", "prefill_s", "decode_steps", "decode_rows", "prefill_tokens", "graph_capture_s",
+               "tool_idle_s", "decode_steps_during_tools")
 
 
 @dataclass
@@ -117,7 +118,9 @@ class Rollouter:
         engine steps, of which `rollout/prefill_s` prefill (re-prefills after a partial-rollout sync included);
         `rollout/overhead_s` in calls but not in engine steps (Ray, packing samples); `rollout/idle_s` between
         calls (budget spent, paused for a sync). `rollout/decode_batch`: sequences per decode step, of `slots`.
-        `rollout/graph_capture_s`: of the engine time, capturing decode CUDA graphs (new batch shapes)."""
+        `rollout/graph_capture_s`: of the engine time, capturing decode CUDA graphs (new batch shapes).
+        Multi-turn: `rollout/tool_idle_s` with nothing to step because every trajectory waited on its tools (inside
+        the calls), `rollout/decode_steps_during_tools` steps that ran while some trajectory waited (waits hidden)."""
         with self.cond:
             s, wall = self.stats, time.perf_counter() - self.stats_since
             self.stats, self.stats_since = dict.fromkeys(s, 0.0), time.perf_counter()
@@ -127,7 +130,9 @@ class Rollouter:
                 "rollout/overhead_s": s["call_s"] - engine["engine_s"], "rollout/idle_s": wall - s["call_s"],
                 "rollout/decode_steps": engine["decode_steps"], "rollout/decode_batch": decode_batch,
                 "rollout/occupancy": decode_batch / max(self.slots, 1), "rollout/prefill_tokens":
-                engine["prefill_tokens"], "rollout/graph_capture_s": engine["graph_capture_s"]}
+                engine["prefill_tokens"], "rollout/graph_capture_s": engine["graph_capture_s"],
+                "rollout/tool_idle_s": engine["tool_idle_s"],
+                "rollout/decode_steps_during_tools": engine["decode_steps_during_tools"]}
 
     def pause(self, drain: bool) -> None:
         """Wait until the rollouter stands between two calls (with `drain`: with no request running)."""
@@ -184,6 +189,9 @@ class Rollouter:
                         self._record(replica, finished)
                         for key in ENGINE_KEYS:
                             self.stats[key] += engine[key]
+                        if replica == 0:  # multi-turn: the engine idle because every trajectory waited on tools
+                            for begin, end in engine["tool_idle_spans"]:
+                                self.timeline.add_wall_span(self.trainer_step(), "tool_idle", "rollout", begin, end)
                         self.slots = engine["slots"]
                     self.cond.notify_all()
         except BaseException as error:  # handed to the trainer's thread, which raises it

@@ -30,6 +30,7 @@ class Timeline:
     thread (trainer lane)."""
 
     origin: float = field(default_factory=time.perf_counter)
+    wall_origin: float = field(default_factory=time.time)  # the same instant, for spans other processes measured
     _spans: list[dict[str, Any]] = field(default_factory=list)
     on_phase: Callable[[int, str], None] | None = None
     _lock: threading.Lock = field(default_factory=threading.Lock)
@@ -45,6 +46,13 @@ class Timeline:
             span = {"step": step, "phase": name, "lane": lane, "start": start, "end": time.perf_counter() - self.origin}
             with self._lock:
                 self._spans.append(span)
+
+    def add_wall_span(self, step: int, name: str, lane: str, start: float, end: float) -> None:
+        """A span a worker measured in wall-clock time (`time.time()`), e.g. the rollout engine idle on tools."""
+        span = {"step": step, "phase": name, "lane": lane, "start": start - self.wall_origin,
+                "end": end - self.wall_origin}
+        with self._lock:
+            self._spans.append(span)
 
     def snapshot(self) -> list[dict[str, Any]]:
         """The spans recorded so far (a copy: the rollouter's thread may be adding one)."""

@@ -8,7 +8,7 @@ memory; the next weight sync wakes it (weights first, cache after), as does a ge
 
 from __future__ import annotations
 
-from shardrl.agents.driver import build_runner
+from shardrl.agents.driver import RunnerStats, build_runner
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
 from shardrl.data.batch import Batch
@@ -50,6 +50,11 @@ class ActorRolloutRefWorker(ActorRefWorker):
         if o.free_cache_engine:
             self.rollout.sleep()
         return samples
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def take_agent_stats(self) -> RunnerStats | None:
+        """The agent runner's stats since the last call (None: single turn)."""
+        return None if self.agents is None else self.agents.take_stats()
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int | None = None) -> dict[str, float]:

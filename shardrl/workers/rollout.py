@@ -110,10 +110,12 @@ class RolloutWorker:
                 self.prompts[key] = prompts.take([row])
                 samples.append((key, sample, name))
             self.agents.start(samples)
-        self.engine.stats, self.agents.stats = EngineStats(), RunnerStats()
+        self.engine.stats = EngineStats()
         finished = self.agents.drive(max_steps)
-        report = self._report() | {"tool_wait_s": self.agents.stats.tool_wait_seconds,
-                                   "decode_steps_during_tools": self.agents.stats.decode_steps_during_tools}
+        agent = self.agents.take_stats()
+        report = self._report() | {"tool_idle_s": agent.tool_idle_seconds,
+                                   "decode_steps_during_tools": agent.decode_steps_during_tools,
+                                   "tool_idle_spans": agent.tool_idle_spans}
         if not finished:
             return None, report
         rows = Batch.concat([self.prompts.pop(key) for key in finished])
@@ -126,7 +128,13 @@ class RolloutWorker:
         return {"engine_s": stats.prefill_seconds + stats.decode_seconds, "prefill_s": stats.prefill_seconds,
                 "decode_steps": stats.decode_steps, "decode_rows": stats.decode_tokens,
                 "prefill_tokens": stats.prefill_tokens, "graph_capture_s": stats.graph_capture_seconds,
-                "slots": self.engine.max_running}
+                "slots": self.engine.max_running, "tool_idle_s": 0.0, "decode_steps_during_tools": 0,
+                "tool_idle_spans": []}
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def take_agent_stats(self) -> RunnerStats | None:
+        """The agent runner's stats since the last call (None: single turn)."""
+        return None if self.agents is None else self.agents.take_stats()
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int) -> dict[str, float]:
