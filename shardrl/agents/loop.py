@@ -101,6 +101,9 @@ class Episode:
         """The next model turn: at most the sample's `max_tokens` per turn (the response length, unless set lower)
         and the `remaining` budget."""
         traj = self.trajectory
+        if self.remaining <= 0:
+            raise AgentLoopError(f"generate: the response budget ({self.response_length} tokens) is spent; end the "
+                                 f"trajectory when episode.remaining is 0")
         params = _with_max_tokens(self.sample.params, min(self.sample.params.max_tokens, self.remaining))
         out = await self._generate(traj.prompt_ids + traj.response_ids, params)
         traj.add_model(out.token_ids, out.logprobs, out.policy_versions)

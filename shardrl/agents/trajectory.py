@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import IntEnum
-from typing import Any
 
 
 class Source(IntEnum):
@@ -36,10 +35,8 @@ class Trajectory:
     tool_wait_seconds: float = 0.0  # wall time the trajectory waited on its tools (parallel calls overlap)
     tool_rewards: list[float] = field(default_factory=list)
     turn_scores: list[float] = field(default_factory=list)
-    reward_score: float | None = None  # set by an agent loop that scores itself; else the reward function scores
     finish_reason: str = "stop"  # the last model turn's ("stop", "length") or why the loop ended it
     error: str | None = None  # the agent loop raised: the trajectory keeps what it had, marked
-    extra: dict[str, Any] = field(default_factory=dict)
 
     @property
     def response_mask(self) -> list[int]:
@@ -56,6 +53,3 @@ class Trajectory:
         self.sources += [source] * len(ids)
         self.logprobs += [0.0] * len(ids)
         self.policy_versions += [-1] * len(ids)
-
-    def tokens_by_source(self) -> dict[str, int]:
-        return {s.name.lower(): sum(1 for x in self.sources if x == s) for s in Source}

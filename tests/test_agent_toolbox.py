@@ -1,0 +1,89 @@
+"""The tool box every trajectory of a worker shares: verl's truncation sides, the concurrency limit over all
+trajectories, per-call timeouts covering create and execute, releases that always run, and the episode's budget."""
+
+import asyncio
+import time
+
+import pytest
+
+from shardrl.agents.loop import AgentData, AgentLoopError, AgentSample, Episode, ToolBox, TurnLimits
+from shardrl.agents.parsers import FunctionCall
+from shardrl.agents.tools import BaseTool, OpenAIFunctionToolSchema, ToolResponse
+from shardrl.agents.trajectory import Source
+from shardrl.rollout.request import RequestOutput, SamplingParams
+
+
+def _schema(name):
+    return OpenAIFunctionToolSchema.model_validate({"type": "function", "function": {"name": name}})
+
+
+class CountingTool(BaseTool):
+    """Sleeps `delay` per call and records how many calls overlap."""
+
+    def __init__(self, name, delay):
+        super().__init__({}, _schema(name))
+        self.delay, self.running, self.peak, self.released = delay, 0, 0, []
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        self.running += 1
+        self.peak = max(self.peak, self.running)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.running -= 1
+        return ToolResponse(text=parameters.get("text", "done")), 1.0, {}
+
+    async def release(self, instance_id, **kwargs):
+        self.released.append(instance_id)
+
+
+def _data():
+    return AgentData([], "r", {})
+
+
+@pytest.mark.parametrize("side, expected", [("left", "abcde...(truncated)"), ("right", "(truncated)...fghij"),
+                                            ("middle", "ab...(truncated)...ij")])
+def test_truncation_sides_are_verls(side, expected):
+    box = ToolBox([], TurnLimits(response_length=8, max_tool_response_length=5, tool_response_truncate_side=side))
+    assert box.truncate("abcdefghij") == expected and box.truncate("abc") == "abc"
+
+
+def test_calls_of_all_trajectories_share_the_concurrency_limit():
+    tool = CountingTool("slow", 0.05)
+    box = ToolBox([tool], TurnLimits(response_length=8, max_concurrent_tool_calls=3))
+
+    async def many():
+        return await asyncio.gather(*(box.call(FunctionCall("slow", {"text": str(i)}), _data()) for i in range(12)))
+
+    start = time.perf_counter()
+    results = asyncio.run(many())
+    assert tool.peak == 3 and time.perf_counter() - start >= 4 * 0.05
+    assert [r.text for r in results] == [str(i) for i in range(12)] and all(r.reward == 1.0 for r in results)
+    assert len(tool.released) == 12
+
+
+def test_a_timeout_covers_the_call_and_still_releases():
+    tool = CountingTool("stuck", 5.0)
+    box = ToolBox([tool], TurnLimits(response_length=8, tool_timeout=0.1))
+    result = asyncio.run(box.call(FunctionCall("stuck", {}), _data()))
+    assert result.timed_out and result.error and "timed out after 0.1 s" in result.text
+    assert len(tool.released) == 1 and tool.running == 0
+
+
+def test_an_episode_caps_turns_by_its_budget_and_refuses_past_it():
+    asked = []
+
+    async def generate(prompt_ids, params):
+        asked.append(params.max_tokens)
+        return RequestOutput("r", prompt_ids, [7] * params.max_tokens, [0.0] * params.max_tokens, None,
+                             [0] * params.max_tokens, "length", True)
+
+    episode = Episode(AgentSample([], [1], {}, SamplingParams(max_tokens=3)), generate, lambda ids: "", 6)
+    asyncio.run(episode.generate())
+    assert not episode.append([9, 9, 9], Source.TOOL)  # would leave no room for a model token
+    assert episode.append([9], Source.TOOL) and episode.remaining == 2
+    asyncio.run(episode.generate())
+    assert asked == [3, 2]  # the sample's per-turn cap, then what was left
+    assert episode.trajectory.response_ids == [7, 7, 7, 9, 7, 7] and episode.remaining == 0
+    with pytest.raises(AgentLoopError, match="response budget"):
+        asyncio.run(episode.generate())
