@@ -130,8 +130,11 @@ def main() -> None:
 
     prefills = time_prefills(engine, device)
     model_tokens = sum(sum(t) for t in turns)
-    run(runner, multi(0)[:min(8, len(prompts))], device)  # warm-up: kernels, compile, graph capture
-    run(runner, single(1)[:min(8, len(prompts))], device)
+    # Warm-up: kernels, graph capture and (compile_decode) a compile per decode-rows bucket, which the full-size
+    # runs meet; so both are warmed at full size.
+    warm = len(prompts) if engine.config.compile_decode else min(8, len(prompts))
+    run(runner, multi(0)[:warm], device)
+    run(runner, single(1)[:warm], device)
     single_s = run(runner, single(2), device)
     prefills.clear()
     multi_s = run(runner, multi(3), device)

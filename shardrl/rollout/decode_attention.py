@@ -62,7 +62,9 @@ def _partial_kernel(q_ptr, k_ptr, v_ptr, used_ptr, out_ptr, acc_ptr, stats_ptr, 
         offsets = kv_offset + tokens[:, None] * stride_k_token + d[None, :]  # [BLOCK_N, BLOCK_D]
         load_mask = t_valid[:, None] & d_valid[None, :]
         k = tl.load(k_ptr + offsets, mask=load_mask, other=0.0)
-        scores = tl.dot(q, tl.trans(k)) * scale  # [BLOCK_G, BLOCK_N] fp32
+        # Cast back: a compiled caller (torch.compile) passes `scale` as fp64, which would make the product and
+        # the running max fp64, a type the loop may not change.
+        scores = (tl.dot(q, tl.trans(k)) * scale).to(tl.float32)  # [BLOCK_G, BLOCK_N]
         scores = tl.where(t_valid[None, :], scores, float("-inf"))
         m_new = tl.maximum(m, tl.max(scores, 1))  # finite: a tile holds at least one valid token
         p = tl.exp(scores - m_new[:, None])
