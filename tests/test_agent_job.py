@@ -99,3 +99,24 @@ def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(
     assert all(m["async/dropped_samples"] == 0 for m in metrics)
     assert sum(m["agent/tool_calls/mean"] for m in metrics) > 0
     assert all("rollout/decode_steps_during_tools" in m for m in metrics)
+
+
+def test_rows_naming_unknown_loops_or_interactions_are_refused_before_workers_start(tmp_path):
+    task = builtin_task.prepare(tmp_path / "task", multi_turn=True)
+    rows = builtin_task.make_rows(16, seed=0, multi_turn=True)
+    rows[2]["agent_name"] = "react_agent"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path / 'run'}",
+           f"actor_rollout_ref.model.path={task['model']}", f"data.train_files={tmp_path / 'bad.parquet'}",
+           "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",
+           "actor_rollout_ref.rollout.multi_turn.enable=true"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    assert "data agent_name: row 2 names agent loop 'react_agent'" in done.stderr
+    assert "Traceback" not in done.stderr
+    (tmp_path / "i.yaml").write_text("interaction:\n  - class_name: x.py:JudgeInteraction\n")
+    rows[2]["agent_name"] = "tool_agent"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    done = subprocess.run(cmd + [f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path / 'i.yaml'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert "data extra_info.interaction_kwargs.name: row 0 has None; the interaction config has ['judge']" in done.stderr

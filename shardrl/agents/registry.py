@@ -86,6 +86,12 @@ def tool_schemas_of(path: str | Path) -> list[dict[str, Any]]:
     return schemas
 
 
+def interaction_names_of(path: str | Path) -> list[str]:
+    """The names the interaction config at `path` gives its entries, without building them (for launch checks)."""
+    _, entries = _read_entries(path, "interaction", _INTERACTION_KEYS)
+    return [entry.get("name") or _default_interaction_name(entry["class_name"]) for entry in entries]
+
+
 def load_interactions(path: str | Path) -> dict[str, BaseInteraction]:
     """name -> interaction, built, for every entry of the interaction config at `path`; names must be unique."""
     file, entries = _read_entries(path, "interaction", _INTERACTION_KEYS)

@@ -6,9 +6,12 @@ import dataclasses
 from pathlib import Path
 
 import torch
+from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from shardrl.agents.registry import tool_schemas_of
+from shardrl.agents.driver import AgentSettings
+from shardrl.agents.loop import AGENT_LOOPS
+from shardrl.agents.registry import interaction_names_of, tool_schemas_of
 from shardrl.algos import make_kl_controller
 from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
 from shardrl.data import builtin_task
@@ -85,7 +88,7 @@ def train(plan: JobPlan) -> None:
     plan = with_agent_paths(plan, paths)
     data = plan.data
     tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer, trust_remote_code=data.trust_remote_code)
-    tools = tool_schemas_of(paths.tool_config) if paths.tool_config else None
+    tools = agent_tool_schemas(paths.tool_config)
     if plan.teacher is not None:
         check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
 
@@ -98,10 +101,12 @@ def train(plan: JobPlan) -> None:
     loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.gen_batch_size, data.shuffle,
                           data.seed)
     plan = plan.with_total_steps(training_steps(plan, loader))
-    val_prompts = None
+    val_prompts, val_data = None, None
     if paths.val_files:
-        val_prompts = validation_prompts(dataset(paths.val_files, data.val_max_samples), data.val_batch_size,
-                                         data.validation_shuffle, data.seed)
+        val_data = dataset(paths.val_files, data.val_max_samples)
+        val_prompts = validation_prompts(val_data, data.val_batch_size, data.validation_shuffle, data.seed)
+    if plan.rollout.agent is not None:
+        check_agent_rows(plan.rollout.agent, [d for d in (loader.dataset, val_data) if d is not None])
     reward = plan.reward
     score_fn = load_custom_reward(reward.custom_path, reward.custom_name) if reward.custom_path else \
         default_compute_score
@@ -120,6 +125,47 @@ def train(plan: JobPlan) -> None:
         tracker.close()
         write_plots(paths.run_dir, ppo.timeline)
         group.shutdown()
+
+
+TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+
+
+def agent_tool_schemas(tool_config: str | None) -> list[dict] | None:
+    """The tools' schemas prompts are rendered with (None: no tools); a bad tool config is a ConfigError."""
+    if tool_config is None:
+        return None
+    try:
+        return tool_schemas_of(tool_config)
+    except ValueError as err:
+        raise ConfigError(TOOL_CONFIG_KEY, str(err)) from None
+
+
+def check_agent_rows(agent: AgentSettings, datasets: list[RLDataset]) -> None:
+    """Every row's agent loop exists, and with interactions configured every tool-agent row names one of them:
+    found here, before workers start, rather than as a failed trajectory. Raises ConfigError."""
+    loops = set(AGENT_LOOPS)
+    if agent.agent_loop_config_path:
+        loops |= {entry.get("name") for entry in OmegaConf.to_container(OmegaConf.load(agent.agent_loop_config_path))
+                  if isinstance(entry, dict)}
+    if agent.default_agent_loop not in loops:
+        raise ConfigError("actor_rollout_ref.rollout.agent.default_agent_loop",
+                          f"{agent.default_agent_loop!r} is no agent loop; there are {sorted(loops)}")
+    names: list[str] = []
+    if agent.interaction_config_path:
+        try:
+            names = interaction_names_of(agent.interaction_config_path)
+        except ValueError as err:
+            raise ConfigError("actor_rollout_ref.rollout.multi_turn.interaction_config_path", str(err)) from None
+    for data in datasets:
+        for number, row in enumerate(data.rows):
+            name = row.get("agent_name") or agent.default_agent_loop
+            if name not in loops:
+                raise ConfigError("data agent_name", f"row {number} names agent loop {name!r}; there are "
+                                                     f"{sorted(loops)} (register one, or agent.agent_loop_config_path)")
+            kwargs = (row.get("extra_info") or {}).get("interaction_kwargs") or {}
+            if names and name == "tool_agent" and kwargs.get("name") not in names:
+                raise ConfigError("data extra_info.interaction_kwargs.name",
+                                  f"row {number} has {kwargs.get('name')!r}; the interaction config has {names}")
 
 
 def check_teacher_vocabulary(teacher_path: str, student, trust_remote_code: bool) -> None:
