@@ -67,6 +67,9 @@ def test_a_timeout_covers_the_call_and_still_releases():
     box = ToolBox([tool], TurnLimits(response_length=8, tool_timeout=0.1))
     result = asyncio.run(box.call(FunctionCall("stuck", {}), _data()))
     assert result.timed_out and result.error and "timed out after 0.1 s" in result.text
+    deadline = time.perf_counter() + 2.0  # the cancelled call unwinds on the tools' own loop
+    while not tool.released and time.perf_counter() < deadline:
+        time.sleep(0.01)
     assert len(tool.released) == 1 and tool.running == 0
 
 
@@ -87,3 +90,39 @@ def test_an_episode_caps_turns_by_its_budget_and_refuses_past_it():
     assert episode.trajectory.response_ids == [7, 7, 7, 9, 7, 7] and episode.remaining == 0
     with pytest.raises(AgentLoopError, match="response budget"):
         asyncio.run(episode.generate())
+
+
+class BlockingTool(BaseTool):
+    """A tool written wrongly: it blocks its thread (a synchronous sleep) inside its coroutine."""
+
+    def __init__(self, seconds):
+        super().__init__({}, _schema("blocking"))
+        self.seconds = seconds
+
+    async def execute(self, instance_id, parameters, **kwargs):
+        time.sleep(self.seconds)
+        return ToolResponse(text="late"), 0.0, {}
+
+
+def test_a_tool_that_blocks_its_thread_neither_stalls_the_caller_nor_escapes_its_timeout():
+    box = ToolBox([BlockingTool(1.5)], TurnLimits(response_length=8, tool_timeout=0.3))
+
+    async def call_and_tick():
+        ticks = 0
+
+        async def ticker():  # the runner's loop: it must keep running while the tool blocks
+            nonlocal ticks
+            while True:
+                await asyncio.sleep(0.01)
+                ticks += 1
+
+        ticking = asyncio.ensure_future(ticker())
+        start = time.perf_counter()
+        result = await box.call(FunctionCall("blocking", {}), _data())
+        elapsed = time.perf_counter() - start
+        ticking.cancel()
+        return result, elapsed, ticks
+
+    result, elapsed, ticks = asyncio.run(call_and_tick())
+    assert result.timed_out and elapsed < 1.0  # timed out at 0.3 s, not after the 1.5 s block
+    assert ticks >= 15  # the caller's loop ran all along

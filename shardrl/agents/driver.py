@@ -194,8 +194,9 @@ class AgentRunner:
             except TimeoutError:
                 break
             finally:
-                self.stats.tool_idle_seconds += time.time() - start
-                self.stats.tool_idle_spans.append((start, time.time()))
+                end = time.time()
+                self.stats.tool_idle_seconds += end - start
+                self.stats.tool_idle_spans.append((start, end))
         chosen = list(self._done) if keys is None else [k for k in self._done if k in keys]
         return {k: self._done.pop(k) for k in chosen}
 

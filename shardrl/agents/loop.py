@@ -11,6 +11,7 @@ interaction configured, a simulated user answers turns without calls). Users add
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
@@ -138,42 +139,56 @@ class ToolResult:
 class ToolBox:
     """The configured tools, called under a per-call timeout and a concurrency limit shared by every trajectory
     of the worker. A call that fails in any way answers the model with an error message instead of ending the
-    run: tool code is the user's, and its failures are part of the environment."""
+    run: tool code is the user's, and its failures are part of the environment.
+
+    The tools run on an event loop of their own, in a thread of their own, not on the runner's: a tool that blocks
+    its thread (a synchronous sleep or request, a long computation) delays the other tools' calls but never the
+    engine's decoding, and the trajectory waiting on it still gets its timeout on time. (What the blocked call
+    does after its timeout is the tool's business; its release runs when it returns.)"""
 
     def __init__(self, tools: list[BaseTool], limits: TurnLimits) -> None:
         self.tools = {tool.name: tool for tool in tools}
         self.schemas = [tool.tool_schema.model_dump() for tool in tools]
         self.limits = limits
         self._slots = asyncio.Semaphore(limits.max_concurrent_tool_calls)
+        self._loop = asyncio.new_event_loop()
+        threading.Thread(target=self._loop.run_forever, name="agent-tools", daemon=True).start()
 
     async def call(self, call: FunctionCall, agent_data: AgentData) -> ToolResult:
         tool = self.tools.get(call.name)
         if tool is None:
             return ToolResult(f"Error: no tool named {call.name!r}; the tools are {sorted(self.tools)}", error=True)
-        kwargs = agent_data.tools_kwargs.get(call.name, {})
         start = time.perf_counter()
         async with self._slots:
-            instance_id = None
+            running = asyncio.run_coroutine_threadsafe(self._run(tool, call, agent_data), self._loop)
             try:
                 async with asyncio.timeout(self.limits.tool_timeout):
-                    instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
-                    response, reward, _ = await tool.execute(instance_id, dict(call.arguments),
-                                                             agent_data=agent_data)
+                    response, reward = await asyncio.wrap_future(running)
             except TimeoutError:
                 return ToolResult(f"Error: tool {call.name!r} timed out after {self.limits.tool_timeout:g} s",
                                   error=True, timed_out=True, seconds=time.perf_counter() - start)
             except Exception as exc:  # the user's tool failed: the model reads why
                 return ToolResult(f"Error when executing tool {call.name!r}: {type(exc).__name__}: {exc}",
                                   error=True, seconds=time.perf_counter() - start)
-            finally:
-                if instance_id is not None:
-                    await _release(tool, instance_id, self.limits.tool_timeout)
         text = response.text if isinstance(response, ToolResponse) else str(response)
         if isinstance(response, ToolResponse) and (response.image or response.video):
             return ToolResult(f"Error: tool {call.name!r} returned images or video; this agent loop is text-only",
                               error=True, seconds=time.perf_counter() - start)
         return ToolResult(self.truncate(text or ""), None if reward is None else float(reward),
                           seconds=time.perf_counter() - start)
+
+    async def _run(self, tool: BaseTool, call: FunctionCall,
+                   agent_data: AgentData) -> tuple[ToolResponse | str, float | None]:
+        """create -> execute -> release, on the tools' loop (cancelled there when the call times out)."""
+        kwargs = agent_data.tools_kwargs.get(call.name, {})
+        instance_id = None
+        try:
+            instance_id, _ = await tool.create(create_kwargs=kwargs.get("create_kwargs", {}))
+            response, reward, _ = await tool.execute(instance_id, dict(call.arguments), agent_data=agent_data)
+            return response, reward
+        finally:
+            if instance_id is not None:
+                await _release(tool, instance_id, self.limits.tool_timeout)
 
     def truncate(self, text: str) -> str:
         """verl's truncation of a long tool response: `left` keeps the head, `right` the tail, `middle` both."""
