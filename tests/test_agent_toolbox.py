@@ -126,3 +126,31 @@ def test_a_tool_that_blocks_its_thread_neither_stalls_the_caller_nor_escapes_its
     result, elapsed, ticks = asyncio.run(call_and_tick())
     assert result.timed_out and elapsed < 1.0  # timed out at 0.3 s, not after the 1.5 s block
     assert ticks >= 15  # the caller's loop ran all along
+
+
+def test_a_turn_the_engine_refuses_fails_its_trajectory_alone(tmp_path):
+    """A trajectory that outgrows the engine's max_model_len (a user loop appending past it) ends as a loop error,
+    marked and counted; the runner and the other trajectories go on."""
+    from shardrl.agents.driver import AgentRunner
+    from shardrl.agents.loop import AgentContext, AgentLoop, SingleTurnAgentLoop
+    from shardrl.models.tiny import make_tiny_checkpoint
+    from shardrl.parallel.layout import Layout
+    from shardrl.rollout.engine import Engine, EngineConfig
+
+    class Overgrowing(AgentLoop):
+        async def run(self, episode):
+            await episode.generate()
+            episode.append(list(range(1, 40)), Source.TOOL)
+            await episode.generate()
+
+    engine = Engine.from_pretrained(make_tiny_checkpoint("qwen2", tmp_path / "m"), Layout.single(),
+                                    EngineConfig(max_model_len=32, max_num_batched_tokens=64))
+    limits = TurnLimits(response_length=100)
+    context = AgentContext(None, None, ToolBox([], limits), {}, limits)
+    runner = AgentRunner(engine, context, {"grow": Overgrowing(context), "one": SingleTurnAgentLoop(context)},
+                         "one", lambda ids: "")
+    params = SamplingParams(max_tokens=4, ignore_eos=True)
+    runner.start([(0, AgentSample([], [1, 2, 3], {}, params), "grow"), (1, AgentSample([], [4, 5], {}, params), None)])
+    done = runner.drive(None)
+    assert done[0].error is not None and "max_model_len" in done[0].error and done[0].finish_reason == "error"
+    assert done[1].error is None and len(done[1].response_ids) == 4

@@ -216,8 +216,12 @@ class AgentRunner:
             now, later = now + later, []
             self._pending_steps = 0
         for turn in now:
-            self.engine.submit(turn.prompt_ids, turn.params, turn.request_id, keep_cache=True,
-                               continues=turn.continues)
+            try:
+                self.engine.submit(turn.prompt_ids, turn.params, turn.request_id, keep_cache=True,
+                                   continues=turn.continues)
+            except ValueError as err:  # EngineError or the scheduler's: e.g. the trajectory outgrew max_model_len
+                turn.future.set_exception(AgentLoopError(f"turn {turn.request_id}: {err}"))
+                continue
             self._waiting[turn.request_id] = turn
         self._pending = later
 
