@@ -139,19 +139,21 @@ class AgentRunner:
     async def _trajectory(self, key: Hashable, sample: AgentSample, loop_name: str) -> None:
         session = f"traj{next(self._ids)}"
         turns = itertools.count()
-        last: list[str] = []  # the request id of the trajectory's last turn: its parked slot
-        length = [0]  # tokens of the trajectory when its last turn ended
+        previous: str | None = None  # the request id of the trajectory's last turn: its parked slot
+        length = 0  # tokens of the trajectory when its last turn ended
 
         async def generate(prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
+            nonlocal previous, length
             request_id = f"{session}/{next(turns)}"
-            turn = _Turn(prompt_ids, params, last[-1] if last else None, request_id,
-                         asyncio.get_running_loop().create_future(), len(prompt_ids) - length[0] + 1)
-            last.append(request_id)
-            self._in_tools -= 1 if len(last) > 1 else 0
+            turn = _Turn(prompt_ids, params, previous, request_id, asyncio.get_running_loop().create_future(),
+                         len(prompt_ids) - length + 1)
+            if previous is not None:  # back from its environment turn
+                self._in_tools -= 1
+            previous = request_id
             self._pending.append(turn)
             self._wake.set()
             out = await turn.future
-            length[0] = len(out.prompt_ids) + len(out.token_ids)
+            length = len(out.prompt_ids) + len(out.token_ids)
             self._in_tools += 1
             return out
 
@@ -162,9 +164,9 @@ class AgentRunner:
             episode.trajectory.error = f"{type(exc).__name__}: {exc}"
             episode.trajectory.finish_reason = "error"
         finally:
-            if last:
+            if previous is not None:
                 self._in_tools -= 1
-                self._release.append(last[-1])
+                self._release.append(previous)
             self._active.pop(key, None)
             self._done[key] = episode.trajectory
             self._wake.set()
@@ -207,8 +209,9 @@ class AgentRunner:
             self.engine.release_cache(self._release)
             self._release = []
         fed = self.engine.config.max_fed_tokens
-        now = [t for t in self._pending if t.continues is not None and t.new_tokens <= fed]
-        later = [t for t in self._pending if not (t.continues is not None and t.new_tokens <= fed)]
+        now, later = [], []
+        for turn in self._pending:
+            (now if turn.continues is not None and turn.new_tokens <= fed else later).append(turn)
         running = len(self.engine.scheduler.running)
         if later and running and len(later) < -(-running // TURN_CHUNK) and self._pending_steps < MAX_TURN_WAIT_STEPS:
             self._pending_steps += 1

@@ -24,26 +24,33 @@ def prompt_ids_of(prompts: Batch) -> list[list[int]]:
     return [row[m].tolist() for row, m in zip(ids, mask)]
 
 
-def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length: int, pad_token_id: int,
-                  packed: tuple[torch.Tensor, ...] | None = None) -> Batch:
+def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length: int, pad_token_id: int) -> Batch:
     """Pack engine outputs (one per prompt row: the controller repeats prompts `n` times before generation) into the
-    padded sample batch. `packed`: the response tensors already made (responses, response_mask, rollout log-probs,
-    policy versions, response attention mask), for multi-turn trajectories."""
-    if packed is None:
-        num = len(outputs)
-        responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
-        response_mask = torch.zeros(num, response_length)
-        log_probs = torch.zeros(num, response_length)
-        versions = torch.full((num, response_length), -1, dtype=torch.long)
-        for i, out in enumerate(outputs):
-            length = len(out.token_ids)
-            responses[i, :length] = torch.tensor(out.token_ids, dtype=torch.long)
-            response_mask[i, :length] = 1.0
-            log_probs[i, :length] = torch.tensor(out.logprobs)
-            versions[i, :length] = torch.tensor(out.policy_versions, dtype=torch.long)
-        attention = response_mask.long()
-    else:
-        responses, response_mask, log_probs, versions, attention = packed
+    padded sample batch."""
+    rows = [(out.token_ids, [1] * len(out.token_ids), out.logprobs, out.policy_versions) for out in outputs]
+    return _padded_batch(prompts, rows, [out.finish_reason for out in outputs], response_length, pad_token_id)
+
+
+ResponseRow = tuple[list[int], list[int], list[float], list[int]]  # ids, response mask, logprobs, policy versions
+
+
+def _padded_batch(prompts: Batch, rows: list[ResponseRow], finish_reasons: list[str | None], response_length: int,
+                  pad_token_id: int) -> Batch:
+    """The sample batch of one response per prompt row: each row's tokens right-padded to `response_length`, the
+    attention mask 1 on all of them (the response mask only where the row's says)."""
+    num = len(rows)
+    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
+    response_mask = torch.zeros(num, response_length)
+    attention = torch.zeros(num, response_length, dtype=torch.long)
+    log_probs = torch.zeros(num, response_length)
+    versions = torch.full((num, response_length), -1, dtype=torch.long)
+    for i, (ids, mask, logprobs, row_versions) in enumerate(rows):
+        length = len(ids)
+        responses[i, :length] = torch.tensor(ids, dtype=torch.long)
+        response_mask[i, :length] = torch.tensor(mask, dtype=torch.float32)
+        attention[i, :length] = 1
+        log_probs[i, :length] = torch.tensor(logprobs)
+        versions[i, :length] = torch.tensor(row_versions, dtype=torch.long)
     p = prompts.tensors
     last_position = p["position_ids"][:, -1:]  # [num, 1]
     response_positions = last_position + torch.arange(1, response_length + 1)  # [num, R]
@@ -58,8 +65,7 @@ def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length:
         "policy_versions": versions,
     }
     non_tensors = dict(prompts.non_tensors)
-    if packed is None:
-        non_tensors["finish_reason"] = as_object_array([out.finish_reason for out in outputs])
+    non_tensors["finish_reason"] = as_object_array(finish_reasons)
     return Batch(tensors, non_tensors, dict(prompts.meta))
 
 
@@ -88,23 +94,11 @@ def trajectories_batch(prompts: Batch, trajectories: list[Trajectory], response_
     model sees the environment's tokens as context). `response_sources` says who wrote each token
     (`agents.trajectory.Source`, -1 on padding); per-trajectory counts go in `agent_*` columns, and the reward
     function finds `num_turns`, `turn_scores` and `tool_rewards` in `extra_info`."""
-    num = len(trajectories)
-    responses = torch.full((num, response_length), pad_token_id, dtype=torch.long)
-    response_mask = torch.zeros(num, response_length)
-    attention = torch.zeros(num, response_length, dtype=torch.long)
-    log_probs = torch.zeros(num, response_length)
-    versions = torch.full((num, response_length), -1, dtype=torch.long)
-    sources = torch.full((num, response_length), -1, dtype=torch.long)
+    rows = [(t.response_ids, t.response_mask, t.logprobs, t.policy_versions) for t in trajectories]
+    samples = _padded_batch(prompts, rows, [t.finish_reason for t in trajectories], response_length, pad_token_id)
+    sources = torch.full((len(trajectories), response_length), -1, dtype=torch.long)
     for i, traj in enumerate(trajectories):
-        length = len(traj.response_ids)
-        responses[i, :length] = torch.tensor(traj.response_ids, dtype=torch.long)
-        response_mask[i, :length] = torch.tensor(traj.response_mask, dtype=torch.float32)
-        attention[i, :length] = 1
-        log_probs[i, :length] = torch.tensor(traj.logprobs)
-        versions[i, :length] = torch.tensor(traj.policy_versions, dtype=torch.long)
-        sources[i, :length] = torch.tensor([int(s) for s in traj.sources], dtype=torch.long)
-    samples = samples_batch(prompts, [], response_length, pad_token_id, (responses, response_mask, log_probs,
-                                                                         versions, attention))
+        sources[i, :len(traj.sources)] = torch.tensor([int(src) for src in traj.sources], dtype=torch.long)
     counts = {"agent_turns": [t.assistant_turns + t.user_turns for t in trajectories],
               "agent_assistant_turns": [t.assistant_turns for t in trajectories],
               "agent_tool_calls": [t.tool_calls for t in trajectories],
@@ -116,7 +110,6 @@ def trajectories_batch(prompts: Batch, trajectories: list[Trajectory], response_
     for key, values in counts.items():
         samples.tensors[key] = torch.tensor(values, dtype=torch.float32)
     samples.tensors["response_sources"] = sources
-    samples.non_tensors["finish_reason"] = as_object_array([t.finish_reason for t in trajectories])
     samples.non_tensors["extra_info"] = as_object_array([
         {**(info or {}), "num_turns": t.assistant_turns + t.user_turns, "turn_scores": list(t.turn_scores),
          "tool_rewards": list(t.tool_rewards)}
