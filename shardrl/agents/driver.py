@@ -26,6 +26,8 @@ from typing import Any
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
+from shardrl.agents.agent_host import AgentHost
+from shardrl.agents.endpoint import Endpoint, EndpointAgentLoop, EndpointSettings
 from shardrl.agents.loop import (
     AGENT_LOOPS,
     AgentContext,
@@ -40,7 +42,7 @@ from shardrl.agents.parsers import get_parser
 from shardrl.agents.registry import import_class, load_interactions, load_tools
 from shardrl.agents.render import TurnRenderer
 from shardrl.agents.trajectory import Trajectory
-from shardrl.rollout.engine import Engine
+from shardrl.rollout.engine import Engine, common_prefix
 from shardrl.rollout.request import RequestOutput, SamplingParams
 
 IDLE_WAIT_S = 0.05  # a streaming drive with nothing to step waits this long for a tool before returning
@@ -124,8 +126,14 @@ class AgentRunner:
         return len(self._active) + len(self._done)
 
     def close(self) -> None:
+        """Close the loops (their agent processes, the endpoint), then stop the runner's thread."""
+        self._call(self._close_loops()).result()
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()
+
+    async def _close_loops(self) -> None:
+        for loop in self.loops.values():
+            await loop.aclose()
 
     def _call(self, coroutine: Coroutine[Any, Any, Any]) -> Future:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop)
@@ -140,20 +148,20 @@ class AgentRunner:
         session = f"traj{next(self._ids)}"
         turns = itertools.count()
         previous: str | None = None  # the request id of the trajectory's last turn: its parked slot
-        length = 0  # tokens of the trajectory when its last turn ended
+        cached: list[int] = []  # the trajectory's tokens when its last turn ended
 
         async def generate(prompt_ids: list[int], params: SamplingParams) -> RequestOutput:
-            nonlocal previous, length
+            nonlocal previous, cached
             request_id = f"{session}/{next(turns)}"
             turn = _Turn(prompt_ids, params, previous, request_id, asyncio.get_running_loop().create_future(),
-                         len(prompt_ids) - length + 1)
+                         len(prompt_ids) - common_prefix(cached, prompt_ids) + 1)
             if previous is not None:  # back from its environment turn
                 self._in_tools -= 1
             previous = request_id
             self._pending.append(turn)
             self._wake.set()
             out = await turn.future
-            length = len(out.prompt_ids) + len(out.token_ids)
+            cached = out.prompt_ids + out.token_ids
             self._in_tools += 1
             return out
 
@@ -242,6 +250,7 @@ class AgentSettings:
     agent_loop_config_path: str | None = None
     default_agent_loop: str = "single_turn_agent"
     template_kwargs: tuple[tuple[str, Any], ...] = ()  # data.apply_chat_template_kwargs
+    endpoint: EndpointSettings = EndpointSettings()  # for agent functions (`agents.endpoint`)
 
 
 def build_runner(engine: Engine, settings: AgentSettings) -> AgentRunner:
@@ -255,15 +264,25 @@ def build_runner(engine: Engine, settings: AgentSettings) -> AgentRunner:
     context = AgentContext(renderer, get_parser(settings.format), toolbox, interactions, settings.limits)
     loops = {name: cls(context) for name, cls in AGENT_LOOPS.items()}
     if settings.agent_loop_config_path:
-        loops |= load_agent_loops(settings.agent_loop_config_path, context)
+        endpoint = Endpoint(settings.endpoint, tokenizer, context, dict(settings.template_kwargs))
+        loops |= load_agent_loops(settings.agent_loop_config_path, context, endpoint)
     return AgentRunner(engine, context, loops, settings.default_agent_loop,
                        lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
 
 
-def load_agent_loops(path: str, context: AgentContext) -> dict[str, AgentLoop]:
+def agent_host(function: str, settings: EndpointSettings, base_dir: Path, num_processes: int | None = None) -> AgentHost:
+    """The processes an agent function runs in (`agent.num_workers` of them, unless `num_processes`)."""
+    return AgentHost(function, num_processes=num_processes or settings.num_workers,
+                     episode_timeout=settings.episode_timeout,
+                     max_episodes_per_process=settings.max_episodes_per_process,
+                     memory_limit_mb=settings.memory_limit_mb, base_dir=str(base_dir))
+
+
+def load_agent_loops(path: str, context: AgentContext, endpoint: Endpoint) -> dict[str, AgentLoop]:
     """verl's `agent.agent_loop_config_path`: a yaml list of `{name, _target_: pkg.module.Class or
-    file.py:Class, <settings>}`; each class an `AgentLoop` subclass, built with the settings as keyword
-    arguments."""
+    file.py:Class, <settings>}`, each class an `AgentLoop` subclass built with the settings as keyword arguments;
+    or (shardrl) `{name, function: file.py:function or pkg.module:function}`, an agent function that talks to the
+    policy through the OpenAI-compatible `endpoint`, run in agent processes of its own (never imported here)."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise AgentLoopError(f"agent.agent_loop_config_path={path}: file not found")
@@ -273,8 +292,18 @@ def load_agent_loops(path: str, context: AgentContext) -> dict[str, AgentLoop]:
     loops: dict[str, AgentLoop] = {}
     for index, entry in enumerate(entries):
         where = f"{file}: [{index}]"
+        if isinstance(entry, dict) and isinstance(entry.get("name"), str) and "function" in entry:
+            if set(entry) != {"name", "function"}:
+                raise AgentLoopError(f"{where}: an agent-function entry takes only `name` and `function`; got "
+                                     f"{sorted(entry)}")
+            host = agent_host(str(entry["function"]), endpoint.settings, file.parent)
+            host.start()
+            loops[entry["name"]] = EndpointAgentLoop(context, endpoint, host)
+            loops[entry["name"]].name = entry["name"]
+            continue
         if not isinstance(entry, dict) or not isinstance(entry.get("name"), str) or "_target_" not in entry:
-            raise AgentLoopError(f"{where}: needs `name` and `_target_` (pkg.module.Class or file.py:Class)")
+            raise AgentLoopError(f"{where}: needs `name` and `_target_` (pkg.module.Class or file.py:Class), or "
+                                 f"`name` and `function` (an agent function)")
         settings = {k: v for k, v in entry.items() if k not in ("name", "_target_")}
         cls = import_class(entry["_target_"], file.parent, where)
         if not (isinstance(cls, type) and issubclass(cls, AgentLoop)):

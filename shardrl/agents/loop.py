@@ -36,6 +36,7 @@ class TurnLimits:
     """verl's `rollout.multi_turn` limits, plus the tool-call timeout and concurrency shardrl adds."""
 
     response_length: int  # tokens of the whole response, model and environment tokens together
+    prompt_length: int | None = None  # the trainer's prompt width: an external agent's longer prompt spills over
     max_assistant_turns: int | None = None
     max_user_turns: int | None = None
     max_parallel_calls: int = 1
@@ -98,14 +99,14 @@ class Episode:
         """Response tokens still allowed."""
         return self.response_length - len(self.trajectory.response_ids)
 
-    async def generate(self) -> ModelTurn:
-        """The next model turn: at most the sample's `max_tokens` per turn (the response length, unless set lower)
-        and the `remaining` budget."""
-        traj = self.trajectory
+    async def generate(self, params: SamplingParams | None = None) -> ModelTurn:
+        """The next model turn, sampled with `params` (default: the sample's): at most their `max_tokens` (the
+        sample's is the response length, unless set lower) and the `remaining` budget."""
+        traj, params = self.trajectory, params or self.sample.params
         if self.remaining <= 0:
             raise AgentLoopError(f"generate: the response budget ({self.response_length} tokens) is spent; end the "
                                  f"trajectory when episode.remaining is 0")
-        params = _with_max_tokens(self.sample.params, min(self.sample.params.max_tokens, self.remaining))
+        params = _with_max_tokens(params, min(params.max_tokens, self.remaining))
         out = await self._generate(traj.prompt_ids + traj.response_ids, params)
         traj.add_model(out.token_ids, out.logprobs, out.policy_versions)
         traj.assistant_turns += 1
@@ -234,6 +235,9 @@ class AgentLoop:
 
     async def run(self, episode: Episode) -> None:
         raise NotImplementedError
+
+    async def aclose(self) -> None:
+        """Free what the loop holds (processes, servers) when its runner closes; on the runner's event loop."""
 
 
 AGENT_LOOPS: dict[str, type[AgentLoop]] = {}

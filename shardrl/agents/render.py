@@ -71,7 +71,13 @@ class TurnRenderer:
             if message.get("role") not in _ENV_ROLES:
                 raise ValueError(f"env_ids: message role {message.get('role')!r} is not an environment turn; "
                                  f"the environment adds only {' or '.join(_ENV_ROLES)} messages")
-        text = self._render(new_messages)[1]
+        return self.rewritten_ids(new_messages, last_model_ids)
+
+    def rewritten_ids(self, messages: list[dict[str, Any]], last_model_ids: list[int]) -> list[int]:
+        """As `env_ids`, for messages of any role: what an external agent sent after a model turn when it rewrote the
+        history from there (an assistant message the model did not write, a system message). The ids are the
+        template's rendering of that text, so they are masked context, never trained on."""
+        text = self._render(messages)[1]
         if last_model_ids and last_model_ids[-1] in self._atomic_ids:
             last = self.tokenizer.decode(last_model_ids[-1:])
             if text.startswith(last):

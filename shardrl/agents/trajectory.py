@@ -17,6 +17,7 @@ class Source(IntEnum):
     MODEL = 0
     TOOL = 1
     USER = 2
+    REWRITTEN = 3  # history an external agent changed after the model wrote it (`agents.sessions`)
 
 
 @dataclass
@@ -37,6 +38,14 @@ class Trajectory:
     turn_scores: list[float] = field(default_factory=list)
     finish_reason: str = "stop"  # the last model turn's ("stop", "length") or why the loop ended it
     error: str | None = None  # the agent loop raised: the trajectory keeps what it had, marked
+    # External agents (`agents.endpoint`): HTTP requests served, requests whose history the client had changed
+    # (the changed part is in the trajectory as REWRITTEN tokens), their summed latency, and the reward the agent
+    # function returned (None: the reward function scores the trajectory).
+    external: bool = False  # an endpoint episode
+    requests: int = 0
+    divergent_requests: int = 0
+    request_seconds: float = 0.0
+    agent_reward: float | None = None
 
     @property
     def response_mask(self) -> list[int]:
@@ -47,6 +56,11 @@ class Trajectory:
         self.sources += [Source.MODEL] * len(ids)
         self.logprobs += logprobs
         self.policy_versions += versions
+
+    def truncate(self, num_response_tokens: int) -> None:
+        """Drop the response tokens after the first `num_response_tokens` (a client went back in its history)."""
+        for column in (self.response_ids, self.sources, self.logprobs, self.policy_versions):
+            del column[num_response_tokens:]
 
     def add_environment(self, ids: list[int], source: Source) -> None:
         self.response_ids += ids

@@ -101,8 +101,6 @@ ACCEPTED: tuple[Accepted, ...] = (
              "interactions read them"),
     Accepted("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "nothing to check: trajectories "
              "are token-exact by construction (no turn is re-tokenized), whatever the mode"),
-    Accepted("actor_rollout_ref.rollout.agent.num_workers", "verl's count of agent-loop processes; shardrl runs "
-             "every trajectory of a rollout replica concurrently in that replica's agent runner"),
     *(Accepted(f"{role}.strategy", "megatron is the only training engine (the type allows no other value)")
       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
     Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),

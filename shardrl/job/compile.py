@@ -12,6 +12,7 @@ from typing import Any
 import torch
 
 from shardrl.agents.driver import AgentSettings
+from shardrl.agents.endpoint import EndpointSettings
 from shardrl.agents.loop import TurnLimits
 from shardrl.agents.parsers import get_parser
 from shardrl.algos import ClipRange
@@ -140,22 +141,29 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
         validate=sampling_options(val.do_sample, val.temperature, val.top_k, val.top_p, length, ignore_eos),
         response_length=length, free_cache_engine=rollout.free_cache_engine, override_config=shared.override_config,
         weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks),
-        agent=agent_settings(rollout.multi_turn, rollout.agent, length))
+        agent=agent_settings(rollout.multi_turn, rollout.agent, shared.prompt_length, length))
 
 
-def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig,
+def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, prompt_length: int,
                    response_length: int) -> AgentSettings | None:
     """verl's `multi_turn.*` and `agent.*` -> the agent runner's settings (None: multi-turn off, single turn). The
     tokenizer and the chat template's arguments (the data's) are filled in at launch. Tool-call format and config files are checked here, before workers start."""
     limits = TurnLimits(
-        response_length=response_length, max_assistant_turns=multi_turn.max_assistant_turns,
+        response_length=response_length, prompt_length=prompt_length,
+        max_assistant_turns=multi_turn.max_assistant_turns,
         max_user_turns=multi_turn.max_user_turns, max_parallel_calls=multi_turn.max_parallel_calls,
         max_tool_response_length=multi_turn.max_tool_response_length,
         tool_response_truncate_side=multi_turn.tool_response_truncate_side, tool_timeout=multi_turn.tool_timeout,
         max_concurrent_tool_calls=multi_turn.max_concurrent_tool_calls)
+    served = agent.endpoint
+    endpoint = EndpointSettings(
+        served_model_name=served.served_model_name, host=served.host, port=served.port, api_key=served.api_key,
+        max_body_mb=served.max_body_mb, max_concurrent_requests=served.max_concurrent_requests,
+        episode_timeout=served.episode_timeout, memory_limit_mb=served.memory_limit_mb,
+        num_workers=agent.num_workers, max_episodes_per_process=served.max_episodes_per_process)
     settings = AgentSettings(limits, None, multi_turn.format, multi_turn.tool_config_path,
                              multi_turn.interaction_config_path, agent.agent_loop_config_path,
-                             agent.default_agent_loop)
+                             agent.default_agent_loop, endpoint=endpoint)
     if not multi_turn.enable:
         return None
     prefix = "actor_rollout_ref.rollout"

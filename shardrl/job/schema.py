@@ -205,12 +205,30 @@ class MultiTurnConfig:
 
 
 @dataclass(frozen=True)
+class AgentEndpointConfig:
+    """shardrl's `rollout.agent.endpoint`: the OpenAI-compatible endpoint agent functions talk to
+    (`shardrl.agents.endpoint`), one per rollout worker."""
+
+    served_model_name: str  # the `model` requests must name
+    host: str  # 127.0.0.1: reachable from this machine only
+    port: NonNegInt  # 0: a free port
+    api_key: str | None  # required as `Authorization: Bearer <key>` when set
+    max_body_mb: PosInt
+    max_concurrent_requests: PosInt  # in flight per endpoint; more get 429
+    episode_timeout: PosFloat  # seconds per episode of an agent function
+    memory_limit_mb: PosInt | None  # address-space limit of each agent process
+    max_episodes_per_process: PosInt
+
+
+@dataclass(frozen=True)
 class AgentLoopConfig:
-    """verl's `rollout.agent`: which agent loop runs a sample, and user loops."""
+    """verl's `rollout.agent`: which agent loop runs a sample, user loops, and the agent processes (`num_workers`)
+    that run agent functions."""
 
     num_workers: PosInt
     default_agent_loop: str
     agent_loop_config_path: str | None
+    endpoint: AgentEndpointConfig
 
 
 @dataclass(frozen=True)

@@ -41,15 +41,21 @@ class SampleScores:
     extras: dict[str, list[Any]]
 
 
-def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:
+def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor,
+                        failed: torch.Tensor | None = None) -> torch.Tensor:
     """Token-level scores `[B, T]`: zero everywhere except `scores[b]` on row b's last valid response token.
 
     "Last valid" is the last position whose mask is 1 (not `mask.sum() - 1`), so masks with holes (multi-turn
     responses with tool output masked out) still put the reward on the final generated token. A row without any
-    valid token has nowhere to hold its score and is refused rather than dropped silently.
+    valid token has nowhere to hold its score and is refused rather than dropped silently, unless it is a `failed`
+    `[B]` row (an agent episode that failed before the model wrote a token): that row scores 0, trains nothing,
+    and still counts in its group.
     """
     mask = response_mask.bool()  # [B, T]
-    empty = (~mask.any(dim=1)).nonzero().flatten().tolist()
+    empty_rows = ~mask.any(dim=1)  # [B]
+    if failed is not None:
+        empty_rows &= ~failed.bool()
+    empty = empty_rows.nonzero().flatten().tolist()
     if empty:
         raise ValueError(
             f"place_on_last_token: rows {empty} have an all-zero response_mask; their scores would be lost"
@@ -57,7 +63,7 @@ def place_on_last_token(scores: torch.Tensor, response_mask: torch.Tensor) -> to
     num_tokens = mask.shape[1]
     last = num_tokens - 1 - mask.flip(1).int().argmax(dim=1)  # [B]
     token_scores = torch.zeros(mask.shape, dtype=torch.float32, device=mask.device)  # [B, T]
-    token_scores[torch.arange(mask.shape[0], device=mask.device), last] = scores.to(token_scores)
+    token_scores[torch.arange(mask.shape[0], device=mask.device), last] = scores.to(token_scores) * mask.any(dim=1)
     return token_scores
 
 
@@ -90,6 +96,10 @@ def score_responses(
     scores: list[float] = []
     extras: dict[str, list[Any]] = {}
     for i, text in enumerate(texts):
+        agent_reward = (batch.non_tensors["extra_info"][i] or {}).get("agent_reward")
+        if agent_reward is not None:  # an external agent's episode scored by its agent function
+            scores.append(float(agent_reward))
+            continue
         result = score_fn(
             sources[i],
             text,
@@ -127,4 +137,5 @@ def compute_token_level_scores(
         shaped = scores + penalty
         if overlong.log:
             extras |= {"overlong_reward": penalty.tolist(), "overlong": (penalty < 0).tolist()}
-    return SampleScores(place_on_last_token(shaped, mask), scores, extras)
+    failed = batch.tensors["agent_loop_errors"] if "agent_loop_errors" in batch.tensors.keys() else None
+    return SampleScores(place_on_last_token(shaped, mask, failed), scores, extras)

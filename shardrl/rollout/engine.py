@@ -173,7 +173,7 @@ class Engine:
         if parked is None:
             return
         request.slot = parked.slot
-        request.cached = min(_common_prefix(parked.all_ids(), request.prompt_ids), parked.num_tokens - 1,
+        request.cached = min(common_prefix(parked.all_ids(), request.prompt_ids), parked.num_tokens - 1,
                              len(request.prompt_ids) - 1)
         if request.cached == 0:
             self.scheduler.free_slot(request)
@@ -347,7 +347,8 @@ def _check_layout(layout: Layout, model_config: ModelConfig) -> None:
                           f"tensor_model_parallel_size={layout.tp_size}: experts stay inside one engine replica")
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
     n = 0
     for x, y in zip(a, b):
         if x != y:

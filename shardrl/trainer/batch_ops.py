@@ -176,6 +176,16 @@ def agent_metrics(batch: Batch) -> dict[str, float]:
     for source in Source:
         metrics[f"agent/tokens_{source.name.lower()}/mean"] = float((t["response_sources"] == source).sum(-1)
                                                                     .float().mean())
+    external = t["agent_external"].bool()
+    if external.any():
+        requests = t["agent_requests"][external]
+        metrics |= {"agent/endpoint/episodes": float(external.sum()),
+                    "agent/endpoint/requests_per_episode": float(requests.mean()),
+                    "agent/endpoint/failed_episodes": float(t["agent_loop_errors"][external].mean()),
+                    "agent/endpoint/divergent_episodes": float((t["agent_divergent_requests"][external] > 0)
+                                                               .float().mean()),
+                    "agent/endpoint/request_latency_s": float(t["agent_request_seconds"][external].sum()
+                                                              / requests.sum().clamp_min(1))}
     return metrics
 
 

@@ -9,7 +9,8 @@ import torch
 from omegaconf import OmegaConf
 from transformers import AutoTokenizer
 
-from shardrl.agents.driver import AgentSettings
+from shardrl.agents.agent_host import AgentHostError
+from shardrl.agents.driver import AgentSettings, agent_host
 from shardrl.agents.loop import AGENT_LOOPS
 from shardrl.agents.registry import interaction_names_of, tool_schemas_of
 from shardrl.algos import make_kl_controller
@@ -107,6 +108,7 @@ def train(plan: JobPlan) -> None:
         val_prompts = validation_prompts(val_data, data.val_batch_size, data.validation_shuffle, data.seed)
     if plan.rollout.agent is not None:
         check_agent_rows(plan.rollout.agent, [d for d in (loader.dataset, val_data) if d is not None])
+        check_agent_functions(plan.rollout.agent)
     reward = plan.reward
     score_fn = load_custom_reward(reward.custom_path, reward.custom_name) if reward.custom_path else \
         default_compute_score
@@ -138,6 +140,24 @@ def agent_tool_schemas(tool_config: str | None) -> list[dict] | None:
         return tool_schemas_of(tool_config)
     except ValueError as err:
         raise ConfigError(TOOL_CONFIG_KEY, str(err)) from None
+
+
+def check_agent_functions(agent: AgentSettings) -> None:
+    """Every agent function of `agent.agent_loop_config_path` loads, in an agent process as in training (it is never
+    imported here): a bad path or name is a ConfigError before workers start."""
+    if not agent.agent_loop_config_path:
+        return
+    file = Path(agent.agent_loop_config_path).expanduser()
+    for index, entry in enumerate(OmegaConf.to_container(OmegaConf.load(file))):
+        if isinstance(entry, dict) and "function" in entry:
+            host = agent_host(str(entry["function"]), agent.endpoint, file.parent, num_processes=1)
+            try:
+                host.start()
+            except AgentHostError as err:
+                raise ConfigError("actor_rollout_ref.rollout.agent.agent_loop_config_path",
+                                  f"{file}: [{index}]: {err}") from None
+            finally:
+                host.close()
 
 
 def check_agent_rows(agent: AgentSettings, datasets: list[RLDataset]) -> None:

@@ -14,6 +14,7 @@ from shardrl.agents.driver import AgentRunner
 from shardrl.agents.loop import AgentSample
 from shardrl.agents.trajectory import Trajectory
 from shardrl.data.batch import Batch, as_object_array
+from shardrl.data.chat import left_pad
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import RequestOutput, SamplingParams
 
@@ -95,6 +96,7 @@ def trajectories_batch(prompts: Batch, trajectories: list[Trajectory], response_
     (`agents.trajectory.Source`, -1 on padding); per-trajectory counts go in `agent_*` columns, and the reward
     function finds `num_turns`, `turn_scores` and `tool_rewards` in `extra_info`."""
     rows = [(t.response_ids, t.response_mask, t.logprobs, t.policy_versions) for t in trajectories]
+    prompts = _with_trajectory_prompts(prompts, trajectories, pad_token_id)
     samples = _padded_batch(prompts, rows, [t.finish_reason for t in trajectories], response_length, pad_token_id)
     sources = torch.full((len(trajectories), response_length), -1, dtype=torch.long)
     for i, traj in enumerate(trajectories):
@@ -106,15 +108,35 @@ def trajectories_batch(prompts: Batch, trajectories: list[Trajectory], response_
               "agent_tool_timeouts": [t.tool_timeouts for t in trajectories],
               "agent_tool_seconds": [t.tool_seconds for t in trajectories],
               "agent_tool_wait_seconds": [t.tool_wait_seconds for t in trajectories],
-              "agent_loop_errors": [float(t.error is not None) for t in trajectories]}
+              "agent_loop_errors": [float(t.error is not None) for t in trajectories],
+              "agent_external": [float(t.external) for t in trajectories],
+              "agent_requests": [t.requests for t in trajectories],
+              "agent_divergent_requests": [t.divergent_requests for t in trajectories],
+              "agent_request_seconds": [t.request_seconds for t in trajectories]}
     for key, values in counts.items():
         samples.tensors[key] = torch.tensor(values, dtype=torch.float32)
     samples.tensors["response_sources"] = sources
     samples.non_tensors["extra_info"] = as_object_array([
         {**(info or {}), "num_turns": t.assistant_turns + t.user_turns, "turn_scores": list(t.turn_scores),
-         "tool_rewards": list(t.tool_rewards)}
+         "tool_rewards": list(t.tool_rewards), "agent_reward": t.agent_reward}
         for info, t in zip(prompts.non_tensors["extra_info"], trajectories)])
     return samples
+
+
+def _with_trajectory_prompts(prompts: Batch, trajectories: list[Trajectory], pad_token_id: int) -> Batch:
+    """`prompts` with each row whose trajectory began from another prompt (an external agent renders its own
+    first request) holding that one instead, left-padded to the same width (a longer one spilled into the
+    response when it was recorded, `agents.sessions`)."""
+    changed = [i for i, (ids, t) in enumerate(zip(prompt_ids_of(prompts), trajectories)) if ids != t.prompt_ids]
+    if not changed:
+        return prompts
+    tensors = {key: prompts.tensors[key].clone() for key in ("input_ids", "attention_mask", "position_ids")}
+    width = tensors["input_ids"].shape[1]
+    for i in changed:
+        row = left_pad(trajectories[i].prompt_ids, width, pad_token_id)
+        for key, value in zip(("input_ids", "attention_mask", "position_ids"), row):
+            tensors[key][i] = value
+    return Batch({**prompts.tensors, **tensors}, dict(prompts.non_tensors), dict(prompts.meta))
 
 
 def generate_trajectories(runner: AgentRunner, prompts: Batch, params: list[SamplingParams], response_length: int,
