@@ -119,7 +119,8 @@ def test_sync_and_async_functions_return_rewards(make_host: MakeHost, loops: Cal
     assert asynchronous.stats() == {"episodes": 3, "failed": 0, "timed_out": 0, "crashed": 0, "restarts": 0}
 
 
-def test_the_episode_arrives_intact_and_prints_do_not_disturb(make_host: MakeHost, tmp_path: Path) -> None:
+def test_the_episode_arrives_intact_and_prints_do_not_disturb(make_host: MakeHost, tmp_path: Path,
+                                                              capfd: pytest.CaptureFixture[str]) -> None:
     """Every field crosses as sent (numpy values from parquet rows as plain JSON), the function receives the package's
     AgentEpisode, and what it prints (protocol look-alikes too) goes to stderr, not into the protocol."""
     host = make_host("""
@@ -137,6 +138,8 @@ def test_the_episode_arrives_intact_and_prints_do_not_disturb(make_host: MakeHos
     sent = episode(7, out=out, answer=np.int64(4), scores=np.array([[1.5, 2.0]]), flag=np.bool_(True), text="ü")
     result = asyncio.run(host.run(sent))
     assert (result.reward, result.error) == (1.0, None)
+    out_text, err_text = capfd.readouterr()
+    assert "99.0" not in out_text and '{"id": 0, "reward": 99.0}' in err_text  # the trainer's stdout stays its own
     received = json.loads(Path(out).read_text())
     assert received == {"base_url": sent.base_url, "api_key": "key", "model": "policy", "messages": sent.messages,
                         "tools": sent.tools, "max_tokens": 256, "index": 7,
@@ -150,11 +153,12 @@ def test_the_module_imports_no_numpy() -> None:
                           check=True).stdout.strip() == "[]"
 
 
-def test_data_json_cannot_carry_is_refused() -> None:
-    host = AgentHost("agent.py:agent")
-    host._started = True  # the refusal comes before any process is needed
+def test_data_json_cannot_carry_is_refused(make_host: MakeHost) -> None:
+    """Unfit data is the caller's bug, not the agent function's failure: run raises."""
+    host = make_host("def agent(episode):\n    return 1.0\n", num_processes=1)
     with pytest.raises(TypeError, match="cannot carry a set"):
         asyncio.run(host.run(episode(0, labels={1, 2})))
+    assert host.stats()["episodes"] == 0
 
 
 @pytest.mark.parametrize("function", ["agent", "async_agent"])
@@ -314,6 +318,23 @@ def test_a_crash_fails_the_episodes_in_flight_and_the_pool_recovers(make_host: M
     [later] = run_on(loop, host, episode(2))
     assert later.error is None and later.reward > 0
     assert host.stats() == {"episodes": 3, "failed": 2, "timed_out": 0, "crashed": 2, "restarts": 1}
+
+
+def test_a_crash_leaves_nothing_it_started_running(make_host: MakeHost, loops: Callable, tmp_path: Path) -> None:
+    """The whole group of a process that dies goes with it, before its episodes are answered."""
+    pid_file = tmp_path / "grandchild"
+    host = make_host(f"""
+        import os, subprocess, sys
+
+        def agent(episode):
+            sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+            with open({str(pid_file)!r}, "w") as file:
+                file.write(str(sleeper.pid))
+            os._exit(3)
+    """, num_processes=1)
+    [crashed] = run_on(loops(), host, episode(0))
+    assert crashed.error.startswith("agent process died (exit code 3)")
+    assert gone(int(pid_file.read_text()))
 
 
 def test_a_process_that_forges_protocol_lines_is_replaced(make_host: MakeHost, loops: Callable) -> None:

@@ -5,11 +5,14 @@ both show in the metrics, and the timeline and metrics carry the agent runner's 
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from shardrl.data import builtin_task
+
+EXAMPLE_LOOPS = Path(__file__).resolve().parents[1] / "examples" / "openai_agent" / "agent_loops.yaml"
 
 USER_TOOL = '''
 from typing import Any, Optional
@@ -82,9 +85,19 @@ def test_user_tool_and_interaction_files_run_in_a_training_job(tmp_path):
 
 def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(tmp_path):
     """Trajectories paused by weight syncs (mid turn or between turns) continue under the new weights on two
-    rollout replicas; every token of every trained sample stays within the staleness bound."""
+    rollout replicas; every token of every trained sample stays within the staleness bound. Half the rows run the
+    built-in tool agent, half the OpenAI-client agent of examples/openai_agent through each replica's endpoint."""
+    task = builtin_task.prepare(tmp_path / "task", multi_turn=True)
+    rows = builtin_task.make_rows(256, seed=5, multi_turn=True)
+    for row in rows[::2]:
+        row["agent_name"] = "openai_tool_agent"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
     cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", "--config-name=fully_async_ppo_trainer",
            f"trainer.default_local_dir={tmp_path}", "trainer.logger=[file]", "trainer.n_gpus_per_node=2",
+           f"actor_rollout_ref.model.path={task['model']}", f"data.train_files={tmp_path / 'train.parquet'}",
+           f"data.val_files={tmp_path / 'train.parquet'}",
+           f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLE_LOOPS}",
+           "actor_rollout_ref.rollout.agent.num_workers=1",
            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "rollout.n_gpus_per_node=2",
            "async_training.partial_rollout=true", "async_training.require_batches=2",
            "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0.25",
@@ -99,6 +112,10 @@ def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(
     assert all(m["async/dropped_samples"] == 0 for m in metrics)
     assert sum(m["agent/tool_calls/mean"] for m in metrics) > 0
     assert all("rollout/decode_steps_during_tools" in m for m in metrics)
+    # The endpoint's episodes (their agent processes start after the built-in loop's first trajectories finish).
+    endpoint = [m for m in metrics if "agent/endpoint/episodes" in m]
+    assert len(endpoint) >= len(metrics) - 2 and all(m["agent/endpoint/failed_episodes"] == 0 for m in endpoint)
+    assert max(m["agent/endpoint/requests_per_episode"] for m in endpoint) > 1  # tool results went back
 
 
 def test_rows_naming_unknown_loops_or_interactions_are_refused_before_workers_start(tmp_path):
@@ -117,6 +134,12 @@ def test_rows_naming_unknown_loops_or_interactions_are_refused_before_workers_st
     (tmp_path / "i.yaml").write_text("interaction:\n  - class_name: x.py:JudgeInteraction\n")
     rows[2]["agent_name"] = "tool_agent"
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "bad.parquet")
+    (tmp_path / "loops.yaml").write_text("- name: tool_agent\n  function: no_such_agent.py:run_episode\n")
+    done = subprocess.run(cmd + [f"actor_rollout_ref.rollout.agent.agent_loop_config_path={tmp_path / 'loops.yaml'}"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    assert "actor_rollout_ref.rollout.agent.agent_loop_config_path:" in done.stderr
+    assert "no_such_agent.py" in done.stderr.strip().splitlines()[-1]
     done = subprocess.run(cmd + [f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path / 'i.yaml'}"],
                           capture_output=True, text=True, timeout=300)
     assert "data extra_info.interaction_kwargs.name: row 0 has None; the interaction config has ['judge']" in done.stderr

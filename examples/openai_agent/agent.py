@@ -9,10 +9,11 @@ digit-lookup task's tool: the sample's secret digit, which only the sample's `ex
 from __future__ import annotations
 
 import ast
+import functools
 import json
 import operator
 
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 
 CALCULATOR = {"type": "function", "function": {
     "name": "calculator", "description": "Evaluates an arithmetic expression such as (3 + 4) * 2.",
@@ -55,16 +56,29 @@ def run_tool(name: str, arguments: str, extra_info: dict) -> str:
     return f"Error: no tool named {name!r}"
 
 
+@functools.cache
+def shared_client(api_key: str) -> OpenAI:
+    """One client per agent process: building one costs ~20 ms (its HTTP pool), `with_options` a copy ~0.1 ms."""
+    return OpenAI(base_url="http://unused/v1", api_key=api_key, max_retries=0, timeout=120)
+
+
 def run_episode(episode) -> float:
-    """One episode: ask, run the tools the model calls, answer their results, until it answers without a call.
+    """One episode: ask, run the tools the model calls, answer their results, until it answers without a call or
+    the episode's token budget is spent (the endpoint then answers 400 context_length_exceeded, as OpenAI's does).
     The reward: 1 for the right digit after a lookup, 0.1 for a lookup with a wrong answer, 0 without one (the
     built-in task's scoring, done here: the agent knows its task)."""
-    client = OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0, timeout=120)
+    client = shared_client(episode.api_key).with_options(base_url=episode.base_url)
     messages = list(episode.messages)
     looked_up = False
     answer = ""
     for _ in range(MAX_TURNS):
-        reply = client.chat.completions.create(model=episode.model, messages=messages, tools=[LOOKUP, CALCULATOR])
+        try:
+            reply = client.chat.completions.create(model=episode.model, messages=messages,
+                                                   tools=[LOOKUP, CALCULATOR])
+        except BadRequestError as err:
+            if err.code == "context_length_exceeded":
+                break
+            raise
         message = reply.choices[0].message
         messages.append(message.model_dump(exclude_none=True))
         if not message.tool_calls:

@@ -7,10 +7,12 @@ or start processes of its own. `AgentHost` runs it in `num_processes` children (
 `actor_rollout_ref.rollout.agent.num_workers` counts: agent worker processes), each in a session of its own, and
 guarantees:
 
-- every `run` returns an `EpisodeResult` by `episode_timeout`: an exception, a value that is no reward, a timeout
-  or the death of the process (os._exit, a segfault, the memory limit) becomes that episode's one-line error;
+- whatever the function does, `run` returns an `EpisodeResult` at most `episode_timeout` after the episode reached a
+  process: an exception, a value that is no reward, a timeout or the death of the process (os._exit, a segfault,
+  the memory limit) becomes that episode's one-line error;
 - a process that dies fails only the episodes it held, and a fresh one takes its place;
-- `close()` leaves nothing running: each child's process group (all it started there too) is killed;
+- `close()` leaves nothing running: each child's process group (all it started there, unless it left the group with
+  setsid) is killed, and waited for;
 - nothing from a child is unpickled: parent and children exchange JSON lines over pipes of their own, and the
   children's stdout and stderr (the user's prints) go to the trainer's stderr.
 
@@ -46,6 +48,7 @@ from typing import Any, Callable, NamedTuple
 
 _LOAD_TIMEOUT = 120.0  # seconds a child may take to import the target (user modules may import heavy packages)
 _CLOSE_GRACE = 2.0  # seconds between SIGTERM and SIGKILL at close()
+_KILL_WAIT = 5.0  # seconds to wait for SIGKILLed processes to be gone (one stuck in the kernel may take longer)
 _MAX_LINE = 1 << 20  # bytes: a longer line from a child is refused, so it cannot grow our memory without bound
 _MAX_ERROR = 500  # characters kept of an error message
 
@@ -104,7 +107,13 @@ class _Process:
 
 
 class AgentHost:
-    """A pool of processes running one agent function; `run` may be awaited from event loops in any threads."""
+    """A pool of processes running one agent function; `run` may be awaited from event loops in any threads.
+
+    `target` is "package.module:function" (imported from the children's sys.path, the trainer's cwd first) or
+    "path/to/file.py:function" (relative to `base_dir`, default the cwd). Each process runs up to
+    `max_episodes_per_process` episodes at once. `memory_limit_mb` caps each process's address space (RLIMIT_AS),
+    thread stacks included (8 MiB each): leave room for that many threads when the function is sync.
+    """
 
     def __init__(self, target: str, *, num_processes: int = 8, episode_timeout: float = 600.0,
                  max_episodes_per_process: int = 64, memory_limit_mb: int | None = None,
@@ -251,6 +260,7 @@ class AgentHost:
     # ---- the parent side: the children (spawned under the lock, each served by a watcher and a writer thread) ----
 
     def _spawn(self) -> _Process:
+        """Start one child, in a session of its own (its group is what close() kills), with a pipe each way."""
         from_parent, to_child = os.pipe()
         from_child, to_parent = os.pipe()
         env = None
@@ -286,6 +296,7 @@ class AgentHost:
         finally:
             with child.reap_lock:  # the group dies with the child: no process it started outlives it
                 _kill_group(child.popen.pid, signal.SIGKILL)
+                _await_group(child.popen.pid)
                 code = child.popen.wait()
                 child.reaped = True
             os.close(pidfd)
@@ -299,15 +310,14 @@ class AgentHost:
         deadline = time.monotonic() + _LOAD_TIMEOUT
         while True:
             wait = None if child.loaded.is_set() else max(0.0, deadline - time.monotonic())
-            ready = select.select([from_child, pidfd], [], [], wait)[0]
+            ready = _ready([from_child, pidfd], wait)
             if not ready:
                 return f"; it did not load within {_LOAD_TIMEOUT:g} s"
             if from_child not in ready:  # exited, and all it wrote is read
                 return ""
             chunk = os.read(from_child, 1 << 16)
             if not chunk:  # the child closes its end as it exits; if it lives on, it closed the pipe itself
-                exited = select.select([pidfd], [], [], 1.0)[0]
-                return "" if exited else "; it closed its protocol pipe"
+                return "" if _ready([pidfd], 1.0) else "; it closed its protocol pipe"
             *lines, buffer = (buffer + chunk).split(b"\n")
             if len(buffer) > _MAX_LINE:
                 return f"; it sent a line longer than {_MAX_LINE} bytes"
@@ -445,6 +455,41 @@ def _write_all(fd: int, data: bytes) -> None:
     view = memoryview(data)
     while view:
         view = view[os.write(fd, view):]
+
+
+def _ready(fds: list[int], timeout: float | None) -> set[int]:
+    """Those of `fds` that can be read (or hit end of file) within `timeout` seconds; poll, unlike select, takes any
+    fd number (a trainer may hold over 1024 files)."""
+    poller = select.poll()
+    for fd in fds:
+        poller.register(fd, select.POLLIN)
+    return {fd for fd, _ in poller.poll(None if timeout is None else timeout * 1000)}
+
+
+def _await_group(pgid: int) -> None:
+    """Wait until every process of the SIGKILLed group has exited: killpg returns before they are gone."""
+    deadline = time.monotonic() + _KILL_WAIT
+    for pid in _group_members(pgid):
+        try:
+            pidfd = os.pidfd_open(pid)
+        except ProcessLookupError:  # exited and reaped meanwhile
+            continue
+        _ready([pidfd], max(0.0, deadline - time.monotonic()))
+        os.close(pidfd)
+
+
+def _group_members(pgid: int) -> list[int]:
+    """The processes of group `pgid` that have not exited yet, from /proc."""
+    members = []
+    for name in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{name}/stat") as file:
+                state, _, group = file.read().rpartition(")")[2].split()[:3]
+        except OSError:  # exited meanwhile
+            continue
+        if int(group) == pgid and state not in ("Z", "X"):
+            members.append(int(name))
+    return members
 
 
 def _signal_group(child: _Process, sig: signal.Signals) -> None:
