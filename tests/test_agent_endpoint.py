@@ -9,17 +9,16 @@ from pathlib import Path
 import pytest
 import torch
 
-from shardrl.agents import parsers
 from shardrl.agents.driver import AgentSettings, build_runner
 from shardrl.agents.endpoint import EndpointSettings
 from shardrl.agents.loop import TurnLimits
-from shardrl.agents.parsers import FunctionCall, ParsedTurn
 from shardrl.agents.render import TurnRenderer
 from shardrl.agents.trajectory import Source
 from shardrl.rewards.manager import compute_token_level_scores
 from shardrl.rollout.request import SamplingParams
 from shardrl.workers.samples import generate_trajectories
-from test_agent_loop import PROMPT_LEN, QWEN3, TOOLS_YAML, TOOL_FILE, _engine, _prompts, _record_engine_outputs
+from test_agent_loop import (PROMPT_LEN, QWEN3, TOOL_FILE, TOOLS_YAML, _engine, _prompts, _record_engine_outputs,
+                             always_calls, model_path, tokenizer)  # noqa: F401 (fixtures)
 
 pytest.importorskip("openai")
 RESPONSE_LEN = 64
@@ -54,31 +53,6 @@ def run(episode):
         json.dump({"served": served, "messages": messages}, f)
     return 0.25 * info["row"]
 '''
-
-
-def _always_calls(text: str) -> ParsedTurn:
-    """Noise models call `echo` on every turn (with its text's first letters)."""
-    return ParsedTurn(text, [FunctionCall("echo", {"text": text[:3]})], [])
-
-
-@pytest.fixture()
-def always_calls(monkeypatch):
-    monkeypatch.setitem(parsers.PARSERS, "always_calls", _always_calls)
-    return "always_calls"
-
-
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-    if not QWEN3.is_dir():
-        pytest.skip(f"the Qwen3 tokenizer is not at {QWEN3} (../shared/data)")
-    return AutoTokenizer.from_pretrained(QWEN3)
-
-
-@pytest.fixture(scope="module")
-def model_path(tokenizer, tmp_path_factory):
-    from shardrl.models.tiny import make_tiny_checkpoint
-    return make_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("m") / "ckpt", vocab_size=len(tokenizer))
 
 
 def _runner(tmp_path, model_path, agent_source, parser="hermes", endpoint=EndpointSettings(num_workers=2)):

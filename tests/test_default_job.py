@@ -4,10 +4,13 @@ directory holds metrics, plots and an HF export that transformers loads."""
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run_job(run_dir, *overrides, timeout=600):
@@ -77,6 +80,22 @@ def test_default_job_learns_with_two_rank_actor(tmp_path, layout):
                    "trainer.total_training_steps=60", "trainer.test_freq=30")
     val = validation_rewards(rows)
     assert val[0][1] < 0.3 and val[-1][1] >= 0.9, val
+
+
+def test_an_openai_client_agent_trains_on_the_builtin_task(tmp_path):
+    """examples/openai_agent (a plain `openai` client in a tool loop, in agent processes, through the endpoint) on the
+    built-in digit-lookup task: the agent's own reward rises as the policy learns to call the tool (0.1) and copy
+    its answer (1.0); every episode is served, none fails."""
+    rows = run_job(tmp_path, "actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_response_length=8",
+                   f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLES}/openai_agent/"
+                   "builtin_task_loops.yaml", "actor_rollout_ref.rollout.agent.num_workers=2",
+                   "trainer.total_training_steps=40", "trainer.test_freq=-1", "trainer.val_before_train=false")
+    scores = [r["critic/score/mean"] for r in rows]
+    assert sum(scores[-5:]) / 5 >= sum(scores[:5]) / 5 + 0.05, scores
+    requests = [r["agent/endpoint/requests_per_episode"] for r in rows]
+    assert sum(requests[-5:]) / 5 > sum(requests[:5]) / 5 + 0.2, requests  # more episodes call the tool
+    assert all(r["agent/endpoint/episodes"] == 256 and r["agent/endpoint/failed_episodes"] == 0 for r in rows)
+    assert all(abs(r["rollout_corr/mismatch_kl"]) < 1e-4 for r in rows if "rollout_corr/mismatch_kl" in r)
 
 
 def test_builtin_multi_turn_task_learns_through_its_tool(tmp_path):
