@@ -264,3 +264,76 @@ def test_failing_agents_fail_only_their_episodes(tmp_path, tokenizer, model_path
     batch.non_tensors["data_source"] = ["t"] * len(kinds)
     scores = compute_token_level_scores(batch, tokenizer, lambda source, text, truth, extra: 0.25)
     assert scores.token_level.sum(-1).tolist() == [0.0, 0.0, 0.5, 0.25]
+
+
+MORE = '''
+import json, os
+from openai import OpenAI
+
+def run(episode):
+    info = episode.extra_info
+    client = OpenAI(base_url=episode.base_url, api_key=episode.api_key, max_retries=0)
+    out = {}
+    if info["mode"] == "chat":
+        ask = dict(model=episode.model, messages=episode.messages, max_tokens=8, seed=7)
+        first = client.chat.completions.create(**ask).choices[0].message.content
+        # A retry with a stop string inside what the same seed samples again: the turn ends where it completes.
+        stop = first[3:5]
+        stopped = client.chat.completions.create(**ask, stop=[stop]).choices[0]
+        chunks = list(client.chat.completions.create(**ask, stream=True, stream_options={"include_usage": True}))
+        out = {"first": first, "stop": stop, "stopped": stopped.message.content, "stop_finish": stopped.finish_reason,
+               "streamed": "".join(c.choices[0].delta.content or "" for c in chunks if c.choices),
+               "stream_finish": [c.choices[0].finish_reason for c in chunks if c.choices][-1],
+               "usage": chunks[-1].usage.completion_tokens}
+    elif info["mode"] == "restart":
+        ask = dict(model=episode.model, max_tokens=4, seed=3)
+        reply = client.chat.completions.create(messages=episode.messages, **ask).choices[0].message
+        history = episode.messages + [{"role": "assistant", "content": "my own words"}, {"role": "user", "content": "ok"}]
+        client.chat.completions.create(messages=history, **ask)
+        out = {"history": history}
+    else:
+        first = client.completions.create(model=episode.model, prompt="Once upon", max_tokens=4, seed=1, logprobs=0)
+        text = "Once upon" + first.choices[0].text + " and then"
+        second = client.completions.create(model=episode.model, prompt=text, max_tokens=4, seed=2)
+        out = {"first": first.choices[0].text, "logprobs": first.choices[0].logprobs.token_logprobs,
+               "text": text, "second": second.choices[0].text}
+    with open(os.path.join(info["out"], f"{info['row']}.json"), "w") as f:
+        json.dump(out, f)
+    return None
+'''
+
+
+def test_retries_stop_strings_streams_restarts_and_completions(tmp_path, tokenizer, model_path):
+    runner, sampled = _runner(tmp_path, model_path, MORE)
+    try:
+        batch = _run(runner, tokenizer, tmp_path, [{"mode": "chat"}, {"mode": "restart"}, {"mode": "completion"}])
+    finally:
+        runner.close()
+    t = batch.tensors
+    renderer = TurnRenderer(tokenizer)
+    # Chat: three asks of the same turn (retries), the last one streamed; only the last is in the trajectory.
+    chat = json.loads((tmp_path / "0.json").read_text())
+    first, stopped, streamed = _turns_of(sampled, 0)
+    assert first == stopped == streamed  # the same seed at the same positions draws the same tokens
+    assert chat["streamed"] == chat["first"] and chat["stream_finish"] == "length" and chat["usage"] == 8
+    assert chat["stopped"] == chat["first"][:chat["first"].index(chat["stop"])] and chat["stop_finish"] == "stop"
+    responses, mask, _, _ = _response(batch, 0)
+    assert responses == streamed and mask == [1] * len(streamed)
+    assert t["agent_requests"][0] == 3 and t["agent_divergent_requests"][0] == 0
+    # Restart: the client replaced the model's first turn before any other: the trajectory starts again from the
+    # new conversation, rendered whole as its prompt, and is flagged.
+    restart = json.loads((tmp_path / "1.json").read_text())
+    _, second = _turns_of(sampled, 1)
+    prompt = t["input_ids"][1, :PROMPT_LEN][t["attention_mask"][1, :PROMPT_LEN].bool()].tolist()
+    assert prompt == renderer.prompt_ids(restart["history"]) and _response(batch, 1)[0] == second
+    assert t["agent_divergent_requests"][1] == 1
+    # Completions: the text prompt extended by the served completion is matched, so only " and then" is new.
+    done = json.loads((tmp_path / "2.json").read_text())
+    one, two = _turns_of(sampled, 2)
+    assert done["text"] == "Once upon" + tokenizer.decode(one, skip_special_tokens=True) + " and then"
+    responses, mask, logprobs, sources = _response(batch, 2)
+    env = tokenizer(" and then", add_special_tokens=False)["input_ids"]
+    assert responses == one + env + two and mask == [1] * len(one) + [0] * len(env) + [1] * len(two)
+    assert logprobs[:len(one)] == pytest.approx(done["logprobs"], abs=1e-6)
+    prompt = t["input_ids"][2, :PROMPT_LEN][t["attention_mask"][2, :PROMPT_LEN].bool()].tolist()
+    assert prompt == tokenizer("Once upon")["input_ids"]
