@@ -170,6 +170,9 @@ def test_a_short_continuation_joins_the_decode_batch_fed_and_equals_a_prefill(ch
     engine.submit(prompt2, GREEDY, "a2", continues="a")
     done = _run(engine)
     assert engine.stats.prefill_steps == 0 and engine.stats.fed_tokens == len(ENV) + 1
+    # Fed rows run ahead (their next inputs are known prompt tokens): the host launched the step that admitted a2
+    # and the ones after a row stopped or reached its limit, not one per fed token.
+    assert engine.stats.decode_host_launches <= 3 < engine.stats.decode_steps
     fresh = _fresh(checkpoint, prompt2)
     assert done["a2"].token_ids == fresh.token_ids
     assert_close(done["a2"].raw_logprobs, fresh.raw_logprobs, atol=1e-5, rtol=1e-5)

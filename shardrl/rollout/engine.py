@@ -277,13 +277,20 @@ class Engine:
         a request that stopped (on a stop token, which no one can foresee) stays inside the cache as a dead row: it
         advances one position in the step already launched when its stop was seen, then none (`retire`). A dead row
         costs a wasted row per step until the batch is next launched from the host, where a stop used to force that
-        launch (and the GPU to wait for the host) every few steps of a large batch."""
+        launch (and the GPU to wait for the host) every few steps of a large batch. A fed continuation's rows run
+        ahead too: their next inputs are prompt tokens the host knows (`_launch_ahead`)."""
         return not self.scheduler.can_admit() and all(
-            r.num_tokens < r.max_len if r.finish_reason is not None else not r.reaches_length(1) and r.feed is None
+            r.num_tokens < r.max_len if r.finish_reason is not None else not r.reaches_length(1)
             for r in step.requests)
 
     def _launch_ahead(self, step: _Launched) -> _Launched:
-        """The step after `step`, from the inputs `step` leaves on the device."""
+        """The step after `step`, from the inputs `step` leaves on the device; a fed continuation's row whose next
+        input is still a prompt token (not what `step` samples) gets it written over, queued after `step`. Its
+        `feed` is the position `step` feeds: the host has recorded every step before it."""
+        fed = [(r.slot, r.prompt_ids[r.feed + 1]) for r in step.requests
+               if r.feed is not None and r.feed + 1 < r.num_tokens]
+        if fed:
+            self.runner.feed_inputs(*map(list, zip(*fed)))
         out = self.runner.decode(step.num_rows, step.length + 1, step.sampling)
         return replace(step, length=step.length + 1, copy=self._copies.start(out))
 

@@ -182,6 +182,13 @@ class ModelRunner:
             self.graph_capture_seconds += time.perf_counter() - start
         return self.out[:num_rows]
 
+    def feed_inputs(self, slots: list[int], tokens: list[int]) -> None:
+        """Overwrite the next step's input token of `slots` with `tokens` (fed continuations' next prompt tokens,
+        which the step before samples over); queued on the device after that step, like `retire`."""
+        host = torch.tensor([slots, tokens])  # [2, F]
+        slot_ids, token_ids = host.to(self.device, non_blocking=True)
+        self.ids.index_copy_(0, slot_ids, token_ids)
+
     def retire(self, slots: list[int]) -> None:
         """Stop moving the rows of `slots` on (their requests stopped while later steps run ahead): their positions
         stay put from the next step queued on, so their k/v writes stay inside their slots. One fill per slot,
