@@ -197,15 +197,20 @@ def test_partial_abort_and_weight_update_mid_run_equal_an_uninterrupted_run(path
 
 
 def test_steps_run_ahead_until_the_batch_changes(path):
+    """A row that reaches its token limit rides along dead (the batch keeps its rows); a request that can be
+    admitted changes the batch: the step after it is launched from the host, with the live rows' settings."""
     engine = Engine.from_pretrained(path, Layout.single(), CONFIG)
     engine.submit(PROMPTS[0], SamplingParams(max_tokens=2, temperature=0.5, ignore_eos=True))
-    engine.submit(PROMPTS[1], SamplingParams(max_tokens=5, ignore_eos=True))
+    engine.submit(PROMPTS[1], SamplingParams(max_tokens=6, ignore_eos=True))
     engine.step()  # prefill: first tokens
-    assert [len(o.token_ids) for o in engine.step()] == [2]  # the first reaches max_tokens: nothing ran ahead
-    assert engine._ahead is None and engine.stats.decode_host_launches == 1
-    engine.step()  # the second alone (slot 1; free slot 0 rides along), from the host; the next step runs ahead
+    assert [len(o.token_ids) for o in engine.step()] == [2]  # the first reaches max_tokens in slot 0
+    assert engine._ahead is not None and engine.stats.decode_host_launches == 1  # ran ahead over its dead row
+    engine.submit(PROMPTS[2], SamplingParams(max_tokens=3, ignore_eos=True))
+    engine.step()  # the step launched ahead is recorded; none runs ahead of it: the new request waits for a slot
+    assert engine._ahead is None
+    engine.step()  # the new request's prefill
+    engine.step()  # the batch from the host: both live rows at temperature 1
     ahead = engine._ahead
     assert ahead is not None and ahead.sampling.temperature.tolist() == [1.0, 1.0] and ahead.sampling.unit_temperature
-    engine.step()
-    assert [len(o.token_ids) for o in engine.step()] == [5]
-    assert (engine.stats.decode_steps, engine.stats.decode_host_launches, engine._ahead) == (4, 2, None)
+    done = {len(o.token_ids) for _ in range(4) for o in engine.step()}
+    assert done == {6, 3} and not engine.has_unfinished() and engine.stats.decode_host_launches == 2

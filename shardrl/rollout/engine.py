@@ -273,15 +273,20 @@ class Engine:
 
     def _may_run_ahead(self, step: _Launched) -> bool:
         """Whether the step after `step` may run the same slots, whatever `step` samples: no request waits for a free
-        slot, no running request reaches its token limit in `step` (its row would write past it), and every row of
-        a request that stopped (on a stop token, which no one can foresee) stays inside the cache as a dead row: it
-        advances one position in the step already launched when its stop was seen, then none (`retire`). A dead row
-        costs a wasted row per step until the batch is next launched from the host, where a stop used to force that
-        launch (and the GPU to wait for the host) every few steps of a large batch. A fed continuation's rows run
-        ahead too: their next inputs are prompt tokens the host knows (`_launch_ahead`)."""
-        return not self.scheduler.can_admit() and all(
-            r.num_tokens < r.max_len if r.finish_reason is not None else not r.reaches_length(1)
-            for r in step.requests)
+        slot, and every row whose request stopped (on a stop token, which no one can foresee) or reaches its token
+        limit in `step` stays inside the cache as a dead row: it advances one position in the step already launched
+        when its end was seen, then none (`retire`). A dead row costs a wasted row per step until the batch is next
+        launched from the host, where every end used to force that launch (and the GPU to wait for the host): every
+        few steps of a large batch, nearly every step of multi-turn rollouts, whose turns end all the time. Only
+        rows ending at their limit, which the host sees coming, launch from the host when that shrinks the batch's
+        padded rows (they held its last slots). A fed continuation's rows run ahead too: their next inputs are
+        prompt tokens the host knows (`_launch_ahead`)."""
+        if self.scheduler.can_admit():
+            return False
+        kept = [slot for r, slot in zip(step.requests, step.slots)
+                if r.finish_reason is not None or not r.reaches_length(1)]
+        return (bool(kept) and self.runner.padded_rows(max(kept) + 1) == self.runner.padded_rows(step.num_rows)
+                and all(r.num_tokens + (r.finish_reason is None) < r.max_len for r in step.requests))
 
     def _launch_ahead(self, step: _Launched) -> _Launched:
         """The step after `step`, from the inputs `step` leaves on the device; a fed continuation's row whose next

@@ -21,7 +21,7 @@ from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import pack_adjacent
 from shardrl.parallel.vocab import gather_vocab
-from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket
+from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket, row_buckets
 from shardrl.rollout.kv_cache import (
     CachedPrefixAttention,
     DecodeAttention,
@@ -248,6 +248,12 @@ class ModelRunner:
         small model. Weight loads and syncs copy in place, so the packing lasts until an offload."""
         for group in self.model.column_groups():
             pack_adjacent(group, self.device)
+
+    def padded_rows(self, num_rows: int) -> int:
+        """The rows a decode step of `num_rows` slots computes: its graph's bucket, or itself when eager."""
+        if not self._use_graphs(num_rows):
+            return num_rows
+        return next(b for b in row_buckets(min(self.cache.num_slots, self.config.max_graph_rows)) if b >= num_rows)
 
     def _use_graphs(self, num_rows: int) -> bool:
         """CUDA graphs need a step without host reads: an MoE model whose dispatch learns its sizes from the device
