@@ -130,11 +130,11 @@ def main() -> None:
 
     prefills = time_prefills(engine, device)
     model_tokens = sum(sum(t) for t in turns)
-    # Warm-up: kernels, graph capture and (compile_decode) a compile per decode-rows bucket, which the full-size
-    # runs meet; so both are warmed at full size.
-    warm = len(prompts) if engine.config.compile_decode else min(8, len(prompts))
-    run(runner, multi(0)[:warm], device)
-    run(runner, single(1)[:warm], device)
+    # Warm-up at full size: kernels, a graph capture (and with compile_decode a compile) per decode-rows bucket,
+    # which the timed runs meet. A smaller warm-up left the single-turn run, timed first, to capture the larger
+    # buckets' graphs inside its time (before 2026-12-02 evening: ratios without --compile read high).
+    run(runner, multi(0), device)
+    run(runner, single(1), device)
     single_s = run(runner, single(2), device)
     prefills.clear()
     multi_s = run(runner, multi(3), device)

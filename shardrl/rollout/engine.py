@@ -277,14 +277,14 @@ class Engine:
         limit in `step` stays inside the cache as a dead row: it advances one position in the step already launched
         when its end was seen, then none (`retire`). A dead row costs a wasted row per step until the batch is next
         launched from the host, where every end used to force that launch (and the GPU to wait for the host): every
-        few steps of a large batch, nearly every step of multi-turn rollouts, whose turns end all the time. Only
-        rows ending at their limit, which the host sees coming, launch from the host when that shrinks the batch's
-        padded rows (they held its last slots). A fed continuation's rows run ahead too: their next inputs are
-        prompt tokens the host knows (`_launch_ahead`)."""
+        few steps of a large batch, nearly every step of multi-turn rollouts, whose turns end all the time. Ends
+        launch from the host only when that shrinks the batch's padded rows (a graph bucket on GPU; the rows
+        themselves when eager): the ended rows held its last slots. A fed continuation's rows run ahead too: their
+        next inputs are prompt tokens the host knows (`_launch_ahead`)."""
         if self.scheduler.can_admit():
             return False
         kept = [slot for r, slot in zip(step.requests, step.slots)
-                if r.finish_reason is not None or not r.reaches_length(1)]
+                if r.finish_reason is None and not r.reaches_length(1)]
         return (bool(kept) and self.runner.padded_rows(max(kept) + 1) == self.runner.padded_rows(step.num_rows)
                 and all(r.num_tokens + (r.finish_reason is None) < r.max_len for r in step.requests))
 
