@@ -337,3 +337,22 @@ def test_retries_stop_strings_streams_restarts_and_completions(tmp_path, tokeniz
     assert logprobs[:len(one)] == pytest.approx(done["logprobs"], abs=1e-6)
     prompt = t["input_ids"][2, :PROMPT_LEN][t["attention_mask"][2, :PROMPT_LEN].bool()].tolist()
     assert prompt == tokenizer("Once upon")["input_ids"]
+
+
+def test_endpoint_keys_reach_the_runner_settings_and_an_open_host_needs_a_key():
+    from shardrl.job.errors import ConfigError
+    from shardrl.job.load import compose
+    from shardrl.job.plan import plan_job
+    keys = {"served_model_name": "pol", "port": 8123, "api_key": "k", "max_body_mb": 2, "max_concurrent_requests": 7,
+            "episode_timeout": 9.5, "memory_limit_mb": 900, "max_episodes_per_process": 3}
+    overrides = ["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.agent.num_workers=3",
+                 *(f"actor_rollout_ref.rollout.agent.endpoint.{k}={v}" for k, v in keys.items())]
+    endpoint = plan_job(compose("ppo_trainer", overrides)).rollout.agent.endpoint
+    assert {k: getattr(endpoint, k) for k in keys} == keys and endpoint.num_workers == 3
+    assert endpoint.host == "127.0.0.1"
+    with pytest.raises(ConfigError, match=r"agent.endpoint.host: '0.0.0.0' without agent.endpoint.api_key"):
+        plan_job(compose("ppo_trainer", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                         "actor_rollout_ref.rollout.agent.endpoint.host=0.0.0.0"]))
+    plan_job(compose("ppo_trainer", ["actor_rollout_ref.rollout.multi_turn.enable=true",
+                                     "actor_rollout_ref.rollout.agent.endpoint.host=0.0.0.0",
+                                     "actor_rollout_ref.rollout.agent.endpoint.api_key=secret"]))

@@ -6,6 +6,7 @@ checks this."""
 from __future__ import annotations
 
 import datetime
+import ipaddress
 from pathlib import Path
 from typing import Any
 
@@ -167,6 +168,9 @@ def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, prompt_l
     if not multi_turn.enable:
         return None
     prefix = "actor_rollout_ref.rollout"
+    if served.api_key is None and not _is_loopback(served.host):
+        raise ConfigError(f"{prefix}.agent.endpoint.host", f"{served.host!r} without agent.endpoint.api_key: anyone "
+                                                           f"who reaches it could drive the policy; set an api_key")
     try:
         get_parser(multi_turn.format)
     except ValueError as err:
@@ -177,6 +181,13 @@ def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, prompt_l
         if path is not None and not Path(path).expanduser().is_file():
             raise ConfigError(f"{prefix}.{key}", f"{path}: no such file")
     return settings
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def _as_list(files: str | list[str] | None) -> list[str] | None:
