@@ -39,10 +39,11 @@ def test_admission_in_refill_chunks_loses_and_changes_nothing(model_path):
     backlog = deque((ids, params, f"row {i}") for i, (ids, params) in enumerate(requests()))
     rows: dict[str, str] = {}
     outputs, prefill_sizes = {}, []
+    admitted = 0  # since the last prefill: a step already launched ahead is recorded before the prefill runs
     while backlog or e.has_unfinished():
         before = (len(backlog), e.stats.prefill_steps)
         admit(e, backlog, rows)
-        admitted = before[0] - len(backlog)
+        admitted += before[0] - len(backlog)
         assert len(e.scheduler.running) + len(e.scheduler.waiting) <= SLOTS  # the scheduler's own view
         assert e.free_capacity() == SLOTS - len(e.scheduler.running) - len(e.scheduler.waiting)
         for out in e.step():
@@ -51,14 +52,13 @@ def test_admission_in_refill_chunks_loses_and_changes_nothing(model_path):
         if e.stats.prefill_steps > before[1]:
             prefill_sizes.append(admitted)
             assert admitted >= CHUNK or not backlog  # a chunk, or the whole rest of the backlog
-        else:
-            assert admitted == 0
+            admitted = 0
     assert prefill_sizes[0] == SLOTS and sum(prefill_sizes) == len(LENGTHS)
     assert sorted(rows.values()) == sorted(f"row {i}" for i in range(len(LENGTHS)))
 
     reference = engine(model_path)  # the engine's own scheduler, every request submitted at once
     expected = reference.generate([ids for ids, _ in requests()], [p for _, p in requests()])
-    assert reference.stats.prefill_steps > len(prefill_sizes)  # it refills one finished sequence at a time
+    assert reference.stats.prefill_steps >= len(prefill_sizes)  # it refills as slots free, chunks take no more
     got = [outputs[rid] for rid, _ in sorted(rows.items(), key=lambda kv: int(kv[1].split()[1]))]
     assert [o.token_ids for o in got] == [o.token_ids for o in expected]
     assert [len(o.token_ids) for o in got] == LENGTHS
