@@ -176,6 +176,22 @@ class CriticOptions:
 
 
 @dataclass(frozen=True)
+class RewardModelOptions:
+    """A frozen reward model (an HF `*ForSequenceClassification` checkpoint, num_labels=1) scoring whole samples
+    (workers/reward_model.py). Its `model.engine` has `value_head=True` and no optimizer.
+
+    `input_tokenizer`: the policy's tokenizer when it is not the reward model's (verl's
+    `reward_model.model.input_tokenizer`); each sample is then decoded with it and re-rendered with the reward model's
+    chat template, at most `max_length` tokens (verl's `reward_model.max_length`; None: the samples' width). None: the
+    samples' own tokens are scored and `max_length` is not read."""
+
+    model: ModelOptions
+    forward: ForwardBatching
+    input_tokenizer: str | None = None
+    max_length: int | None = None
+
+
+@dataclass(frozen=True)
 class SamplingOptions:
     """One mode's sampling (training, or validation by `val_kwargs`); greedy when do_sample is false."""
 
