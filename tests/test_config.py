@@ -108,7 +108,9 @@ def test_unknown_key_is_a_hydra_error_and_added_unknown_key_ours():
 
 @pytest.mark.parametrize("overrides, key", [
     (["critic.enable=false", "algorithm.adv_estimator=gae"], "critic.enable"),
-    (["reward_model.enable=true"], "reward_model.enable"),
+    (["reward_model.enable=true"], "reward_model.model.path"),
+    (["reward_model.enable=true", "reward_model.model.path=/rm", "reward_model.megatron.grad_offload=true"],
+     "reward_model.megatron.grad_offload"),
     (["trainer.resume_mode=resume_path"], "trainer.resume_from_path"),
     (["actor_rollout_ref.hybrid_engine=false"], "actor_rollout_ref.hybrid_engine"),
     (["algorithm.rollout_correction.rollout_is=token", "actor_rollout_ref.rollout.calculate_log_probs=false"],

@@ -130,6 +130,9 @@ def _batches_of(shared: SharedKeys, role: str, step: StepSize) -> dict[str, _Bat
         return {"log_prob": log_prob("actor_rollout_ref.ref")}
     if role == "teacher":
         return {"log_prob": log_prob("distillation.teacher_model")}
+    if role == "reward_model":
+        return {"forward": _BatchKeys(step.prompts, step.key, "reward_model", "micro_batch_size", "use_dynamic_bsz",
+                                      "forward_max_token_len_per_gpu")}
     if role == "critic":
         return {"update": _BatchKeys(step.critic_mini, "critic.ppo_mini_batch_size", "critic",
                                      "ppo_micro_batch_size", "use_dynamic_bsz", "ppo_max_token_len_per_gpu"),

@@ -92,8 +92,17 @@ REFUSED: tuple[Refused, ...] = (
             "teacher scores the sampled token); leave it null"),
     Refused("distillation.teacher_model.megatron.use_distributed_optimizer", _is(False), True, "the teacher never "
             "trains: it has no optimizer to distribute; set false"),
-    Refused("reward_model.enable", _is(False), True, "model-based reward models are not supported yet; use rule-based "
-            "rewards (custom_reward_function.path) with reward_model.enable=false"),
+    *(Refused(f"reward_model.megatron.{state}_offload", _is(False), True, f"the reward model never trains: it has no "
+              f"{state} state to offload (param_offload keeps its weights in host memory); set false")
+      for state in ("grad", "optimizer")),
+    Refused("reward_model.megatron.use_distributed_optimizer", _is(False), True, "the reward model never trains: it "
+            "has no optimizer to distribute; set false"),
+    Refused("reward_model.enable_resource_pool", _is(False), True, "shardrl's reward model runs on the trainer pool "
+            "(its layout: reward_model.megatron.*); set false"),
+    *(Refused(f"reward_model.{size}", _is(0), 8, "the reward model has no pool of its own (it shares the trainer "
+              "pool); leave it 0") for size in ("n_gpus_per_node", "nnodes")),
+    Refused("reward_model.load_weight", _is(True), False, "a reward model is loaded from reward_model.model.path, "
+            "never randomly initialised; set true"),
 )
 
 ACCEPTED: tuple[Accepted, ...] = (
@@ -102,7 +111,7 @@ ACCEPTED: tuple[Accepted, ...] = (
     Accepted("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "nothing to check: trajectories "
              "are token-exact by construction (no turn is re-tokenized), whatever the mode"),
     *(Accepted(f"{role}.strategy", "megatron is the only training engine (the type allows no other value)")
-      for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic")),
+      for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")),
     Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),
     Accepted("async_training.use_rollout_log_probs", "must agree with algorithm.rollout_correction.decoupled "
              "(rules.py)"),
@@ -112,6 +121,8 @@ ACCEPTED: tuple[Accepted, ...] = (
              "weights, so nothing of it is random"),
     Accepted("actor_rollout_ref.ref.megatron.seed", "must equal the actor's (rules.py): the reference policy loads "
              "the actor's initial weights, so nothing of it is random"),
+    Accepted("reward_model.megatron.seed", "must equal the actor's (rules.py): the reward model loads its weights, "
+             "so nothing of it is random"),
     *(Accepted(f"critic.model.{key}", "must equal actor_rollout_ref.model's (rules.py): the critic reads the actor's "
                "token ids") for key in ("tokenizer_path", "trust_remote_code")),
     Accepted("reward_model.reward_manager", "one scoring path serves naive, batch and dapo (overlong shaping is "

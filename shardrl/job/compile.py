@@ -38,6 +38,7 @@ from shardrl.job.options import (
     OptimOptions,
     PolicyLossOptions,
     RefOptions,
+    RewardModelOptions,
     RewardOptions,
     RolloutOptions,
     SamplingOptions,
@@ -110,6 +111,15 @@ def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOpt
     model = model_options(config.actor_rollout_ref.ref.megatron, role.spec, role.ranks, False, None,
                           shared.override_config, load_weight=True)
     return RefOptions(model, role.batches["log_prob"].forward())
+
+
+def reward_model_options(config: PPOConfig, role: RolePlan) -> RewardModelOptions:
+    rm = config.reward_model
+    # Frozen like the reference policy, with a score head; whether samples are re-rendered for its tokenizer is
+    # known at launch, where both tokenizers are loaded (`input_tokenizer` is None when they are the same).
+    model = model_options(rm.megatron, role.spec, role.ranks, False, None, rm.model.override_config,
+                          load_weight=True, value_head=True)
+    return RewardModelOptions(model, role.batches["forward"].forward(), rm.model.input_tokenizer, rm.max_length)
 
 
 def critic_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> CriticOptions:

@@ -32,6 +32,7 @@ from shardrl.job.compile import (
     async_options,
     cluster_options,
     critic_options,
+    reward_model_options,
     data_options,
     loop_options,
     ref_options,
@@ -49,6 +50,7 @@ from shardrl.job.options import (
     DataOptions,
     LoopOptions,
     RefOptions,
+    RewardModelOptions,
     RewardOptions,
     RolloutOptions,
     TeacherOptions,
@@ -79,6 +81,8 @@ class JobPlan:
     ref: RefOptions | None
     teacher: TeacherOptions | None  # on-policy distillation's teacher
     critic: CriticOptions | None
+    reward_model: RewardModelOptions | None  # a learned reward model scoring every sample
+    reward_model_path: str | None
     rollout: RolloutOptions
     data: DataOptions
     reward: RewardOptions
@@ -133,6 +137,11 @@ def plan_job(config: PPOConfig) -> JobPlan:
                                       step)
     else:
         skipped["teacher"] = "distillation.enabled is false"
+    if config.reward_model.enable:
+        roles["reward_model"] = train_role(config, shared, "reward_model", "reward_model.megatron", trainer_ranks,
+                                           step)
+    else:
+        skipped["reward_model"] = "reward_model.enable is false: rewards are the reward function's"
     if shared.use_critic:
         roles["critic"] = train_role(config, shared, "critic", "critic.megatron", trainer_ranks, step)
     else:
@@ -160,6 +169,8 @@ def plan_job(config: PPOConfig) -> JobPlan:
         ref=ref_options(config, shared, roles["ref"]) if "ref" in roles else None,
         teacher=teacher_options(config, roles["teacher"]) if "teacher" in roles else None,
         critic=critic_options(config, shared, roles["critic"]) if "critic" in roles else None,
+        reward_model=reward_model_options(config, roles["reward_model"]) if "reward_model" in roles else None,
+        reward_model_path=config.reward_model.model.path,
         rollout=rollout_options(config, shared, roles["rollout"], sync_ranks),
         data=data_options(config),
         reward=reward_options(config),
@@ -197,7 +208,7 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
         device += ": each GPU below is one CPU process (gloo rank)"
     lines = [f"shardrl plan: {plan.mode} mode, {plan.placement} placement, {device}",
              f"trainer pool: ranks {_span(plan.trainer_ranks)} ({trainer.nnodes} node(s) x {trainer.n_gpus_per_node} "
-             f"{unit}); actor, ref and critic share it"]
+             f"{unit}); actor, ref, reward model and critic share it"]
     if plan.placement == "detached":
         pool = config.rollout
         lines.append(f"rollout pool: ranks {_span(plan.rollout_ranks)} ({pool.nnodes} node(s) x "
@@ -210,7 +221,7 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
     if config.async_training is not None:
         settings = ", ".join(f"{k}={v}" for k, v in vars(config.async_training).items() if v is not None)
         lines.append(f"async_training: {settings}")
-    for name in ("actor", "ref", "teacher", "critic", "rollout"):
+    for name in ("actor", "ref", "teacher", "reward_model", "critic", "rollout"):
         if name in plan.skipped:
             lines.append(f"{name}: skipped ({plan.skipped[name]})")
             continue

@@ -18,6 +18,7 @@ _MICRO_BATCH_PAIRS = (
     ("actor_rollout_ref.rollout", "log_prob_micro_batch_size"),
     ("critic", "ppo_micro_batch_size"),
     ("critic", "forward_micro_batch_size"),
+    ("reward_model", "micro_batch_size"),
 )
 _FULLY_ASYNC_KEYS = ("staleness_threshold", "trigger_parameter_sync_step", "require_batches")
 
@@ -38,6 +39,7 @@ def validate(config: PPOConfig) -> None:
         raise ConfigError("critic.enable", "adv_estimator=gae needs a critic (values); enable it or use grpo")
     _validate_shared_model_keys(config)
     _validate_distillation(config)
+    _validate_reward_model(config)
     if config.trainer.resume_mode == "resume_path" and not config.trainer.resume_from_path:
         raise ConfigError("trainer.resume_from_path", "must be set when trainer.resume_mode=resume_path")
     _validate_async(config)
@@ -95,7 +97,8 @@ def _validate_shared_model_keys(config: PPOConfig) -> None:
     (no seed of its own) and the critic reads the actor's token ids (its tokenizer)."""
     arr, critic = config.actor_rollout_ref, config.critic
     frozen = (("actor_rollout_ref.ref.megatron.seed", arr.ref.megatron.seed, "reference policy"),
-              ("distillation.teacher_model.megatron.seed", config.distillation.teacher_model.megatron.seed, "teacher"))
+              ("distillation.teacher_model.megatron.seed", config.distillation.teacher_model.megatron.seed, "teacher"),
+              ("reward_model.megatron.seed", config.reward_model.megatron.seed, "reward model"))
     for key, seed, role in frozen:
         if seed != arr.actor.megatron.seed:
             raise ConfigError(key, f"{seed} differs from the actor's {arr.actor.megatron.seed}; the {role} loads its "
@@ -125,6 +128,20 @@ def _validate_distillation(config: PPOConfig) -> None:
     if not loss.use_policy_gradient and loss.loss_mode in ("kl", "k1"):
         raise ConfigError(f"{key}.loss_mode", f"{loss.loss_mode} with use_policy_gradient=false: k1's gradient does "
                                               "not depend on the teacher; use k3, or use_policy_gradient=true")
+
+
+def _validate_reward_model(config: PPOConfig) -> None:
+    """A reward model needs its checkpoint, and scores in the synchronous schedule only (so far)."""
+    rm = config.reward_model
+    if not rm.enable:
+        return
+    if rm.model.path is None:
+        raise ConfigError("reward_model.model.path", "must be set when reward_model.enable=true (an HF "
+                                                     "*ForSequenceClassification checkpoint with num_labels=1)")
+    if config.async_training is not None:
+        raise ConfigError("reward_model.enable", "a reward model scores in the synchronous schedule only so far; "
+                                                 "use --config-name=ppo_trainer (or ppo_megatron_trainer), or a rule "
+                                                 "reward in the async modes")
 
 
 def _validate_async(config: PPOConfig) -> None:

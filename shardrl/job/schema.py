@@ -331,10 +331,34 @@ class OverlongBufferConfig:
 
 
 @dataclass(frozen=True)
-class RewardModelConfig:
-    """Rule-based reward settings (verl's `reward_model` group; model-based RMs are refused)."""
+class RewardModelModelConfig:
+    """The reward model's checkpoint: an HF `*ForSequenceClassification` (num_labels=1)."""
 
-    enable: bool  # model-based reward models are not supported; rewards are rule-based
+    path: str | None
+    input_tokenizer: str | None  # the policy's tokenizer (verl's default: the actor's path); see RewardModelConfig
+    override_config: dict[str, Any]  # config.json fields of the reward model
+
+
+@dataclass(frozen=True)
+class RewardModelConfig:
+    """verl's `reward_model` group: a learned reward model (`enable`) scoring every sample on the trainer pool, on a
+    layout of its own (`megatron`); when its tokenizer differs from the policy's (`model.input_tokenizer`), each
+    sample is decoded and re-rendered with its own chat template. Its scores are the reward (verl's: the rule
+    function is not called). Also the rule-based reward's manager and DAPO's overlong shaping."""
+
+    enable: bool
+    strategy: Literal["megatron"]
+    enable_resource_pool: bool  # verl's own reward-model pool; shardrl's shares the trainer pool: false
+    n_gpus_per_node: NonNegInt  # of verl's reward-model pool: 0
+    nnodes: NonNegInt
+    model: RewardModelModelConfig
+    micro_batch_size: PosInt | None  # deprecated global size (divided by DP)
+    micro_batch_size_per_gpu: PosInt | None
+    max_length: PosInt | None  # tokens of a re-rendered sample; null: the samples' own width
+    use_dynamic_bsz: bool
+    forward_max_token_len_per_gpu: PosInt
+    load_weight: bool  # only true: a reward model is loaded, never random
+    megatron: MegatronConfig
     # One scoring path serves all three; `dapo` (verl's DAPO-recipe manager) is accepted so its command lines run:
     # its overlong shaping is `overlong_buffer`, which works with any manager here.
     reward_manager: Literal["naive", "batch", "dapo"]

@@ -126,9 +126,13 @@ def compute_token_level_scores(
     """Score every response, add the overlong penalty when shaping, and place the result on the last token.
 
     A response's length is its count of generated tokens (`response_mask`), the count the rollout stops at
-    `max_length`. `data_source_key`: see `score_responses`.
+    `max_length`. `data_source_key`: see `score_responses`. A batch with `rm_scores` `[B, T]` (a reward model's, on
+    each response's last token) is scored by them instead of `score_fn`.
     """
-    scores, extras = score_responses(batch, tokenizer, score_fn, data_source_key=data_source_key)  # [B]
+    if "rm_scores" in batch.tensors.keys():  # a reward model's (verl's: then the reward function is not called)
+        scores, extras = batch.tensors["rm_scores"].sum(-1), {}  # [B]
+    else:
+        scores, extras = score_responses(batch, tokenizer, score_fn, data_source_key=data_source_key)  # [B]
     mask = batch.tensors["response_mask"]  # [B, T]
     shaped = scores
     if overlong is not None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 from omegaconf import OmegaConf
-from transformers import AutoTokenizer
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from shardrl.agents.agent_host import AgentHostError
 from shardrl.agents.driver import AgentSettings, agent_host
@@ -27,6 +27,7 @@ from shardrl.trainer.plots import write_plots
 from shardrl.trainer.ppo import PPOTrainer, Workers
 from shardrl.trainer.tracking import Tracker
 from shardrl.workers.critic import CriticWorker
+from shardrl.workers.reward_model import RewardModelWorker, check_reward_model
 from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker
 from shardrl.workers.rollout import RolloutWorker
@@ -92,6 +93,7 @@ def train(plan: JobPlan) -> None:
     tools = agent_tool_schemas(paths.tool_config)
     if plan.teacher is not None:
         check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
+    plan = with_reward_model_tokenizer(plan, tokenizer)
 
     def dataset(files: list[str], max_samples: int) -> RLDataset:
         return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
@@ -240,7 +242,30 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
     if plan.critic is not None:
         roles.append(Role("critic", CriticWorker, dict(options=plan.critic, model_path=paths.critic_model),
                           plan.critic.model.spec, **on_trainer))
+    if plan.reward_model is not None:
+        roles.append(Role("reward_model", RewardModelWorker, dict(options=plan.reward_model,
+                                                                  model_path=plan.reward_model_path),
+                          plan.reward_model.model.spec, **on_trainer))
     group = WorkerGroup(pools, roles, collective_timeout=cluster.collective_timeout)
     workers = Workers(group.role("actor"), group.role("critic") if plan.critic is not None else None,
-                      group.role("rollout") if plan.placement == "detached" else None)
+                      group.role("rollout") if plan.placement == "detached" else None,
+                      group.role("reward_model") if plan.reward_model is not None else None)
     return group, workers
+
+
+def with_reward_model_tokenizer(plan: JobPlan, policy: PreTrainedTokenizerBase) -> JobPlan:
+    """The plan whose reward model re-renders samples only when its tokenizer is not the policy's (another
+    vocabulary or chat template; verl's `reward_model.model.input_tokenizer` then decodes them), and scores the
+    policy's own token ids otherwise. Its checkpoint is checked here, before workers start."""
+    rm = plan.reward_model
+    if rm is None:
+        return plan
+    key = "reward_model.model.path"
+    try:
+        check_reward_model(rm.model, plan.reward_model_path)
+        own = AutoTokenizer.from_pretrained(plan.reward_model_path)
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, str(err).splitlines()[0]) from None
+    same = own.get_vocab() == policy.get_vocab() and own.chat_template == policy.chat_template
+    source = rm.input_tokenizer or policy.name_or_path
+    return dataclasses.replace(plan, reward_model=dataclasses.replace(rm, input_tokenizer=None if same else source))

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,10 +22,12 @@ from shardrl.data.rl_dataset import PromptLoader
 from shardrl.models.checkpoint import checkpoint_dir, find_latest, mark_latest
 from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
+from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
 from shardrl.trainer.tracking import Timeline, Tracker
 from shardrl.workers.actor import ActorRefWorker
 from shardrl.workers.critic import CriticWorker
+from shardrl.workers.reward_model import RewardModelWorker
 from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker
 from shardrl.workers.rollout import RolloutWorker
@@ -38,6 +40,15 @@ class Workers:
     actor: RoleHandle  # ActorRefWorker: log-probs, ref log-probs, update, weight sync; colocated also generation
     critic: RoleHandle | None  # CriticWorker
     rollout: RoleHandle | None = None  # RolloutWorker: the detached pool (async modes); None: the hybrid engine
+    reward_model: RoleHandle | None = None  # RewardModelWorker: `reward_model.enable`
+
+    def score(self, batch: Batch, tokenizer, score_fn, reward: RewardOptions,
+              keep_extras: Sequence[str] = ()) -> tuple[Batch, SampleScores]:
+        """Token-level scores of generated samples: the reward model's when there is one (verl's: then the reward
+        function is not called), else the reward function's (`batch_ops.score`)."""
+        if self.reward_model is not None:
+            batch = batch.union(self.reward_model.call(RewardModelWorker.compute_rm_score, batch))
+        return batch_ops.score(batch, tokenizer, score_fn, reward, keep_extras)
 
     def generate(self, samples: Batch, validate: bool = False) -> Batch:
         """One response per row, on the hybrid engine or the detached rollout pool."""
@@ -112,8 +123,8 @@ class PPOTrainer:
 
     def score(self, batch: Batch, step: int) -> tuple[Batch, SampleScores]:
         with self.timeline.phase(step, "reward"):
-            return batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward,
-                                   self.algorithm.gdpo_reward_keys or ())
+            return self.workers.score(batch, self.tokenizer, self.score_fn, self.plan.reward,
+                                      self.algorithm.gdpo_reward_keys or ())
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
         """On a scored batch: balance -> log-probs (old, ref, distillation teacher) -> values -> advantages ->
@@ -188,7 +199,7 @@ class PPOTrainer:
         n = self.loop.val_samples_per_prompt
         samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.loop.seed, -1)
         batch = self.workers.generate(samples, validate=True)
-        batch, sample_scores = batch_ops.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
+        batch, sample_scores = self.workers.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
         if self.loop.log_val_generations:
             self.tracker.log_generations(self.global_step, batch_ops.val_generations(

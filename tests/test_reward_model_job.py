@@ -1,0 +1,65 @@
+"""A GRPO run whose only reward is a learned reward model (`reward_model.enable=true`), end to end on the built-in
+task's policy: the reward model, built here as an HF `Qwen2ForSequenceClassification` that scores 1 when a
+sample's last token is "7" and 0 otherwise, is all the policy learns from, and its score rises."""
+
+import json
+import shutil
+import subprocess
+import sys
+
+import torch
+from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
+
+from shardrl.data import builtin_task
+
+
+def make_sevens_reward_model(task_model: str, out_dir) -> str:
+    """One layer whose outputs are zeroed, so the last hidden state is the last token's embedding: only "7"'s has a
+    component on dimension 0, which the score head reads (normalised by the final RMSNorm to sqrt(H), scaled to 1)."""
+    tokenizer = AutoTokenizer.from_pretrained(task_model)
+    hidden = 16
+    config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=32,
+                                  num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                                  max_position_embeddings=64, num_labels=1, pad_token_id=0,
+                                  architectures=["Qwen2ForSequenceClassification"])
+    torch.manual_seed(0)
+    model = AutoModelForSequenceClassification.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        layer = model.model.layers[0]
+        layer.self_attn.o_proj.weight.zero_()
+        layer.mlp.down_proj.weight.zero_()
+        embed = model.model.embed_tokens.weight
+        embed[:, 0] = 0.0
+        seven = tokenizer.convert_tokens_to_ids("7")
+        embed[seven] = 0.0
+        embed[seven, 0] = 1.0
+        model.score.weight.zero_()
+        model.score.weight[0, 0] = 1.0 / hidden ** 0.5
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+    ids = tokenizer(["1 2 ->7", "1 2 ->3"], return_tensors="pt")
+    assert model(**ids).logits[:, 0].tolist() == [pytest_approx(1.0), pytest_approx(0.0)]
+    return str(out_dir)
+
+
+def pytest_approx(value: float):
+    import pytest
+    return pytest.approx(value, abs=1e-4)
+
+
+def test_a_run_whose_only_reward_is_a_reward_model_learns(tmp_path):
+    task = builtin_task.prepare(tmp_path / "task")
+    rm = make_sevens_reward_model(task["model"], tmp_path / "rm")
+    shutil.rmtree(tmp_path / "run", ignore_errors=True)
+    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path / 'run'}",
+           "trainer.logger=[file]", f"actor_rollout_ref.model.path={task['model']}",
+           f"data.train_files={task['train_files']}", f"data.val_files={task['val_files']}",
+           "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=64",
+           "data.max_response_length=1", "trainer.total_training_steps=25", "trainer.test_freq=-1",
+           "trainer.val_before_train=false"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scores = [r["critic/score/mean"] for r in rows]
+    assert scores[0] < 0.3, scores  # "7" about one time in ten, at random
+    assert sum(scores[-5:]) / 5 >= 0.6, scores
