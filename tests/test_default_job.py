@@ -98,6 +98,7 @@ def test_an_openai_client_agent_trains_on_the_builtin_task(tmp_path):
     assert all(abs(r["rollout_corr/mismatch_kl"]) < 1e-4 for r in rows if "rollout_corr/mismatch_kl" in r)
 
 
+@pytest.mark.slow  # 2-3 minutes; the default suite's multi-turn learning test is the OpenAI-client agent's above
 def test_builtin_multi_turn_task_learns_through_its_tool(tmp_path):
     """`make run ARGS="actor_rollout_ref.rollout.multi_turn.enable=true data.max_response_length=8
     trainer.total_training_steps=150"`: the digit-lookup task, whose answer only its tool knows, learns from reward

@@ -55,7 +55,7 @@ def test_a_run_whose_only_reward_is_a_reward_model_learns(tmp_path):
            "trainer.logger=[file]", f"actor_rollout_ref.model.path={task['model']}",
            f"data.train_files={task['train_files']}", f"data.val_files={task['val_files']}",
            "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=64",
-           "data.max_response_length=1", "trainer.total_training_steps=25", "trainer.test_freq=-1",
+           "data.max_response_length=1", "trainer.total_training_steps=16", "trainer.test_freq=-1",
            "trainer.val_before_train=false"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
