@@ -147,11 +147,15 @@ async def run_python(code: str, limits: SandboxLimits, *, allow_network: bool = 
 
 
 async def _supervise(workdir: str, plan: dict[str, Any], limits: SandboxLimits) -> SandboxResult:
+    # Imported here, not at the top: this file is also the child's bootstrap, which `python -I -S` runs where
+    # shardrl cannot be imported.
+    from shardrl.usercode.procs import kill_group
+
     start = time.monotonic()
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-I", "-S", __file__, json.dumps(plan), cwd=workdir, env=_child_env(workdir),
         stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
-    capture = _Capture(limits.max_output_bytes, functools.partial(_kill_group, proc.pid))
+    capture = _Capture(limits.max_output_bytes, functools.partial(kill_group, proc.pid))
     readers = asyncio.gather(capture.drain(proc.stdout), capture.drain(proc.stderr, into_stderr=True))
     timed_out = False
     try:
@@ -159,7 +163,7 @@ async def _supervise(workdir: str, plan: dict[str, Any], limits: SandboxLimits) 
     except TimeoutError:
         timed_out = True
     finally:  # also after a normal exit (and on cancellation): nothing the code started outlives the call
-        _kill_group(proc.pid)
+        kill_group(proc.pid)
     exit_code = await proc.wait()
     await readers  # the pipes close once the whole group is dead
     return SandboxResult(capture.stdout.decode("utf-8", "replace"), capture.stderr.decode("utf-8", "replace"),
@@ -198,13 +202,6 @@ def _killed_reason(limits: SandboxLimits, exit_code: int, timed_out: bool, trunc
     if exit_code < 0:
         return f"killed by signal {signal.Signals(-exit_code).name}"
     return None
-
-
-def _kill_group(pgid: int) -> None:
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is already gone
-        pass
 
 
 def _child_env(workdir: str) -> dict[str, str]:
