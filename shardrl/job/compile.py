@@ -220,7 +220,8 @@ def reward_options(config: PPOConfig) -> RewardOptions:
     overlong, custom = config.reward_model.overlong_buffer, config.custom_reward_function
     shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
                               overlong.log) if overlong.enable else None
-    return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping)
+    return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping, custom.num_workers,
+                         custom.timeout, custom.on_error)
 
 
 def algorithm_options(config: PPOConfig, shared: SharedKeys) -> AlgorithmOptions:

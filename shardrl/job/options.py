@@ -258,6 +258,9 @@ class RewardOptions:
     custom_name: str
     data_source_key: str  # data.reward_fn_key: the column that picks the scorer
     overlong: OverlongShaping | None
+    custom_workers: int = 2  # the custom function's processes, per-sample timeout and failure policy
+    custom_timeout: float = 60.0
+    custom_on_error: str = "fail"
 
 
 @dataclass(frozen=True)

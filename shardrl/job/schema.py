@@ -369,10 +369,13 @@ class RewardModelConfig:
 
 @dataclass(frozen=True)
 class CustomRewardFunctionConfig:
-    """A user scoring function loaded from a file."""
+    """A user scoring function loaded from a file, run in processes of its own (shardrl.rewards.guarded)."""
 
     path: str | None
     name: str
+    num_workers: PosInt  # processes it runs in (shardrl)
+    timeout: PosFloat  # seconds per sample (shardrl)
+    on_error: Literal["fail", "zero"]  # a sample it fails on: fail the run, or score 0 and count it (shardrl)
 
 
 @dataclass(frozen=True)

@@ -84,7 +84,9 @@ def score_responses(
     batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn, *, data_source_key: str = "data_source"
 ) -> tuple[torch.Tensor, dict[str, list[Any]]]:
     """Sequence scores `[B]` and per-sample extras (other keys of dict results, None where a sample had none).
-    `score_fn` gets each sample's `data_source_key` column as its data source."""
+    `score_fn` gets each sample's `data_source_key` column as its data source; one with a `score_batch` method
+    (`GuardedScoreFn`) gets them all at once, and its failed samples (with `on_error="zero"`) are the extra
+    `reward_failed`."""
     if data_source_key not in batch.non_tensors:
         raise ValueError(f"data.reward_fn_key={data_source_key!r}: the batch has no such column; it has "
                          f"{sorted(batch.non_tensors)}")
@@ -93,19 +95,27 @@ def score_responses(
     responses = batch.tensors["responses"]  # [B, T]
     mask = batch.tensors["attention_mask"][:, -responses.shape[1]:].bool()
     texts = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(responses, mask)], skip_special_tokens=True)
-    scores: list[float] = []
+    infos = batch.non_tensors["extra_info"]
+    # An external agent's episode is scored by its agent function; every other sample by `score_fn`.
+    agent_rewards = [(info or {}).get("agent_reward") for info in infos]
+    scored = [i for i, reward in enumerate(agent_rewards) if reward is None]
+    samples = [(sources[i], texts[i], batch.non_tensors["reward_model"][i]["ground_truth"], infos[i]) for i in scored]
     extras: dict[str, list[Any]] = {}
-    for i, text in enumerate(texts):
-        agent_reward = (batch.non_tensors["extra_info"][i] or {}).get("agent_reward")
-        if agent_reward is not None:  # an external agent's episode scored by its agent function
-            scores.append(float(agent_reward))
+    score_batch = getattr(score_fn, "score_batch", None)  # a GuardedScoreFn scores the batch in its processes
+    if score_batch is not None:
+        outcome = score_batch(samples)
+        results = dict(zip(scored, outcome.scores))
+        extras["reward_failed"] = [None] * len(texts)
+        for i, error in zip(scored, outcome.errors):
+            extras["reward_failed"][i] = float(error is not None)
+    else:
+        results = {i: score_fn(*sample) for i, sample in zip(scored, samples)}
+    scores: list[float] = []
+    for i in range(len(texts)):
+        if i not in results:
+            scores.append(float(agent_rewards[i]))
             continue
-        result = score_fn(
-            sources[i],
-            text,
-            batch.non_tensors["reward_model"][i]["ground_truth"],
-            batch.non_tensors["extra_info"][i],
-        )
+        result = results[i]
         if isinstance(result, dict):
             if "score" not in result:
                 raise ValueError(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -19,8 +20,11 @@ from shardrl.data import builtin_task
 from shardrl.data.chat import pad_id
 from shardrl.data.rl_dataset import PromptLoader, RLDataset
 from shardrl.job.errors import ConfigError
+from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
-from shardrl.rewards.registry import default_compute_score, load_custom_reward
+from shardrl.rewards.guarded import GuardedScoreFn
+from shardrl.rewards.outcomes import RewardFunctionError
+from shardrl.rewards.registry import default_compute_score
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
 from shardrl.trainer.plots import write_plots
@@ -111,24 +115,33 @@ def train(plan: JobPlan) -> None:
     if plan.rollout.agent is not None:
         check_agent_rows(plan.rollout.agent, [d for d in (loader.dataset, val_data) if d is not None])
         check_agent_functions(plan.rollout.agent)
-    reward = plan.reward
-    score_fn = load_custom_reward(reward.custom_path, reward.custom_name) if reward.custom_path else \
-        default_compute_score
     kl = plan.algorithm.kl_in_reward
     kl_ctrl = make_kl_controller(kl.controller, kl.coef, kl.target_kl, kl.horizon) if kl is not None else None
+    with contextlib.ExitStack() as stack:
+        score_fn = stack.enter_context(custom_score_fn(plan.reward)) if plan.reward.custom_path else \
+            default_compute_score
+        init_ray(**plan.cluster.ray_init)
+        group, workers = start_workers(plan, paths, pad_id(tokenizer))
+        tracking = plan.tracking
+        tracker = Tracker(tracking.loggers, paths.run_dir, tracking.project, tracking.experiment, tracking.config)
+        ppo = TRAINERS[plan.mode](plan, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl)
+        try:
+            ppo.fit()
+            ppo.save_hf(str(paths.run_dir / "hf_export"))
+        finally:
+            tracker.close()
+            write_plots(paths.run_dir, ppo.timeline)
+            group.shutdown()
 
-    init_ray(**plan.cluster.ray_init)
-    group, workers = start_workers(plan, paths, pad_id(tokenizer))
-    tracking = plan.tracking
-    tracker = Tracker(tracking.loggers, paths.run_dir, tracking.project, tracking.experiment, tracking.config)
-    ppo = TRAINERS[plan.mode](plan, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl)
+
+def custom_score_fn(reward: RewardOptions) -> GuardedScoreFn:
+    """The user's reward function in processes of its own, per-sample timeout and failure policy
+    (`custom_reward_function.*`); loaded there now, before workers start, never imported into the trainer."""
     try:
-        ppo.fit()
-        ppo.save_hf(str(paths.run_dir / "hf_export"))
-    finally:
-        tracker.close()
-        write_plots(paths.run_dir, ppo.timeline)
-        group.shutdown()
+        return GuardedScoreFn(reward.custom_path, reward.custom_name, num_workers=reward.custom_workers,
+                              timeout=reward.custom_timeout, on_error=reward.custom_on_error)
+    except RewardFunctionError as err:
+        raise ConfigError("custom_reward_function.path", str(err)) from None
 
 
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"

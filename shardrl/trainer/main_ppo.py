@@ -18,6 +18,7 @@ from shardrl.job.errors import ConfigError
 from shardrl.job.load import CONFIG_DIR, load_config
 from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.preflight import check_launch
+from shardrl.rewards.outcomes import RewardFunctionError
 
 PACKAGE_DIR = CONFIG_DIR.parent  # a relative --config-path is looked up here first (`./config`: the packaged ones)
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
@@ -42,6 +43,9 @@ def run(cfg: DictConfig) -> int:
     except ConfigError as err:  # found while loading data and tokenizers, before any worker starts
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except RewardFunctionError as err:  # the user's reward function failed a sample (custom_reward_function.on_error)
+        print(f"error: {err}", file=sys.stderr)
+        return 1
     return 0
 
 

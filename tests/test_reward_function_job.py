@@ -1,0 +1,41 @@
+"""A custom reward function that hangs cannot hang or crash the trainer: it runs in
+processes of its own; with `on_error=fail` the run ends within the per-sample timeout with one line naming the
+function and the sample, with `on_error=zero` it goes on, the failures scored 0 and counted."""
+
+import json
+import subprocess
+import sys
+
+BAD_REWARD = '''
+import time
+
+def compute_score(data_source, solution_str, ground_truth, extra_info=None):
+    if solution_str.startswith("3"):
+        time.sleep(3600)
+    return 1.0
+'''
+
+
+def run(tmp_path, *overrides):
+    reward = tmp_path / "hanging_reward.py"
+    reward.write_text(BAD_REWARD)
+    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path / 'run'}",
+           "trainer.logger=[file]", f"custom_reward_function.path={reward}", "custom_reward_function.timeout=3",
+           "trainer.total_training_steps=1", "trainer.test_freq=-1", "trainer.val_before_train=false", *overrides]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300), reward
+
+
+def test_a_hanging_reward_function_ends_the_run_with_one_line_within_its_timeout(tmp_path):
+    """(Raising and non-number returns take the same path: tests/test_guarded_rewards.py.)"""
+    done, reward = run(tmp_path)
+    assert done.returncode != 0 and "Traceback" not in done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert f"reward function {reward}:compute_score failed on sample" in last and "timed out after 3 s" in last, last
+
+
+def test_with_on_error_zero_the_run_goes_on_and_counts_them(tmp_path):
+    done, _ = run(tmp_path, "custom_reward_function.on_error=zero")
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    failed = [r["reward_extra/reward_failed/mean"] for r in rows if "reward_extra/reward_failed/mean" in r]
+    assert len(failed) == 1 and all(0 < f < 1 for f in failed)  # the samples answering "3..." hung
