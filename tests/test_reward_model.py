@@ -262,3 +262,13 @@ def test_worker_scores_the_rerendered_sample(tokenizers, tmp_path):
     expected = torch.zeros_like(rm_scores)
     expected[torch.arange(len(CHATS)), batch.tensors["response_mask"].sum(-1).long() - 1] = expected_scores
     assert_close(rm_scores, expected, atol=1e-4, rtol=1e-4)
+
+
+def test_a_critic_starts_from_a_reward_models_weights(checkpoints):
+    """critic.model.path at a reward model: the critic's value head is the reward model's score head (its values
+    at each sample's last token are the reward model's scores)."""
+    # CriticWorker's engine: score.weight optional (a causal LM has none), loaded when present.
+    engine = build_engine(rm_options(LayoutSpec(1), BATCHINGS[0]).model, checkpoints["qwen2"], None,
+                          optional_weights=("score.weight",))
+    hf = AutoModelForSequenceClassification.from_pretrained(checkpoints["qwen2"], dtype=torch.float32)
+    assert torch.equal(engine.chunks[-1].score.weight.detach().cpu(), hf.score.weight.detach())
