@@ -4,6 +4,7 @@ against a real HTTP server in a thread. Each failure a reward function can have 
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import http.server
 import json
 import textwrap
@@ -19,7 +20,6 @@ from process_checks import processes_mentioning
 from shardrl.rewards.guarded import GuardedScoreFn
 from shardrl.rewards.http_reward import HttpRewardClient
 from shardrl.rewards.outcomes import BatchScores, RewardFunctionError
-from shardrl.rewards.registry import load_custom_reward
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -68,7 +68,10 @@ def test_scores_are_those_of_the_function_called_in_process(make_scorer: MakeSco
                                                             name: str) -> None:
     batch = [sample("4"), sample(" 4\n"), sample("5"), sample("7", np.int64(7), "other"), sample("dict")]
     scores = make_scorer(name).score_batch(batch)
-    in_process = load_custom_reward(tmp_path / "reward.py", "compute_score")
+    spec = importlib.util.spec_from_file_location("in_process_reward", tmp_path / "reward.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    in_process = module.compute_score
     expected = [in_process(*s) for s in batch]
     assert scores == BatchScores(expected, [None] * 5)
     assert scores.scores[:4] == [2.0, 2.0, 0.0, 2.0] and type(scores.scores[0]) is float

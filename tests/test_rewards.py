@@ -5,7 +5,9 @@ from pathlib import Path
 import pytest
 
 from shardrl.rewards.gsm8k import TAIL_CHARS, compute_score, extract_answer
-from shardrl.rewards.registry import default_compute_score, get_scorer, load_custom_reward
+from shardrl.rewards.guarded import GuardedScoreFn
+from shardrl.rewards.outcomes import RewardFunctionError
+from shardrl.rewards.registry import default_compute_score, get_scorer
 
 # (model output, ground truth, strict score, flexible score); expected values written out by hand.
 CASES = [
@@ -86,19 +88,25 @@ def test_load_custom_reward(tmp_path):
         "def length_reward(data_source, solution_str, ground_truth, extra_info=None):\n"
         "    return {'score': float(len(solution_str) <= LIMIT), 'length': len(solution_str)}\n"
     )
-    fn = load_custom_reward(str(file), "length_reward")
-    assert fn("d", "abc", None) == {"score": 1.0, "length": 3}
-    with pytest.raises(FileNotFoundError, match="custom_reward_function.path: file not found: .*missing.py"):
-        load_custom_reward(tmp_path / "missing.py", "f")
-    with pytest.raises(AttributeError, match="custom_reward_function.name: 'nope' is not defined in .*my_reward.py"):
-        load_custom_reward(file, "nope")
-    with pytest.raises(TypeError, match="custom_reward_function.name: .*my_reward.py:LIMIT is a int, not callable"):
-        load_custom_reward(file, "LIMIT")
+    with guarded(file, "length_reward") as fn:
+        assert fn.score_batch([("d", "abc", None, None)]).scores == [{"score": 1.0, "length": 3}]
+    with pytest.raises(RewardFunctionError, match="no such file .*missing.py"):
+        guarded(tmp_path / "missing.py", "f")
+    with pytest.raises(RewardFunctionError, match="my_reward.py has no attribute 'nope'"):
+        guarded(file, "nope")
+    with pytest.raises(RewardFunctionError, match="LIMIT is a int, not a function"):
+        guarded(file, "LIMIT")
+
+
+def guarded(path, name: str) -> GuardedScoreFn:
+    """The reward function as the trainer runs it: in a process of its own."""
+    return GuardedScoreFn(str(path), name, num_workers=1, timeout=30.0, on_error="fail")
 
 
 def test_format_bonus_reward_example_scores_and_extras():
     """examples/gsm8k/format_bonus_reward.py: 1 correct, 0.1 formatted but wrong, 0 unformatted; extras say which."""
-    fn = load_custom_reward(Path(__file__).parents[1] / "examples/gsm8k/format_bonus_reward.py", "compute_score")
-    assert fn("openai/gsm8k", "so 3 + 4 = 7\n#### 7", "7", None) == {"score": 1.0, "acc": 1.0, "formatted": 1.0}
-    assert fn("openai/gsm8k", "#### 8", "7", None) == {"score": 0.1, "acc": 0.0, "formatted": 1.0}
-    assert fn("openai/gsm8k", "the answer is 7", "7", None) == {"score": 0.0, "acc": 0.0, "formatted": 0.0}
+    with guarded(Path(__file__).parents[1] / "examples/gsm8k/format_bonus_reward.py", "compute_score") as fn:
+        texts = ["so 3 + 4 = 7\n#### 7", "#### 8", "the answer is 7"]
+        assert fn.score_batch([("openai/gsm8k", text, "7", None) for text in texts]).scores == [
+            {"score": 1.0, "acc": 1.0, "formatted": 1.0}, {"score": 0.1, "acc": 0.0, "formatted": 1.0},
+            {"score": 0.0, "acc": 0.0, "formatted": 0.0}]

@@ -1,4 +1,4 @@
-"""Which scorer handles which `data_source`, and loading a user's reward function from a file.
+"""Which built-in scorer handles which `data_source` (a user's reward function runs guarded: `rewards.guarded`).
 
 Every scorer the trainer calls has verl's custom-reward signature:
 
@@ -9,9 +9,7 @@ A dict result must hold the score under "score"; its other entries are reported 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from shardrl.data.builtin_task import DATA_SOURCE as BUILTIN_TASK
@@ -43,20 +41,3 @@ def default_compute_score(
 ) -> float:
     """Score with the built-in scorer registered for `data_source` (the ScoreFn used without a custom function)."""
     return get_scorer(data_source)(solution_str, ground_truth)
-
-
-def load_custom_reward(path: str | Path, name: str) -> ScoreFn:
-    """The function `name` defined in the Python file `path` (an explicit path; nothing is looked up on sys.path)."""
-    file = Path(path).expanduser()
-    if not file.is_file():
-        raise FileNotFoundError(f"custom_reward_function.path: file not found: {file}")
-    # A private module name per file, so two reward files with the same stem do not replace each other.
-    spec = importlib.util.spec_from_file_location(f"shardrl_custom_reward_{abs(hash(str(file.resolve())))}", file)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, name):
-        raise AttributeError(f"custom_reward_function.name: {name!r} is not defined in {file}")
-    fn = getattr(module, name)
-    if not callable(fn):
-        raise TypeError(f"custom_reward_function.name: {file}:{name} is a {type(fn).__name__}, not callable")
-    return fn
