@@ -81,7 +81,7 @@ def test_registry_dispatches_by_data_source():
         default_compute_score("my/data", "#### 1", "1")
 
 
-def test_load_custom_reward(tmp_path):
+def test_a_custom_reward_function_loads_in_its_process_and_load_errors_name_it(tmp_path):
     file = tmp_path / "my_reward.py"
     file.write_text(
         "LIMIT = 3\n"
