@@ -39,3 +39,41 @@ def test_with_on_error_zero_the_run_goes_on_and_counts_them(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     failed = [r["reward_extra/reward_failed/mean"] for r in rows if "reward_extra/reward_failed/mean" in r]
     assert len(failed) == 1 and all(0 < f < 1 for f in failed)  # the samples answering "3..." hung
+
+
+def test_a_reward_service_scores_every_sample_and_a_busy_answer_is_retried(tmp_path):
+    import http.server
+    import threading
+
+    received = []
+
+    class Scores(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 (http.server's name)
+            sample = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            received.append(sample)
+            busy = len(received) == 1  # the first request: "busy", retried
+            body = json.dumps({"score": 0.25, "length": len(sample["solution_str"])}).encode()
+            self.send_response(503 if busy else 200)
+            self.send_header("Content-Length", str(0 if busy else len(body)))
+            self.end_headers()
+            if not busy:
+                self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Scores)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path / 'run'}",
+               "trainer.logger=[file]", f"custom_reward_function.url=http://127.0.0.1:{server.server_port}/score",
+               "custom_reward_function.retry_backoff=0.1", "trainer.total_training_steps=1", "trainer.test_freq=-1",
+               "trainer.val_before_train=false"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    finally:
+        server.shutdown()
+    assert done.returncode == 0, done.stderr[-2000:]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[-1]["critic/score/mean"] == 0.25 and "reward_extra/length/mean" in rows[-1]
+    assert len(received) == 256 + 1  # 32 prompts x rollout.n 8, the first one twice
+    assert set(received[0]) == {"data_source", "solution_str", "ground_truth", "extra_info"}

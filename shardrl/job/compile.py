@@ -220,8 +220,12 @@ def reward_options(config: PPOConfig) -> RewardOptions:
     overlong, custom = config.reward_model.overlong_buffer, config.custom_reward_function
     shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
                               overlong.log) if overlong.enable else None
+    if custom.url is not None and custom.path is not None:
+        raise ConfigError("custom_reward_function.url", "set either a reward function (path) or a reward service "
+                                                        "(url), not both")
     return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping, custom.num_workers,
-                         custom.timeout, custom.on_error)
+                         custom.timeout, custom.on_error, custom.url, custom.max_concurrency, custom.retries,
+                         custom.retry_backoff)
 
 
 def algorithm_options(config: PPOConfig, shared: SharedKeys) -> AlgorithmOptions:

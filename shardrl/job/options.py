@@ -261,6 +261,10 @@ class RewardOptions:
     custom_workers: int = 2  # the custom function's processes, per-sample timeout and failure policy
     custom_timeout: float = 60.0
     custom_on_error: str = "fail"
+    server_url: str | None = None  # a reward service (`custom_reward_function.url`) and how it is called
+    server_concurrency: int = 64
+    server_retries: int = 3
+    server_backoff: float = 1.0
 
 
 @dataclass(frozen=True)

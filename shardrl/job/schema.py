@@ -376,6 +376,10 @@ class CustomRewardFunctionConfig:
     num_workers: PosInt  # processes it runs in (shardrl)
     timeout: PosFloat  # seconds per sample (shardrl)
     on_error: Literal["fail", "zero"]  # a sample it fails on: fail the run, or score 0 and count it (shardrl)
+    url: str | None  # a reward service instead of `path`: each sample POSTed as JSON (shardrl)
+    max_concurrency: PosInt  # requests in flight to `url` (shardrl)
+    retries: NonNegInt  # of a request failing with 5xx, a connection error or a timeout (shardrl)
+    retry_backoff: NonNegFloat  # seconds before the first retry, doubling after (shardrl)
 
 
 @dataclass(frozen=True)

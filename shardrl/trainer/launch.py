@@ -23,6 +23,7 @@ from shardrl.job.errors import ConfigError
 from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
 from shardrl.rewards.guarded import GuardedScoreFn
+from shardrl.rewards.http_reward import HttpRewardClient
 from shardrl.rewards.outcomes import RewardFunctionError
 from shardrl.rewards.registry import default_compute_score
 from shardrl.trainer.fully_async import FullyAsyncTrainer
@@ -118,8 +119,7 @@ def train(plan: JobPlan) -> None:
     kl = plan.algorithm.kl_in_reward
     kl_ctrl = make_kl_controller(kl.controller, kl.coef, kl.target_kl, kl.horizon) if kl is not None else None
     with contextlib.ExitStack() as stack:
-        score_fn = stack.enter_context(custom_score_fn(plan.reward)) if plan.reward.custom_path else \
-            default_compute_score
+        score_fn = reward_scorer(plan.reward, stack)
         init_ray(**plan.cluster.ray_init)
         group, workers = start_workers(plan, paths, pad_id(tokenizer))
         tracking = plan.tracking
@@ -132,6 +132,18 @@ def train(plan: JobPlan) -> None:
             tracker.close()
             write_plots(paths.run_dir, ppo.timeline)
             group.shutdown()
+
+
+def reward_scorer(reward: RewardOptions, stack: contextlib.ExitStack):
+    """What scores the samples: the user's reward function (guarded, closed with `stack`), the user's reward
+    service (`custom_reward_function.url`), or the built-in scorers by data source."""
+    if reward.custom_path:
+        return stack.enter_context(custom_score_fn(reward))
+    if reward.server_url:
+        return HttpRewardClient(reward.server_url, max_concurrency=reward.server_concurrency,
+                                timeout=reward.custom_timeout, retries=reward.server_retries,
+                                backoff=reward.server_backoff, on_error=reward.custom_on_error)
+    return default_compute_score
 
 
 def custom_score_fn(reward: RewardOptions) -> GuardedScoreFn:
