@@ -13,9 +13,10 @@ from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTok
 from shardrl.data import builtin_task
 
 
-def make_sevens_reward_model(task_model: str, out_dir) -> str:
+def make_sevens_reward_model(task_model: str, out_dir, seven: float = 1.0) -> str:
     """One layer whose outputs are zeroed, so the last hidden state is the last token's embedding: only "7"'s has a
-    component on dimension 0, which the score head reads (normalised by the final RMSNorm to sqrt(H), scaled to 1)."""
+    component on dimension 0, which the score head reads (normalised by the final RMSNorm to sqrt(H), scaled to
+    `seven`)."""
     tokenizer = AutoTokenizer.from_pretrained(task_model)
     hidden = 16
     config = AutoConfig.for_model("qwen2", vocab_size=len(tokenizer), hidden_size=hidden, intermediate_size=32,
@@ -30,15 +31,15 @@ def make_sevens_reward_model(task_model: str, out_dir) -> str:
         layer.mlp.down_proj.weight.zero_()
         embed = model.model.embed_tokens.weight
         embed[:, 0] = 0.0
-        seven = tokenizer.convert_tokens_to_ids("7")
-        embed[seven] = 0.0
-        embed[seven, 0] = 1.0
+        token = tokenizer.convert_tokens_to_ids("7")
+        embed[token] = 0.0
+        embed[token, 0] = 1.0
         model.score.weight.zero_()
-        model.score.weight[0, 0] = 1.0 / hidden ** 0.5
+        model.score.weight[0, 0] = seven / hidden ** 0.5
     model.save_pretrained(out_dir)
     tokenizer.save_pretrained(out_dir)
     ids = tokenizer(["1 2 ->7", "1 2 ->3"], return_tensors="pt")
-    assert model(**ids).logits[:, 0].tolist() == [pytest_approx(1.0), pytest_approx(0.0)]
+    assert model(**ids).logits[:, 0].tolist() == [pytest_approx(seven), pytest_approx(0.0)]
     return str(out_dir)
 
 
@@ -47,19 +48,30 @@ def pytest_approx(value: float):
     return pytest.approx(value, abs=1e-4)
 
 
-def test_a_run_whose_only_reward_is_a_reward_model_learns(tmp_path):
+def run(tmp_path, rm: str, *overrides: str) -> list[dict]:
     task = builtin_task.prepare(tmp_path / "task")
-    rm = make_sevens_reward_model(task["model"], tmp_path / "rm")
     shutil.rmtree(tmp_path / "run", ignore_errors=True)
-    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path / 'run'}",
+    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", *overrides, f"trainer.default_local_dir={tmp_path / 'run'}",
            "trainer.logger=[file]", f"actor_rollout_ref.model.path={task['model']}",
            f"data.train_files={task['train_files']}", f"data.val_files={task['val_files']}",
            "reward_model.enable=true", f"reward_model.model.path={rm}", "reward_model.micro_batch_size_per_gpu=64",
-           "data.max_response_length=1", "trainer.total_training_steps=16", "trainer.test_freq=-1",
-           "trainer.val_before_train=false"]
+           "data.max_response_length=1", "trainer.test_freq=-1", "trainer.val_before_train=false"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    return [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_run_whose_only_reward_is_a_reward_model_learns(tmp_path):
+    rm = make_sevens_reward_model(builtin_task.prepare(tmp_path / "task")["model"], tmp_path / "rm")
+    rows = run(tmp_path, rm, "trainer.total_training_steps=16")
     scores = [r["critic/score/mean"] for r in rows]
     assert scores[0] < 0.3, scores  # "7" about one time in ten, at random
     assert sum(scores[-5:]) / 5 >= 0.6, scores
+
+
+def test_the_reward_model_scores_in_the_fully_async_mode(tmp_path):
+    """The trainer scores what the rollouter streams with the reward model too: its scores (0.5 for a "7", else 0;
+    the rule reward would give 1 for a right successor) are every step's."""
+    rm = make_sevens_reward_model(builtin_task.prepare(tmp_path / "task")["model"], tmp_path / "rm", seven=0.5)
+    rows = run(tmp_path, rm, "--config-name=fully_async_ppo_trainer", "trainer.total_training_steps=3")
+    assert len(rows) == 3 and all(r["critic/score/max"] == pytest_approx(0.5) for r in rows), rows

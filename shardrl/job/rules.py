@@ -131,17 +131,13 @@ def _validate_distillation(config: PPOConfig) -> None:
 
 
 def _validate_reward_model(config: PPOConfig) -> None:
-    """A reward model needs its checkpoint, and scores in the synchronous schedule only (so far)."""
+    """A reward model needs its checkpoint."""
     rm = config.reward_model
     if not rm.enable:
         return
     if rm.model.path is None:
         raise ConfigError("reward_model.model.path", "must be set when reward_model.enable=true (an HF "
                                                      "*ForSequenceClassification checkpoint with num_labels=1)")
-    if config.async_training is not None:
-        raise ConfigError("reward_model.enable", "a reward model scores in the synchronous schedule only so far; "
-                                                 "use --config-name=ppo_trainer (or ppo_megatron_trainer), or a rule "
-                                                 "reward in the async modes")
 
 
 def _validate_async(config: PPOConfig) -> None:
