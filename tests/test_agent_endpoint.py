@@ -4,10 +4,8 @@ token with the served log-probs; a client that edits its history is flagged and 
 requests get 4xx while the engine serves the others; failing agents fail only their episode."""
 
 import json
-from pathlib import Path
 
 import pytest
-import torch
 
 from shardrl.agents.driver import AgentSettings, build_runner
 from shardrl.agents.endpoint import EndpointSettings
