@@ -67,6 +67,10 @@ def test_a_run_whose_only_reward_is_a_reward_model_learns(tmp_path):
     scores = [r["critic/score/mean"] for r in rows]
     assert scores[0] < 0.3, scores  # "7" about one time in ten, at random
     assert sum(scores[-5:]) / 5 >= 0.6, scores
+    # The reward model's own metrics: its score is the reward (no shaping here), 0 or 1 per sample.
+    assert all(r["reward_model/score/mean"] == pytest_approx(r["critic/score/mean"]) for r in rows)
+    assert all(r["reward_model/score/max"] <= 1 + 1e-4 and r["reward_model/score/min"] >= -1e-4 for r in rows)
+    assert rows[0]["reward_model/score/std"] > 0
 
 
 def test_the_reward_model_scores_in_the_fully_async_mode(tmp_path):

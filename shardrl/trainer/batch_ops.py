@@ -210,6 +210,9 @@ def data_metrics(batch: Batch) -> dict[str, float]:
     }
     if "agent_turns" in t.keys():
         metrics |= agent_metrics(batch)
+    if "rm_scores" in t.keys():  # the reward model's own scores, before any shaping
+        rm = t["rm_scores"].sum(-1)
+        metrics |= _masked_stats("reward_model/score", rm, seq_mask) | {"reward_model/score/std": float(rm.std())}
     if "values" in t.keys():
         metrics |= _masked_stats("critic/values", t["values"], mask)
     if "entropy" in t.keys():
