@@ -79,3 +79,21 @@ def test_the_reward_model_scores_in_the_fully_async_mode(tmp_path):
     rm = make_sevens_reward_model(builtin_task.prepare(tmp_path / "task")["model"], tmp_path / "rm", seven=0.5)
     rows = run(tmp_path, rm, "--config-name=fully_async_ppo_trainer", "trainer.total_training_steps=3")
     assert len(rows) == 3 and all(r["critic/score/max"] == pytest_approx(0.5) for r in rows), rows
+
+
+def test_samples_are_re_rendered_only_for_a_reward_model_with_another_tokenizer(tmp_path):
+    """Launch compares the two tokenizers: the same ones score the policy's ids (input_tokenizer None), another
+    template makes the worker re-render with reward_model.model.input_tokenizer."""
+    from shardrl.job.load import compose
+    from shardrl.job.plan import plan_job
+    from shardrl.trainer.launch import with_reward_model_tokenizer
+    task = builtin_task.prepare(tmp_path / "task")
+    rm = make_sevens_reward_model(task["model"], tmp_path / "rm")
+    plan = plan_job(compose("ppo_trainer", ["reward_model.enable=true", f"reward_model.model.path={rm}",
+                                            f"reward_model.model.input_tokenizer={task['model']}"]))
+    policy = AutoTokenizer.from_pretrained(task["model"])
+    assert with_reward_model_tokenizer(plan, policy).reward_model.input_tokenizer is None
+    other = AutoTokenizer.from_pretrained(rm)
+    other.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
+    other.save_pretrained(tmp_path / "rm")
+    assert with_reward_model_tokenizer(plan, policy).reward_model.input_tokenizer == task["model"]
