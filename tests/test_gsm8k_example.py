@@ -91,11 +91,12 @@ def test_smoke_script_runs_two_grpo_steps_on_real_gsm8k(tmp_path):
     assert steps[1]["actor/kl_loss"] > 0  # step 1's update moved the actor away from the reference policy
     assert rows[0]["step"] == 0 and 0.0 <= rows[0]["val-core/openai/gsm8k/reward/mean@1"] <= 1.0
 
-    # Scored: 2 validation prompts (val_max_samples) first, then 2 prompts x 2 samples per step.
+    # Scored: 2 validation prompts (val_max_samples) first, then 2 prompts x 2 samples per step; the pool scores
+    # one batch's samples concurrently, so only the batches are ordered, not the samples within one.
     calls = [json.loads(line) for line in scored.read_text().splitlines()]
     assert len(calls) == 2 + 2 * 4
     assert {c["data_source"] for c in calls} == {"openai/gsm8k"}
-    assert [c["ground_truth"] for c in calls[:2]] == answers("test", 2)
+    assert sorted(c["ground_truth"] for c in calls[:2]) == sorted(answers("test", 2))
     assert {c["ground_truth"] for c in calls[2:]} <= set(answers("train", 64))
     assert all(isinstance(c["text"], str) for c in calls) and any(c["text"].strip() for c in calls)
     for step, r in enumerate(steps):
