@@ -11,7 +11,7 @@ from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import SamplingParams
 from shardrl.rollout.runner import EngineConfig
-from shardrl.workers.rollout import REFILL_CHUNK, admit
+from shardrl.workers.stream import REFILL_CHUNK, admit
 
 SLOTS = 16
 CHUNK = SLOTS // REFILL_CHUNK  # 2

@@ -160,6 +160,12 @@ class RoleHandle:
         """The layout the role's calls are dispatched by (e.g. its number of DP replicas)."""
         return self._group.layouts[self._role.name]
 
+    def replicas(self, method: Callable[..., Any]) -> int:
+        """The DP replicas `method`'s dispatch splits by: of the layout it names (`dispatch_mode(layout=...)`, the
+        hybrid engine's rollout), else the role's own. A PER_REPLICA method takes one value per replica."""
+        name = getattr(method, DISPATCH_LAYOUT_ATTR, None)
+        return (self.layout if name is None else self._role.extra_layouts[name]).dp
+
     def call(self, method: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Any:
         """`submit(method, ...).get()`."""
         return self.submit(method, *args, **kwargs).get()

@@ -225,7 +225,7 @@ def reward_options(config: PPOConfig) -> RewardOptions:
                                                         "(url), not both")
     return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping, custom.num_workers,
                          custom.timeout, custom.on_error, custom.url, custom.max_concurrency, custom.retries,
-                         custom.retry_backoff)
+                         custom.retry_backoff, config.reward_model.use_reward_loop)
 
 
 def algorithm_options(config: PPOConfig, shared: SharedKeys) -> AlgorithmOptions:

@@ -265,6 +265,7 @@ class RewardOptions:
     server_concurrency: int = 64
     server_retries: int = 3
     server_backoff: float = 1.0
+    while_generating: bool = True  # reward_model.use_reward_loop: score each sample as its generation finishes
 
 
 @dataclass(frozen=True)

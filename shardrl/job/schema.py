@@ -364,6 +364,9 @@ class RewardModelConfig:
     reward_manager: Literal["naive", "batch", "dapo"]
     # verl's reward-manager arguments: only the DAPO manager's, which load_config moves into overlong_buffer.
     reward_kwargs: dict[str, Any]
+    # verl's reward loop: each sample is scored as soon as its generation finishes (synchronous schedule: while the
+    # others still decode); false: the whole batch after generation.
+    use_reward_loop: bool
     overlong_buffer: OverlongBufferConfig
 
 

@@ -9,12 +9,13 @@ from __future__ import annotations
 import contextlib
 import itertools
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from shardrl.agents.driver import RunnerStats
 from shardrl.algos import KLController
 from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
@@ -24,6 +25,7 @@ from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
 from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
+from shardrl.trainer.reward_loop import ScoringThread, stream_generation
 from shardrl.trainer.tracking import Timeline, Tracker
 from shardrl.workers.actor import ActorRefWorker
 from shardrl.workers.critic import CriticWorker
@@ -56,6 +58,13 @@ class Workers:
             return self.actor.call(ActorRolloutRefWorker.generate_sequences, samples, validate=validate)
         return self.rollout.call(RolloutWorker.generate_sequences, samples, validate=validate)
 
+    def stream_generate(self, samples: Batch, on_finished: Callable[[Batch], None]) -> list[list[dict[str, Any]]]:
+        """`generate` (training sampling) with each sample handed to `on_finished` as it finishes
+        (`reward_loop.stream_generation`); each engine replica's reports, one per call."""
+        if self.rollout is None:
+            return stream_generation(self.actor, ActorRolloutRefWorker.stream_sequences, samples, on_finished)
+        return stream_generation(self.rollout, RolloutWorker.stream, samples, on_finished)
+
 
 class PPOTrainer:
     def __init__(self, plan: JobPlan, workers: Workers, loader: PromptLoader, val_prompts: Batch | None,
@@ -71,7 +80,8 @@ class PPOTrainer:
         # The colocated worker syncs its rollout when it is built; a detached pool gets its weights in fit().
         self.rollout_version: int | None = 0 if workers.rollout is None else None
         self.max_staleness = staleness.max_staleness(plan)
-        self.agent_metrics: dict[str, float] = {}  # this step's, multi-turn (`record_agent_stats`)
+        # this step's summed over its generation rounds: multi-turn (`record_agent_stats`), scoring while generating
+        self.step_extra: dict[str, float] = {}
 
     def step(self, prompts: Batch, more_prompts: Iterable[Batch] = ()) -> dict[str, Any]:
         """generate -> score -> train (log-probs, values, advantages, updates) -> sync: the synchronous schedule.
@@ -87,7 +97,7 @@ class PPOTrainer:
         """The step's scored samples: those of `prompts`, or with `algorithm.filter_groups` the first
         `data.train_batch_size` groups with a spread from as many rounds as that takes (dynamic_sampling.py)."""
         batches = itertools.chain([prompts], more_prompts)
-        rounds = (self.score(self.generate(p, step, gen_round), step) for gen_round, p in enumerate(batches))
+        rounds = (self.generate_scored(p, step, gen_round) for gen_round, p in enumerate(batches))
         groups = self.algorithm.filter_groups
         if groups is None:
             batch, scores = next(rounds)
@@ -95,25 +105,48 @@ class PPOTrainer:
         return dynamic_sampling.collect(rounds, groups.metric, self.loop.train_batch_size,
                                         groups.max_num_gen_batches)
 
+    def generate_scored(self, prompts: Batch, step: int, gen_round: int = 0) -> tuple[Batch, SampleScores]:
+        """One generation round's samples, scored: each as soon as it finishes (`reward.while_generating`,
+        reward_loop.py), else the whole batch after generation."""
+        if not self.plan.reward.while_generating:
+            return self.score(self.generate(prompts, step, gen_round), step)
+        scoring = ScoringThread(lambda samples: self.workers.score(
+            samples, self.tokenizer, self.score_fn, self.plan.reward, self.algorithm.gdpo_reward_keys or ()),
+            self.timeline, step)
+        try:
+            with self.timeline.phase(step, "gen"):
+                reports = self.workers.stream_generate(self.sample_rows(prompts, step, gen_round), scoring.submit)
+            if self.plan.rollout.agent is not None:
+                self.record_agent_stats(step, [RunnerStats(
+                    sum(r["decode_steps_during_tools"] for r in calls), sum(r["tool_idle_s"] for r in calls),
+                    [span for r in calls for span in r["tool_idle_spans"]]) for calls in reports])
+            with self.timeline.phase(step, "reward"):
+                batch, scores, metrics = scoring.finish()
+        finally:
+            scoring.close()
+        for key, value in metrics.items():
+            self.step_extra[key] = self.step_extra.get(key, 0.0) + value
+        return batch, scores
+
     def generate(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
         with self.timeline.phase(step, "gen"):
             batch = self.workers.generate(self.sample_rows(prompts, step, gen_round))
         if self.plan.rollout.agent is not None:
-            self.record_agent_stats(step)
+            w = self.workers
+            self.record_agent_stats(step, w.actor.call(ActorRolloutRefWorker.take_agent_stats) if w.rollout is None
+                                    else w.rollout.call(RolloutWorker.take_agent_stats))
         return batch
 
-    def record_agent_stats(self, step: int) -> None:
-        """Multi-turn: the rollout's time idle on tools (timeline spans on the rollout lane, first replica's) and the
-        decode steps that hid tool waits, summed over the step's generation rounds (`agent_metrics`)."""
-        w = self.workers
-        per_rank = (w.actor.call(ActorRolloutRefWorker.take_agent_stats) if w.rollout is None
-                    else w.rollout.call(RolloutWorker.take_agent_stats))
-        for start, end in per_rank[0].tool_idle_spans:
+    def record_agent_stats(self, step: int, stats: list[RunnerStats]) -> None:
+        """Multi-turn: the rollout's time idle on tools (timeline spans on the rollout lane, the first entry's) and
+        the decode steps that hid tool waits (the most of any entry: one per rank or replica), summed over the
+        step's generation rounds (`step_extra`)."""
+        for start, end in stats[0].tool_idle_spans:
             self.timeline.add_wall_span(step, "tool_idle", "rollout", start, end)
-        m = self.agent_metrics
-        m["agent/tool_idle_s"] = m.get("agent/tool_idle_s", 0.0) + max(s.tool_idle_seconds for s in per_rank)
+        m = self.step_extra
+        m["agent/tool_idle_s"] = m.get("agent/tool_idle_s", 0.0) + max(s.tool_idle_seconds for s in stats)
         m["agent/decode_steps_during_tools"] = m.get("agent/decode_steps_during_tools", 0.0) + max(
-            s.decode_steps_during_tools for s in per_rank)
+            s.decode_steps_during_tools for s in stats)
 
     def sample_rows(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
         """`rollout.n` rows per prompt (one per sample, grouped by uid), seeded by (seed, step, round, row): what
@@ -179,8 +212,8 @@ class PPOTrainer:
 
     def step_metrics(self, batch: Batch, step: int) -> dict[str, float]:
         """Timing of the step's phases and its token throughput (after the step's phases closed)."""
-        metrics = self.timeline.step_timing(step) | self.agent_metrics
-        self.agent_metrics = {}
+        metrics = self.timeline.step_timing(step) | self.step_extra
+        self.step_extra = {}
         tokens = float(batch.tensors["attention_mask"].sum())
         return metrics | {"perf/total_num_tokens": tokens, "perf/throughput": tokens / metrics["timing_s/step"]}
 

@@ -8,6 +8,8 @@ memory; the next weight sync wakes it (weights first, cache after), as does a ge
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardrl.agents.driver import RunnerStats, build_runner
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.host import collective_timeout
@@ -20,6 +22,7 @@ from shardrl.sync.colocated import ColocatedSync
 from shardrl.workers.actor import ActorRefWorker
 from shardrl.workers.role_model import create_layout
 from shardrl.workers.samples import generate, generate_trajectories
+from shardrl.workers.stream import SampleStream
 
 
 class ActorRolloutRefWorker(ActorRefWorker):
@@ -31,6 +34,7 @@ class ActorRolloutRefWorker(ActorRefWorker):
         model_config = ModelConfig.from_pretrained(model_path, overrides=rollout.override_config)
         self.rollout = Engine(model_config, create_layout(rollout.spec, rollout.ranks, self.registry), rollout.engine)
         self.agents = None if rollout.agent is None else build_runner(self.rollout, rollout.agent)
+        self.samples = SampleStream(self.rollout, self.agents, rollout.response_length, pad_token_id)
         sync = rollout.weight_sync
         self.weight_sync = ColocatedSync(self.actor.chunks, self.actor.layout, self.actor.host_buffers, self.rollout,
                                          sync.bucket_bytes, sync.verify, collective_timeout())
@@ -50,6 +54,23 @@ class ActorRolloutRefWorker(ActorRefWorker):
         if o.free_cache_engine:
             self.rollout.sleep()
         return samples
+
+    @dispatch_mode(Dispatch.PER_REPLICA, layout="rollout")
+    def stream_sequences(self, prompts: Batch | None, max_steps: int) -> tuple[Batch | None, dict[str, Any]]:
+        """`generate_sequences` over many short calls, for a controller that acts on each sample as it finishes
+        (`reward_model.use_reward_loop`): the rows of `prompts` (this replica's share; None: nothing new) join the
+        engine's queue at once, as they would in one generation, and each call runs at most `max_steps` engine
+        steps and returns the samples that finished meanwhile (`SampleStream.run`)."""
+        o = self.rollout_options
+        idle = prompts is None and not self.samples.busy()  # a call queued behind the one that finished the last
+        if not idle:
+            self.rollout.wake_up()  # a no-op unless free_cache_engine put the cache to sleep after the last generation
+        if prompts is not None:
+            self.samples.add(prompts, o.train.params(prompts.tensors["sample_seed"]), refill=False)
+        finished = self.samples.run(max_steps)
+        if o.free_cache_engine and not idle and not self.samples.busy():
+            self.rollout.sleep()
+        return finished
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def take_agent_stats(self) -> RunnerStats | None:
