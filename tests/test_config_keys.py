@@ -27,7 +27,7 @@ NOT_CONSUMERS = {"format_plan"}  # the dry run's printout reads keys to show the
 PASS_THROUGH = {str(JOB / "schema.py"), __file__}  # properties, `at` and this recorder read for their caller
 
 # Configs that together take every conditional branch of the planner (a critic, a reference policy, KL in reward,
-# dynamic sampling, overlong shaping, a reward model, both async modes).
+# dynamic sampling, overlong shaping, a reward model, a judge, both async modes).
 VARIANTS = [
     ("ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                      "algorithm.use_kl_in_reward=true", "reward_model.overlong_buffer.enable=true",
@@ -40,6 +40,7 @@ VARIANTS = [
                      "critic.use_dynamic_bsz=true", "distillation.enabled=true",
                      "distillation.teacher_model.model_path=/a/teacher", "reward_model.enable=true",
                      "reward_model.model.path=/a/rm", "reward_model.use_dynamic_bsz=true"]),
+    ("ppo_trainer", ["reward_model.judge.enable=true", "reward_model.judge.model_path=/a/judge"]),
     ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),
     ("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"]),
 ]

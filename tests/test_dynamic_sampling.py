@@ -145,10 +145,10 @@ class RecordingTrainer(PPOTrainer):
     generated: list
     trained: list
 
-    def generate(self, prompts: Batch, step: int, gen_round: int = 0) -> Batch:
-        batch = super().generate(prompts, step, gen_round)
+    def generate_scored(self, prompts: Batch, step: int, gen_round: int = 0):
+        batch, scores = super().generate_scored(prompts, step, gen_round)
         self.generated.append((step, [e["index"] for e in prompts.non_tensors["extra_info"]], rows_of(batch)))
-        return batch
+        return batch, scores
 
     def train(self, batch: Batch, step: int):
         self.trained.append(rows_of(batch))

@@ -58,7 +58,7 @@ def test_default_config_plans_on_cpu_with_ranks_as_gpus():
     # mini 8 prompts x n 4 = 32 samples / DP 2 = 16 per rank, micro 8 -> 2; step 16 x 4 = 64 / 2 = 32, micro 16 -> 2
     assert plan.roles["actor"].batches == {"update": MicroBatching(16, 8, 2, None),
                                            "log_prob": MicroBatching(32, 16, 2, None)}
-    assert set(plan.skipped) == {"ref", "teacher", "reward_model", "critic"}
+    assert set(plan.skipped) == {"ref", "teacher", "reward_model", "critic", "judge"}
 
 
 def test_reference_policy_planned_when_kl_is_used():

@@ -2,6 +2,7 @@
 the trainer calls its colocated worker through `RankHandle`, which routes each call as the controller would."""
 
 import os
+import types
 
 import torch.distributed as dist
 from transformers import AutoTokenizer
@@ -36,6 +37,15 @@ class RankHandle:
         gathered = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, bound(*mine_args, **mine_kwargs))
         return routing.collect({r: gathered[r] for r in routing.reporting_ranks})
+
+    def submit(self, method, *args, **kwargs):
+        """As `RoleHandle.submit`, run at once (every rank submits in the same order): a call already done."""
+        value = self.call(method, *args, **kwargs)
+        return types.SimpleNamespace(get=lambda: value)
+
+    def replicas(self, method) -> int:
+        """As `RoleHandle.replicas`."""
+        return self.plan.roles[getattr(method, DISPATCH_LAYOUT_ATTR) or "actor"].spec.dp
 
 
 def colocated_trainer(model_path: str, overrides: list[str], score_fn, tracker=None, val_prompts=None):

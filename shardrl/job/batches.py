@@ -210,3 +210,13 @@ def rollout_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
         raise ConfigError("actor_rollout_ref.rollout.data_parallel_size",
                           f"{rollout.data_parallel_size} != {world} ranks / TP {tp} = {spec.dp}; leave it null")
     return RolePlan("rollout", spec, ranks, rank_tables(spec, ranks))
+
+
+def judge_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
+    """The generative judge's engine over the trainer pool: TP inside a replica, replicas = pool / TP."""
+    tp = config.reward_model.judge.tensor_model_parallel_size
+    if len(ranks) % tp:
+        raise ConfigError("reward_model.judge.tensor_model_parallel_size",
+                          f"TP {tp} does not divide the trainer pool of {len(ranks)} ranks")
+    spec = LayoutSpec(world_size=len(ranks), tp=tp)
+    return RolePlan("judge", spec, ranks, rank_tables(spec, ranks))

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime
 import ipaddress
+import re
+import string
 from pathlib import Path
 from typing import Any
 
@@ -28,9 +30,12 @@ from shardrl.job.options import (
     ClusterOptions,
     CorrectionOptions,
     CriticOptions,
+    DEFAULT_JUDGE_TEMPLATE,
+    JUDGE_TEMPLATE_FIELDS,
     DataOptions,
     EngineOptions,
     FilterGroupsOptions,
+    JudgeOptions,
     KLInRewardOptions,
     LoopOptions,
     ModelOptions,
@@ -48,6 +53,7 @@ from shardrl.job.options import (
 )
 from shardrl.job.schema import (
     AgentLoopConfig,
+    JudgeConfig,
     MultiTurnConfig,
     CheckpointConfig,
     MegatronConfig,
@@ -56,7 +62,7 @@ from shardrl.job.schema import (
     RolloutCorrectionConfig,
 )
 from shardrl.parallel.layout_spec import LayoutSpec
-from shardrl.rewards.manager import OverlongShaping
+from shardrl.rewards.manager import JudgeScoring, OverlongShaping
 from shardrl.rollout.runner import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -216,7 +222,8 @@ def data_options(config: PPOConfig) -> DataOptions:
         shuffle=data.shuffle, validation_shuffle=data.validation_shuffle, seed=data.seed)
 
 
-def reward_options(config: PPOConfig) -> RewardOptions:
+def reward_options(config: PPOConfig, judge: JudgeScoring | None) -> RewardOptions:
+    """`judge`: the judge's scoring (`JudgeOptions.scoring`) when there is one."""
     overlong, custom = config.reward_model.overlong_buffer, config.custom_reward_function
     shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
                               overlong.log) if overlong.enable else None
@@ -225,7 +232,54 @@ def reward_options(config: PPOConfig) -> RewardOptions:
                                                         "(url), not both")
     return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping, custom.num_workers,
                          custom.timeout, custom.on_error, custom.url, custom.max_concurrency, custom.retries,
-                         custom.retry_backoff, config.reward_model.use_reward_loop)
+                         custom.retry_backoff, config.reward_model.use_reward_loop, judge)
+
+
+def judge_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> JudgeOptions:
+    """`reward_model.judge` -> the judge worker's options; its template (read from its file) and score pattern are
+    checked here, before workers start."""
+    judge, key = config.reward_model.judge, "reward_model.judge"
+    if judge.model_path is None:
+        raise ConfigError(f"{key}.model_path", "must be set when reward_model.judge.enable=true (the HF causal LM "
+                                               "the judge's engine serves)")
+    try:
+        re.compile(judge.score_pattern)
+    except re.error as err:
+        raise ConfigError(f"{key}.score_pattern",
+                          f"{judge.score_pattern!r} is not a regular expression ({err})") from None
+    engine = EngineConfig(max_num_seqs=judge.max_num_seqs, max_num_batched_tokens=max(8192, judge.max_model_len),
+                          max_model_len=judge.max_model_len, gpu_memory_utilization=judge.gpu_memory_utilization,
+                          dtype=DTYPES[judge.dtype], seed=shared.seed)
+    sampling = sampling_options(judge.temperature > 0, judge.temperature, -1, judge.top_p, judge.response_length,
+                                ignore_eos=False)
+    scoring = JudgeScoring(judge.model_path, judge.combine, judge.weight, judge.on_parse_failure,
+                           judge.parse_failure_score)
+    return JudgeOptions(judge.model_path, role.spec, role.ranks, engine, sampling, judge_template(judge),
+                        judge.score_pattern, judge.free_cache_engine, scoring)
+
+
+def judge_template(judge: JudgeConfig) -> str:
+    """The judge's prompt template: `prompt_template`, the file `prompt_template_path`, or the built-in one; it may
+    name only JUDGE_TEMPLATE_FIELDS."""
+    key = "reward_model.judge.prompt_template"
+    if judge.prompt_template is not None and judge.prompt_template_path is not None:
+        raise ConfigError(key, "set either the template (prompt_template) or its file (prompt_template_path)")
+    template = judge.prompt_template
+    if judge.prompt_template_path is not None:
+        key = "reward_model.judge.prompt_template_path"
+        try:
+            template = Path(judge.prompt_template_path).expanduser().read_text()
+        except OSError as err:
+            raise ConfigError(key, f"{judge.prompt_template_path}: cannot be read ({err.strerror})") from None
+    template = DEFAULT_JUDGE_TEMPLATE if template is None else template
+    try:
+        fields = {name for _, name, _, _ in string.Formatter().parse(template) if name is not None}
+    except ValueError as err:
+        raise ConfigError(key, f"not a str.format template ({err}); write literal braces as {{{{ and }}}}") from None
+    if not fields <= set(JUDGE_TEMPLATE_FIELDS) or "response" not in fields:
+        allowed = ", ".join("{" + name + "}" for name in JUDGE_TEMPLATE_FIELDS)
+        raise ConfigError(key, f"may name only {allowed} and must name {{response}}; it names {sorted(fields)}")
+    return template
 
 
 def algorithm_options(config: PPOConfig, shared: SharedKeys) -> AlgorithmOptions:

@@ -30,6 +30,7 @@ ROLE_KEYS = {
     "reward_model": _megatron_keys("reward_model.megatron"),
     "rollout": {"tp": "actor_rollout_ref.rollout.tensor_model_parallel_size",
                 "ep": "actor_rollout_ref.rollout.expert_parallel_size"},
+    "judge": {"tp": "reward_model.judge.tensor_model_parallel_size"},  # TP only: it splits nothing else
 }
 
 
@@ -55,11 +56,12 @@ def read_hf_config(path: str | None, overrides: dict[str, Any], key: str) -> tup
 def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:
     """Check every planned role against its model's config.json; returns one note per role for the printout."""
     actor, critic = config.actor_rollout_ref.model, config.critic.model
-    teacher, rm = config.distillation.teacher_model, config.reward_model.model
+    teacher, rm, judge = config.distillation.teacher_model, config.reward_model.model, config.reward_model.judge
     sources = (("actor_rollout_ref.model.path", actor.path, actor.override_config, ("actor", "ref", "rollout")),
                ("critic.model.path", critic.path, critic.override_config, ("critic",)),
                ("distillation.teacher_model.model_path", teacher.model_path, {}, ("teacher",)),
-               ("reward_model.model.path", rm.path, rm.override_config, ("reward_model",)))
+               ("reward_model.model.path", rm.path, rm.override_config, ("reward_model",)),
+               ("reward_model.judge.model_path", judge.model_path, {}, ("judge",)))
     notes = []
     for key, path, overrides, names in sources:
         names = [n for n in names if n in specs]

@@ -28,7 +28,7 @@ from shardrl.job.schema import (
 )
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout_spec import LayoutSpec
-from shardrl.rewards.manager import OverlongShaping
+from shardrl.rewards.manager import JudgeScoring, OverlongShaping
 from shardrl.rollout.request import SamplingParams
 from shardrl.rollout.runner import EngineConfig
 
@@ -207,6 +207,29 @@ class SamplingOptions:
                                top_p=self.top_p, ignore_eos=self.ignore_eos, seed=int(seed)) for seed in seeds]
 
 
+JUDGE_TEMPLATE_FIELDS = ("prompt", "response", "ground_truth")  # what a judge's prompt template may name
+DEFAULT_JUDGE_TEMPLATE = (
+    "You grade answers. Read the question, the reference answer and the answer to grade, then rate how correct "
+    "the answer is from 0 (wrong) to 1 (fully correct).\n\nQuestion: {prompt}\n\nReference answer: "
+    "{ground_truth}\n\nAnswer to grade: {response}\n\nEnd your reply with a line 'Score: <number>'.")
+
+
+@dataclass(frozen=True)
+class JudgeOptions:
+    """The generative judge's worker (workers/judge.py): its model, engine and layout over the trainer pool, how it
+    samples a verdict, the prompt it reads each sample through and the pattern its score is parsed with."""
+
+    model_path: str
+    spec: LayoutSpec
+    ranks: list[int]
+    engine: EngineConfig
+    sampling: SamplingOptions
+    prompt_template: str  # str.format fields among JUDGE_TEMPLATE_FIELDS
+    score_pattern: str
+    free_cache_engine: bool
+    scoring: JudgeScoring  # the controller's side (RewardOptions.judge)
+
+
 @dataclass(frozen=True)
 class WeightSyncOptions:
     bucket_bytes: int
@@ -266,6 +289,7 @@ class RewardOptions:
     server_retries: int = 3
     server_backoff: float = 1.0
     while_generating: bool = True  # reward_model.use_reward_loop: score each sample as its generation finishes
+    judge: JudgeScoring | None = None  # reward_model.judge
 
 
 @dataclass(frozen=True)

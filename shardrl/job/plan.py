@@ -24,14 +24,16 @@ from typing import Literal
 
 import torch
 
-from shardrl.job.batches import RolePlan, plan_step, read_shared, rollout_role, train_role
+from shardrl.job.batches import RolePlan, judge_role, plan_step, read_shared, rollout_role, train_role
 from shardrl.job.compat import refuse_unsupported
+from shardrl.job.errors import ConfigError
 from shardrl.job.compile import (
     actor_options,
     algorithm_options,
     async_options,
     cluster_options,
     critic_options,
+    judge_options,
     reward_model_options,
     data_options,
     loop_options,
@@ -48,6 +50,7 @@ from shardrl.job.options import (
     ClusterOptions,
     CriticOptions,
     DataOptions,
+    JudgeOptions,
     LoopOptions,
     RefOptions,
     RewardModelOptions,
@@ -83,6 +86,7 @@ class JobPlan:
     critic: CriticOptions | None
     reward_model: RewardModelOptions | None  # a learned reward model scoring every sample
     reward_model_path: str | None
+    judge: JudgeOptions | None  # a generative judge scoring every sample (reward_model.judge)
     rollout: RolloutOptions
     data: DataOptions
     reward: RewardOptions
@@ -147,8 +151,16 @@ def plan_job(config: PPOConfig) -> JobPlan:
     else:
         skipped["critic"] = f"adv_estimator={shared.adv_estimator} needs no values"
     roles["rollout"] = rollout_role(config, rollout_ranks)
+    if config.reward_model.judge.enable:
+        if "reward_model" in roles:
+            raise ConfigError("reward_model.judge.enable", "a reward model (reward_model.enable) and a judge cannot "
+                                                           "both be the learned reward; enable one of them")
+        roles["judge"] = judge_role(config, trainer_ranks)
+    else:
+        skipped["judge"] = "reward_model.judge.enable is false"
     sync_ranks = trainer_ranks + rollout_ranks if detached else trainer_ranks
     actor = actor_options(config, shared, roles["actor"])
+    judge = judge_options(config, shared, roles["judge"]) if "judge" in roles else None
     trainer = config.trainer
     return JobPlan(
         mode=mode,
@@ -171,9 +183,10 @@ def plan_job(config: PPOConfig) -> JobPlan:
         critic=critic_options(config, shared, roles["critic"]) if "critic" in roles else None,
         reward_model=reward_model_options(config, roles["reward_model"]) if "reward_model" in roles else None,
         reward_model_path=config.reward_model.model.path,
+        judge=judge,
         rollout=rollout_options(config, shared, roles["rollout"], sync_ranks),
         data=data_options(config),
-        reward=reward_options(config),
+        reward=reward_options(config, judge.scoring if judge is not None else None),
         algorithm=algorithm_options(config, shared),
         loop=loop_options(config, shared, step, save_hf="hf_model" in actor.checkpoint.save_contents),
         cluster=cluster,
@@ -208,7 +221,7 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
         device += ": each GPU below is one CPU process (gloo rank)"
     lines = [f"shardrl plan: {plan.mode} mode, {plan.placement} placement, {device}",
              f"trainer pool: ranks {_span(plan.trainer_ranks)} ({trainer.nnodes} node(s) x {trainer.n_gpus_per_node} "
-             f"{unit}); actor, ref, reward model and critic share it"]
+             f"{unit}); actor, ref, reward model, judge and critic share it"]
     if plan.placement == "detached":
         pool = config.rollout
         lines.append(f"rollout pool: ranks {_span(plan.rollout_ranks)} ({pool.nnodes} node(s) x "
@@ -221,7 +234,7 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
     if config.async_training is not None:
         settings = ", ".join(f"{k}={v}" for k, v in vars(config.async_training).items() if v is not None)
         lines.append(f"async_training: {settings}")
-    for name in ("actor", "ref", "teacher", "reward_model", "critic", "rollout"):
+    for name in ("actor", "ref", "teacher", "reward_model", "critic", "rollout", "judge"):
         if name in plan.skipped:
             lines.append(f"{name}: skipped ({plan.skipped[name]})")
             continue
@@ -230,10 +243,13 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
         if name == "rollout":
             lines.append(f"rollout: TP{s.tp}, {s.dp} replica(s), EP{s.ep} ETP{s.etp} on {world} {unit} "
                          f"(ranks {_span(role.ranks)}), engine {config.actor_rollout_ref.rollout.name}")
+        elif name == "judge":
+            lines.append(f"judge: TP{s.tp}, {s.dp} replica(s) on {world} {unit} (ranks {_span(role.ranks)}), "
+                         f"native engine serving {plan.judge.model_path}")
         else:
             lines.append(f"{name}: TP{s.tp} PP{s.pp} DP{s.dp}, EP{s.ep} ETP{s.etp} expert-DP{s.edp} on {world} {unit} "
                          f"(VPP{s.vpp} CP{s.cp}, ranks {_span(role.ranks)})")
-        for table in ROLLOUT_TABLES if name == "rollout" else TRAIN_TABLES:
+        for table in ROLLOUT_TABLES if name in ("rollout", "judge") else TRAIN_TABLES:
             lines.append(f"  {table:<9} {_groups(role.tables[table])}")
         lines.extend(f"  {phase + ':':<9} {batching.describe()}" for phase, batching in role.batches.items())
     lines.extend(f"model: {note}" for note in plan.model_notes)

@@ -340,6 +340,33 @@ class RewardModelModelConfig:
 
 
 @dataclass(frozen=True)
+class JudgeConfig:
+    """A generative judge (shardrl): an LLM on a native engine of its own reads each sample through
+    `prompt_template` ({prompt}, {response}, {ground_truth}) and its verdict's score is the last match of
+    `score_pattern`. It is the reward (`combine: replace`) or is added to the reward function's (`add`), times
+    `weight`. A verdict without a score fails the run or scores `parse_failure_score` (`on_parse_failure`)."""
+
+    enable: bool
+    model_path: str | None  # an HF causal LM of a family shardrl loads
+    prompt_template: str | None  # the template's text; null: `prompt_template_path`, else the built-in one
+    prompt_template_path: str | None  # a text file holding it
+    score_pattern: str  # a regular expression; its first group (or the whole match) is the score
+    on_parse_failure: Literal["score", "fail"]
+    parse_failure_score: float
+    combine: Literal["replace", "add"]
+    weight: float
+    tensor_model_parallel_size: PosInt  # the judge engine's TP; replicas = trainer pool / TP
+    response_length: PosInt  # tokens of a verdict
+    temperature: NonNegFloat  # 0: greedy
+    top_p: Fraction
+    max_num_seqs: PosInt
+    max_model_len: PosInt  # judge prompt + verdict tokens
+    gpu_memory_utilization: Fraction
+    dtype: DType
+    free_cache_engine: bool  # free the judge's KV cache between scoring calls
+
+
+@dataclass(frozen=True)
 class RewardModelConfig:
     """verl's `reward_model` group: a learned reward model (`enable`) scoring every sample on the trainer pool, on a
     layout of its own (`megatron`); when its tokenizer differs from the policy's (`model.input_tokenizer`), each
@@ -368,6 +395,7 @@ class RewardModelConfig:
     # others still decode); false: the whole batch after generation.
     use_reward_loop: bool
     overlong_buffer: OverlongBufferConfig
+    judge: JudgeConfig
 
 
 @dataclass(frozen=True)

@@ -11,12 +11,13 @@ The column that names each sample's source, and so its reward function, is `data
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from transformers import PreTrainedTokenizerBase
 
 from shardrl.data.batch import Batch
+from shardrl.rewards.outcomes import RewardFunctionError
 from shardrl.rewards.registry import ScoreFn
 
 
@@ -28,6 +29,19 @@ class OverlongShaping:
     buffer_length: int  # tokens
     penalty_factor: float
     log: bool
+
+
+@dataclass(frozen=True)
+class JudgeScoring:
+    """How a generative judge's scores (`judge_scores` [B], NaN where its verdict had no score) become rewards
+    (`reward_model.judge`): the reward (`replace`: the reward function is not called) or added to the reward
+    function's (`add`), times `weight`; a verdict with no score fails the run or scores `parse_failure_score`."""
+
+    model_path: str  # names the judge in errors
+    combine: Literal["replace", "add"]
+    weight: float
+    on_parse_failure: Literal["score", "fail"]
+    parse_failure_score: float
 
 
 @dataclass(frozen=True)
@@ -129,20 +143,44 @@ def score_responses(
     return torch.tensor(scores, dtype=torch.float32), extras
 
 
+def judge_scores(batch: Batch, judge: JudgeScoring) -> tuple[torch.Tensor, dict[str, list[Any]]]:
+    """The judge's part of each sample's score `[B]` (times `weight`, `parse_failure_score` where its verdict had
+    none) and the extras `judge_score` and `judge_parse_failed`. With `on_parse_failure="fail"` a verdict without
+    a score is a RewardFunctionError naming the sample and quoting the verdict (failed agent episodes excepted:
+    they score 0 whatever the judge says)."""
+    raw = batch.tensors["judge_scores"]  # [B], NaN: no score in the verdict
+    unparsed = torch.isnan(raw)
+    if "agent_loop_errors" in batch.tensors.keys():
+        unparsed &= ~batch.tensors["agent_loop_errors"].bool()
+    if judge.on_parse_failure == "fail" and bool(unparsed.any()):
+        row = int(unparsed.nonzero()[0])
+        verdict = " ".join(str(batch.non_tensors["judge_verdicts"][row]).split())[:200]
+        raise RewardFunctionError(f"judge {judge.model_path}: no score in its verdict on sample {row} ({verdict!r}); "
+                                  f"fix reward_model.judge.score_pattern or set on_parse_failure=score")
+    parsed = torch.where(torch.isnan(raw), torch.full_like(raw, judge.parse_failure_score), raw)
+    return judge.weight * parsed, {"judge_score": parsed.tolist(), "judge_parse_failed": unparsed.float().tolist()}
+
+
 def compute_token_level_scores(
     batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn, overlong: OverlongShaping | None = None,
-    *, data_source_key: str = "data_source",
+    *, data_source_key: str = "data_source", judge: JudgeScoring | None = None,
 ) -> SampleScores:
     """Score every response, add the overlong penalty when shaping, and place the result on the last token.
 
     A response's length is its count of generated tokens (`response_mask`), the count the rollout stops at
     `max_length`. `data_source_key`: see `score_responses`. A batch with `rm_scores` `[B, T]` (a reward model's, on
-    each response's last token) is scored by them instead of `score_fn`.
+    each response's last token) is scored by them instead of `score_fn`; one with `judge_scores` by the judge,
+    instead of `score_fn` or added to it as `judge` says (`judge_scores`).
     """
     if "rm_scores" in batch.tensors.keys():  # a reward model's (verl's: then the reward function is not called)
         scores, extras = batch.tensors["rm_scores"].sum(-1), {}  # [B]
+    elif judge is not None and judge.combine == "replace":
+        scores, extras = judge_scores(batch, judge)
     else:
         scores, extras = score_responses(batch, tokenizer, score_fn, data_source_key=data_source_key)  # [B]
+        if judge is not None:
+            judged, judge_extras = judge_scores(batch, judge)
+            scores, extras = scores + judged, extras | judge_extras
     mask = batch.tensors["response_mask"]  # [B, T]
     shaped = scores
     if overlong is not None:

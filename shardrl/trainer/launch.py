@@ -32,6 +32,7 @@ from shardrl.trainer.plots import write_plots
 from shardrl.trainer.ppo import PPOTrainer, Workers
 from shardrl.trainer.tracking import Tracker
 from shardrl.workers.critic import CriticWorker
+from shardrl.workers.judge import JudgeWorker
 from shardrl.workers.reward_model import RewardModelWorker, check_reward_model
 from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker
@@ -271,10 +272,14 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
         roles.append(Role("reward_model", RewardModelWorker, dict(options=plan.reward_model,
                                                                   model_path=plan.reward_model_path),
                           plan.reward_model.model.spec, **on_trainer))
+    if plan.judge is not None:
+        roles.append(Role("judge", JudgeWorker, dict(options=plan.judge, policy_tokenizer=paths.tokenizer),
+                          plan.judge.spec, **on_trainer))
     group = WorkerGroup(pools, roles, collective_timeout=cluster.collective_timeout)
     workers = Workers(group.role("actor"), group.role("critic") if plan.critic is not None else None,
                       group.role("rollout") if plan.placement == "detached" else None,
-                      group.role("reward_model") if plan.reward_model is not None else None)
+                      group.role("reward_model") if plan.reward_model is not None else None,
+                      group.role("judge") if plan.judge is not None else None)
     return group, workers
 
 

@@ -29,6 +29,7 @@ from shardrl.trainer.reward_loop import ScoringThread, stream_generation
 from shardrl.trainer.tracking import Timeline, Tracker
 from shardrl.workers.actor import ActorRefWorker
 from shardrl.workers.critic import CriticWorker
+from shardrl.workers.judge import JudgeWorker
 from shardrl.workers.reward_model import RewardModelWorker
 from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker
@@ -43,13 +44,17 @@ class Workers:
     critic: RoleHandle | None  # CriticWorker
     rollout: RoleHandle | None = None  # RolloutWorker: the detached pool (async modes); None: the hybrid engine
     reward_model: RoleHandle | None = None  # RewardModelWorker: `reward_model.enable`
+    judge: RoleHandle | None = None  # JudgeWorker: `reward_model.judge.enable`
 
     def score(self, batch: Batch, tokenizer, score_fn, reward: RewardOptions,
               keep_extras: Sequence[str] = ()) -> tuple[Batch, SampleScores]:
         """Token-level scores of generated samples: the reward model's when there is one (verl's: then the reward
-        function is not called), else the reward function's (`batch_ops.score`)."""
+        function is not called), the judge's (instead of the reward function's or added to it), else the reward
+        function's (`batch_ops.score`)."""
         if self.reward_model is not None:
             batch = batch.union(self.reward_model.call(RewardModelWorker.compute_rm_score, batch))
+        if self.judge is not None:
+            batch = batch.union(self.judge.call(JudgeWorker.judge, batch))
         return batch_ops.score(batch, tokenizer, score_fn, reward, keep_extras)
 
     def generate(self, samples: Batch, validate: bool = False) -> Batch:
