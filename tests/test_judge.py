@@ -11,6 +11,7 @@ import os
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -164,33 +165,32 @@ def test_the_judge_engine_writes_what_transformers_generates_greedily(task, tp):
         float(m[-1]) if (m := re.findall(r"\d", v)) else None for v in expected]
 
 
-def run_job(tmp_path, task, *overrides):
-    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path}",
-           "trainer.logger=[file]", "trainer.total_training_steps=2", "trainer.test_freq=-1",
-           "trainer.val_before_train=false", "reward_model.judge.enable=true",
-           f"reward_model.judge.model_path={task['model']}", "reward_model.judge.response_length=6",
-           "reward_model.judge.max_model_len=512", *overrides]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "judge" / "run_judge_builtin_cpu.sh"
 
 
-def test_a_job_on_the_builtin_task_is_scored_by_the_judge(tmp_path, task):
-    # Two digits in a row: the tiny judge writes them in some verdicts only, so some do not parse.
-    done = run_job(tmp_path, task, "reward_model.judge.score_pattern='(\\d\\d)'",
-                   "reward_model.judge.parse_failure_score=-1")
+def run_example(tmp_path, task, *overrides):
+    env = {**os.environ, "PYTHON": sys.executable, "WORK_DIR": str(tmp_path), "JUDGE": task["model"], "STEPS": "2"}
+    return subprocess.run(["bash", str(EXAMPLE), "trainer.logger=[file]", "trainer.val_before_train=false",
+                           *overrides], env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_the_judge_example_on_the_builtin_task_is_scored_by_the_judge(tmp_path, task):
+    done = run_example(tmp_path, task, "reward_model.judge.parse_failure_score=-1")
     assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
     for row in rows:
         failed = row["reward_extra/judge_parse_failed/mean"]
-        assert 0 < failed < 1, row  # counted: some verdicts parse, some do not
-        # replace: the judge's scores are the reward (an unparsed verdict's -1 included)
+        assert 0 < failed < 1, row  # counted: the tiny judge writes a 0 or 1 in some verdicts only
+        # replace: the judge's scores are the reward, an unparsed verdict's -1 included
         assert row["critic/score/mean"] == pytest.approx(row["reward_extra/judge_score/mean"])
-        assert row["reward_extra/judge_score/mean"] >= -failed  # parsed scores are >= 0, the rest are -1
+        assert -failed <= row["reward_extra/judge_score/mean"] <= 1 - failed  # parsed ones are 0 or 1
         assert row["timing_s/score"] > 0
 
 
 def test_with_on_parse_failure_fail_the_run_ends_with_one_line_naming_the_sample(tmp_path, task):
-    done = run_job(tmp_path, task, "reward_model.judge.score_pattern='NEVER(\\d)'",
-                   "reward_model.judge.on_parse_failure=fail")
+    done = run_example(tmp_path, task, "reward_model.judge.score_pattern='NEVER(\\d)'",
+                       "reward_model.judge.on_parse_failure=fail")
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert f"judge {task['model']}: no score in its verdict on sample" in last and "score_pattern" in last, last

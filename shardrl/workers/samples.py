@@ -2,8 +2,9 @@
 
 The trainer's batch layout is verl's: `prompts [B, P]` left-padded, `responses [B, R]` right-padded,
 `input_ids = cat(prompts, responses)`, `attention_mask`, `position_ids` (continuing after the prompt),
-`response_mask [B, R]`, plus the off-policy contract's fields: `rollout_log_probs [B, R]` (the behaviour logprob
-of every sampled token) and `policy_versions [B, R]` (the policy version that produced it; -1 on padding).
+`response_mask [B, R]`, the prompt rows' `sample_seed`, plus the off-policy contract's fields: `rollout_log_probs
+[B, R]` (the behaviour logprob of every sampled token) and `policy_versions [B, R]` (the policy version that
+produced it; -1 on padding).
 """
 
 from __future__ import annotations
@@ -65,6 +66,8 @@ def _padded_batch(prompts: Batch, rows: list[ResponseRow], finish_reasons: list[
         "rollout_log_probs": log_probs,
         "policy_versions": versions,
     }
+    if "sample_seed" in p.keys():  # what generated the row: scorers seed from it, streams order by it
+        tensors["sample_seed"] = p["sample_seed"]
     non_tensors = dict(prompts.non_tensors)
     non_tensors["finish_reason"] = as_object_array(finish_reasons)
     return Batch(tensors, non_tensors, dict(prompts.meta))

@@ -75,9 +75,7 @@ class SampleStream:
         if not finished:
             return None, report
         rows = Batch.concat([self.rows.pop(out.request_id) for out in finished])
-        samples = samples_batch(rows, finished, self.response_length, self.pad_token_id)
-        samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
-        return samples, report
+        return samples_batch(rows, finished, self.response_length, self.pad_token_id), report
 
     def _run_trajectories(self, max_steps: int) -> tuple[Batch | None, dict[str, Any]]:
         finished = self.agents.drive(max_steps)
@@ -88,9 +86,7 @@ class SampleStream:
         if not finished:
             return None, report
         rows = Batch.concat([self.rows.pop(key) for key in finished])
-        samples = trajectories_batch(rows, list(finished.values()), self.response_length, self.pad_token_id)
-        samples.tensors["sample_seed"] = rows.tensors["sample_seed"]
-        return samples, report
+        return trajectories_batch(rows, list(finished.values()), self.response_length, self.pad_token_id), report
 
     def _report(self) -> dict[str, Any]:
         stats = self.engine.stats
