@@ -27,14 +27,15 @@ NOT_CONSUMERS = {"format_plan"}  # the dry run's printout reads keys to show the
 PASS_THROUGH = {str(JOB / "schema.py"), __file__}  # properties, `at` and this recorder read for their caller
 
 # Configs that together take every conditional branch of the planner (a critic, a reference policy, KL in reward,
-# dynamic sampling, overlong shaping, a reward model, a judge, both async modes).
+# dynamic sampling, overlong shaping, a reward model on its own pool or not, a judge, both async modes).
 VARIANTS = [
     ("ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                      "algorithm.use_kl_in_reward=true", "reward_model.overlong_buffer.enable=true",
                      "reward_model.overlong_buffer.len=1"]),
     ("ppo_trainer", ["algorithm.filter_groups.enable=true", "distillation.enabled=true",
                      "distillation.teacher_model.model_path=/a/teacher", "reward_model.enable=true",
-                     "reward_model.model.path=/a/rm"]),
+                     "reward_model.model.path=/a/rm", "reward_model.enable_resource_pool=true",
+                     "reward_model.nnodes=1", "reward_model.n_gpus_per_node=1"]),
     ("ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                      "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
                      "critic.use_dynamic_bsz=true", "distillation.enabled=true",

@@ -73,6 +73,20 @@ def test_a_run_whose_only_reward_is_a_reward_model_learns(tmp_path):
     assert rows[0]["reward_model/score/std"] > 0
 
 
+def test_a_reward_model_on_a_pool_of_its_own_scores_as_it_does_on_the_trainer_pool(tmp_path):
+    """Its own two ranks at TP2 (after the trainer's one), scoring while the trainer pool generates: the same
+    scores, so the same run, as the reward model on the trainer pool."""
+    rm = make_sevens_reward_model(builtin_task.prepare(tmp_path / "task")["model"], tmp_path / "rm", seven=0.5)
+    shared = run(tmp_path, rm, "trainer.total_training_steps=2")
+    own = run(tmp_path, rm, "trainer.total_training_steps=2", "reward_model.enable_resource_pool=true",
+              "reward_model.nnodes=1", "reward_model.n_gpus_per_node=2",
+              "reward_model.megatron.tensor_model_parallel_size=2")
+    for a, b in zip(shared, own):
+        assert b["critic/score/mean"] == pytest_approx(a["critic/score/mean"])
+        assert b["actor/pg_loss"] == pytest_approx(a["actor/pg_loss"])
+    assert shared[0]["critic/score/max"] == pytest_approx(0.5)
+
+
 def test_the_reward_model_scores_in_the_fully_async_mode(tmp_path):
     """The trainer scores what the rollouter streams with the reward model too: its scores (0.5 for a "7", else 0;
     the rule reward would give 1 for a right successor) are every step's."""
@@ -97,3 +111,24 @@ def test_samples_are_re_rendered_only_for_a_reward_model_with_another_tokenizer(
     other.chat_template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}{% endfor %}"
     other.save_pretrained(tmp_path / "rm")
     assert with_reward_model_tokenizer(plan, policy).reward_model.input_tokenizer == task["model"]
+
+
+def test_a_reward_model_pool_takes_the_ranks_after_the_others_or_is_refused_empty():
+    from shardrl.job.errors import ConfigError
+    from shardrl.job.load import compose
+    from shardrl.job.plan import plan_job
+
+    base = ["trainer.device=cpu", "trainer.n_gpus_per_node=2", "reward_model.enable=true",
+            "reward_model.model.path=/a/rm", "reward_model.enable_resource_pool=true", "reward_model.nnodes=1"]
+    plan = plan_job(compose("ppo_trainer", [*base, "reward_model.n_gpus_per_node=4"]))
+    assert plan.roles["reward_model"].ranks == [2, 3, 4, 5] == plan.reward_model.model.ranks
+    assert plan.roles["actor"].ranks == [0, 1]
+    detached = plan_job(compose("fully_async_ppo_trainer", [*base, "reward_model.n_gpus_per_node=1",
+                                                            "rollout.nnodes=1", "rollout.n_gpus_per_node=2"]))
+    assert detached.rollout_ranks == [2, 3] and detached.roles["reward_model"].ranks == [4]
+    try:
+        plan_job(compose("ppo_trainer", [*base, "reward_model.n_gpus_per_node=0"]))
+    except ConfigError as err:
+        assert err.key == "reward_model.n_gpus_per_node"
+    else:
+        raise AssertionError("an empty reward-model pool was planned")

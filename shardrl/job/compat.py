@@ -97,10 +97,6 @@ REFUSED: tuple[Refused, ...] = (
       for state in ("grad", "optimizer")),
     Refused("reward_model.megatron.use_distributed_optimizer", _is(False), True, "the reward model never trains: it "
             "has no optimizer to distribute; set false"),
-    Refused("reward_model.enable_resource_pool", _is(False), True, "shardrl's reward model runs on the trainer pool "
-            "(its layout: reward_model.megatron.*); set false"),
-    *(Refused(f"reward_model.{size}", _is(0), 8, "the reward model has no pool of its own (it shares the trainer "
-              "pool); leave it 0") for size in ("n_gpus_per_node", "nnodes")),
     Refused("reward_model.load_weight", _is(True), False, "a reward model is loaded from reward_model.model.path, "
             "never randomly initialised; set true"),
 )

@@ -312,12 +312,17 @@ def loop_options(config: PPOConfig, shared: SharedKeys, step: StepSize, save_hf:
 
 
 def cluster_options(config: PPOConfig) -> ClusterOptions:
-    trainer, pool = config.trainer, config.rollout
+    trainer, pool, rm = config.trainer, config.rollout, config.reward_model
+    own = rm.enable_resource_pool
+    if own and rm.nnodes * rm.n_gpus_per_node == 0:
+        raise ConfigError("reward_model.n_gpus_per_node", f"{rm.nnodes} node(s) x {rm.n_gpus_per_node} per node: "
+                                                          "a reward-model pool of its own needs at least one rank")
     return ClusterOptions(
         ray_init=dict(config.ray_kwargs.ray_init), trainer_nodes=trainer.nnodes,
         trainer_gpus_per_node=trainer.n_gpus_per_node, rollout_nodes=pool.nnodes if pool else None,
         rollout_gpus_per_node=pool.n_gpus_per_node if pool else None,
-        collective_timeout=datetime.timedelta(seconds=trainer.collective_timeout_s))
+        collective_timeout=datetime.timedelta(seconds=trainer.collective_timeout_s),
+        reward_model_nodes=rm.nnodes if own else None, reward_model_gpus_per_node=rm.n_gpus_per_node if own else None)
 
 
 def async_options(config: PPOConfig) -> AsyncOptions | None:

@@ -366,6 +366,9 @@ class ClusterOptions:
     rollout_nodes: int | None
     rollout_gpus_per_node: int | None
     collective_timeout: datetime.timedelta
+    # the reward model's own pool (reward_model.enable_resource_pool), its ranks after the trainer's and rollout's
+    reward_model_nodes: int | None = None
+    reward_model_gpus_per_node: int | None = None
 
 
 @dataclass(frozen=True)

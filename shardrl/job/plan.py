@@ -119,6 +119,14 @@ def resolve_device(device: str) -> Literal["cpu", "cuda"]:
     return device  # type: ignore[return-value]
 
 
+def reward_model_ranks(cluster: ClusterOptions, first: int) -> list[int]:
+    """The reward model's own pool's ranks, numbered from `first` (after the trainer's and a detached rollout's);
+    none when it shares the trainer pool."""
+    if cluster.reward_model_nodes is None:
+        return []
+    return list(range(first, first + cluster.reward_model_nodes * cluster.reward_model_gpus_per_node))
+
+
 def plan_job(config: PPOConfig) -> JobPlan:
     """Check layouts and batch sizes against the pools, refuse what shardrl does not support, and compile every
     role's options; raises ConfigError."""
@@ -142,8 +150,9 @@ def plan_job(config: PPOConfig) -> JobPlan:
     else:
         skipped["teacher"] = "distillation.enabled is false"
     if config.reward_model.enable:
-        roles["reward_model"] = train_role(config, shared, "reward_model", "reward_model.megatron", trainer_ranks,
-                                           step)
+        roles["reward_model"] = train_role(config, shared, "reward_model", "reward_model.megatron",
+                                           reward_model_ranks(cluster, len(trainer_ranks) + len(rollout_ranks) *
+                                                              detached) or trainer_ranks, step)
     else:
         skipped["reward_model"] = "reward_model.enable is false: rewards are the reward function's"
     if shared.use_critic:
@@ -228,6 +237,10 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
                      f"{pool.n_gpus_per_node} {unit}), detached")
     else:
         lines.append("rollout: colocated on the trainer pool (hybrid engine)")
+    if plan.cluster.reward_model_nodes is not None and plan.reward_model is not None:
+        rm = config.reward_model
+        lines.append(f"reward model pool: ranks {_span(plan.roles['reward_model'].ranks)} ({rm.nnodes} node(s) x "
+                     f"{rm.n_gpus_per_node} {unit}), its own")
     lines.append(f"step: {plan.step_prompts} prompts x rollout.n {n} = {plan.step_prompts * n} samples; "
                  f"{plan.mini_batches_per_step} actor mini batch(es) x ppo_epochs "
                  f"{config.actor_rollout_ref.actor.ppo_epochs}")

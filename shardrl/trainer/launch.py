@@ -245,7 +245,8 @@ def training_steps(plan: JobPlan, loader: PromptLoader) -> int:
 
 def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[WorkerGroup, Workers]:
     """One worker group, one torch.distributed world: the trainer pool's ranks, then (detached placement) the
-    rollout pool's. Colocated, the actor's ranks also host the rollout engine (hybrid engine)."""
+    rollout pool's, then (`reward_model.enable_resource_pool`) the reward model's. Colocated, the actor's ranks also
+    host the rollout engine (hybrid engine)."""
     cluster = plan.cluster
     pools = [ResourcePool("trainer", cluster.trainer_nodes, cluster.trainer_gpus_per_node, plan.device)]
     on_trainer = dict(ranks=plan.trainer_ranks)
@@ -269,9 +270,12 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
         roles.append(Role("critic", CriticWorker, dict(options=plan.critic, model_path=paths.critic_model),
                           plan.critic.model.spec, **on_trainer))
     if plan.reward_model is not None:
+        if cluster.reward_model_nodes is not None:  # a pool of its own, ranks after the others' (plan_job)
+            pools.append(ResourcePool("reward_model", cluster.reward_model_nodes, cluster.reward_model_gpus_per_node,
+                                      plan.device))
         roles.append(Role("reward_model", RewardModelWorker, dict(options=plan.reward_model,
                                                                   model_path=plan.reward_model_path),
-                          plan.reward_model.model.spec, **on_trainer))
+                          plan.reward_model.model.spec, ranks=plan.reward_model.model.ranks))
     if plan.judge is not None:
         roles.append(Role("judge", JudgeWorker, dict(options=plan.judge, policy_tokenizer=paths.tokenizer),
                           plan.judge.spec, **on_trainer))
