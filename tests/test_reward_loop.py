@@ -81,7 +81,7 @@ def test_the_scored_chunks_come_back_in_row_order_with_their_extras():
     chunks = {7: chunk([7, 2], [0.7, 0.2], {"acc": [1, 0]}), 5: chunk([5], [0.5], {}),
               0: chunk([0, 9], [0.0, 0.9], {"acc": [0, 1], "len": [3, 4]})}
     order = iter([7, 5, 0])
-    scoring = ScoringThread(lambda samples: chunks[int(samples.tensors["sample_seed"][0])], Timeline(), step=3)
+    scoring = ScoringThread(lambda samples: chunks[int(samples.tensors["sample_seed"][0])], Timeline(), lambda: 3)
     for first in order:
         scoring.submit(chunks[first][0])
         while scoring.waiting:  # one chunk per scorer call, so the test knows what each call gets
@@ -102,9 +102,17 @@ def test_a_scorer_error_reaches_the_trainer_thread_as_it_was():
         failed.set()
         raise RewardFunctionError("reward function f.py:compute_score failed on sample 3: boom")
 
-    scoring = ScoringThread(score, Timeline(), step=0)
+    scoring = ScoringThread(score, Timeline(), lambda: 0)
     scoring.submit(chunk([1], [1.0], {})[0])
     failed.wait(10)
     with pytest.raises(RewardFunctionError, match="failed on sample 3: boom"):
         scoring.finish()
     scoring.close()
+
+
+def test_fully_async_scores_each_group_as_it_finishes_not_after_the_trainer_takes_it(tmp_path):
+    rows, calls = run(tmp_path, "async", "--config-name=fully_async_ppo_trainer")
+    assert [r["step"] for r in rows] == [1, 2] and len(calls) >= 2 * SAMPLES
+    assert all("timing_s/reward" not in r for r in rows)  # the trainer never waited on a scorer of its own
+    assert sum(r.get("timing_s/score", 0.0) for r in rows) >= 0.05  # the rollouter's scoring thread's spans
+    assert all("reward_extra/length/mean" in r and 0 <= r["critic/score/mean"] <= 1 for r in rows)

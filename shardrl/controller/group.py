@@ -12,6 +12,7 @@ calls to one rank run one after another, in the order they were submitted.
 from __future__ import annotations
 
 import datetime
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -225,6 +226,7 @@ class WorkerGroup:
         self.pools = [pools] if isinstance(pools, ResourcePool) else list(pools)
         self.name = "+".join(p.name for p in self.pools)
         self.world_size = sum(p.world_size for p in self.pools)
+        self._submitting = threading.Lock()  # see submit()
         self.call_timeout_s = call_timeout_s
         self.roles = {r.name: r for r in roles}
         self.ranks = {r.name: list(range(self.world_size)) if r.ranks is None else list(r.ranks) for r in roles}
@@ -294,10 +296,14 @@ class WorkerGroup:
         payloads = [ray.put(p) for p in routing.payloads]
         reporting = set(routing.reporting_ranks)
         ranks = self.ranks[role]  # the layout's rank i is the group's rank ranks[i]
-        refs = {
-            rank: self.hosts[rank].run.remote(role, method, payloads[routing.payload_of_rank[i]], i in reporting)
-            for i, rank in enumerate(ranks)
-        }
+        # Every rank runs calls in the order they reached it; calls from several threads (the trainer's and the
+        # scoring thread's, reward_loop.py) must reach every rank in one order, or two calls that both wait on
+        # collectives across these ranks could each hold some of them: hence one submission at a time.
+        with self._submitting:
+            refs = {
+                rank: self.hosts[rank].run.remote(role, method, payloads[routing.payload_of_rank[i]], i in reporting)
+                for i, rank in enumerate(ranks)
+            }
         local = {rank: i for i, rank in enumerate(ranks)}
         return PendingCall(self, role, method, refs,
                            lambda by_rank: routing.collect({local[r]: v for r, v in by_rank.items()}))

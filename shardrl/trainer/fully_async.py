@@ -3,8 +3,9 @@
 The rollouter (rollouter.py) is a controller thread that keeps the rollout pool's engines saturated through short
 `stream` calls, so the pool generates while the trainer pool trains. The trainer takes `require_batches x
 ppo_mini_batch_size` prompt groups per step (the `n` samples of a prompt travel together, first finished first
-taken) and runs `PPOTrainer.score` and `.train` on them; every `trigger_parameter_sync_step` steps it pauses the
-rollouter at a call boundary and syncs. How far generation may run ahead, and so how stale samples may be, is the
+taken), scored as each one finished (`reward_model.use_reward_loop`: on the rollouter's scoring thread, else by
+`PPOTrainer.score` after taking them), and runs `.train` on them; every `trigger_parameter_sync_step` steps it
+pauses the rollouter at a call boundary and syncs. How far generation may run ahead, and so how stale samples may be, is the
 budget rule of staleness.py: after each sync the rollouter may start prompts until `window + extra` are outstanding.
 Without `partial_rollout` the pause lets running requests finish first (every sample is then one version); with it
 they are paused in the engine and continue under the new weights (their tokens carry both versions).
@@ -29,6 +30,7 @@ from shardrl.data.batch import Batch
 from shardrl.trainer import batch_ops, staleness
 from shardrl.trainer.ppo import PPOTrainer
 from shardrl.trainer.prompt_feed import PromptFeed
+from shardrl.trainer.reward_loop import concat_scored
 from shardrl.trainer.rollouter import Rollouter
 
 IDLE_PHASES = ("wait_rollout", "pause_rollout")  # the trainer's phases that wait for the rollouter
@@ -49,8 +51,9 @@ class FullyAsyncTrainer(PPOTrainer):
         feed = PromptFeed(self.loader, self.sample_rows, self.loop.samples_per_prompt, self.global_step)
         if self.restored_loader is not None:
             feed.load_state_dict(self.restored_loader)
+        scorer = self.score_samples if self.plan.reward.while_generating else None
         self.rollouter = Rollouter(self.workers.rollout, self.workers.rollout.layout.dp, feed, budget, self.timeline,
-                                   lambda: self.global_step, self.in_order)
+                                   lambda: self.global_step, self.in_order, scorer)
         self.rollouter.thread.start()
         try:
             while True:
@@ -59,7 +62,10 @@ class FullyAsyncTrainer(PPOTrainer):
                     with t.phase(step, "wait_rollout"):
                         groups, metrics = self.rollouter.take(budget.per_step, self.policy_version,
                                                               self.max_staleness)
-                    batch, scores = self.score(Batch.concat([g.samples for g in groups]), step)
+                    if self.rollouter.scoring is not None:  # scored as each group finished
+                        batch, scores = concat_scored([g.scored for g in groups])
+                    else:
+                        batch, scores = self.score(Batch.concat([g.samples for g in groups]), step)
                     batch, train_metrics = self.train(batch, step)
                     metrics |= batch_ops.reward_metrics(scores.extras) | train_metrics
                     if (step + 1) % budget.trigger == 0:

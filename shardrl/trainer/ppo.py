@@ -115,9 +115,7 @@ class PPOTrainer:
         reward_loop.py), else the whole batch after generation."""
         if not self.plan.reward.while_generating:
             return self.score(self.generate(prompts, step, gen_round), step)
-        scoring = ScoringThread(lambda samples: self.workers.score(
-            samples, self.tokenizer, self.score_fn, self.plan.reward, self.algorithm.gdpo_reward_keys or ()),
-            self.timeline, step)
+        scoring = ScoringThread(self.score_samples, self.timeline, lambda: step)
         try:
             with self.timeline.phase(step, "gen"):
                 reports = self.workers.stream_generate(self.sample_rows(prompts, step, gen_round), scoring.submit)
@@ -161,8 +159,12 @@ class PPOTrainer:
 
     def score(self, batch: Batch, step: int) -> tuple[Batch, SampleScores]:
         with self.timeline.phase(step, "reward"):
-            return self.workers.score(batch, self.tokenizer, self.score_fn, self.plan.reward,
-                                      self.algorithm.gdpo_reward_keys or ())
+            return self.score_samples(batch)
+
+    def score_samples(self, samples: Batch) -> tuple[Batch, SampleScores]:
+        """`Workers.score` with this run's tokenizer, reward function and options (also the reward loop's)."""
+        return self.workers.score(samples, self.tokenizer, self.score_fn, self.plan.reward,
+                                  self.algorithm.gdpo_reward_keys or ())
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
         """On a scored batch: balance -> log-probs (old, ref, distillation teacher) -> values -> advantages ->

@@ -59,8 +59,11 @@ class ScoringThread:
     Its scoring spans go on the timeline (lane "reward", phase "score") and its metrics say how much of the scoring
     the generation hid."""
 
-    def __init__(self, score: Scorer, timeline: Timeline, step: int) -> None:
-        self.score, self.timeline, self.step = score, timeline, step
+    def __init__(self, score: Scorer, timeline: Timeline, step: Callable[[], int],
+                 on_scored: Callable[[Batch, SampleScores], None] | None = None) -> None:
+        """`step`: the trainer step the spans belong to, asked at each call. `on_scored`: called (on the scoring
+        thread) with each call's result instead of keeping it for `finish` (the async modes' rollouter)."""
+        self.score, self.timeline, self.step, self.on_scored = score, timeline, step, on_scored
         self.cond = threading.Condition()
         self.waiting: list[Batch] = []  # submitted, not yet taken by the thread
         self.scored: list[tuple[Batch, SampleScores]] = []
@@ -114,7 +117,7 @@ class ScoringThread:
                 chunk, self.waiting = Batch.concat(self.waiting), []
             start = time.perf_counter()
             try:
-                with self.timeline.phase(self.step, "score", lane="reward"):
+                with self.timeline.phase(self.step(), "score", lane="reward"):
                     result = self.score(chunk)
             except BaseException as error:  # the trainer's thread raises it
                 with self.cond:
@@ -122,19 +125,28 @@ class ScoringThread:
                 return
             with self.cond:
                 self.spans.append((start, time.perf_counter()))
-                self.scored.append(result)
+                if self.on_scored is None:
+                    self.scored.append(result)
+            if self.on_scored is not None:
+                self.on_scored(*result)
 
 
 def _in_row_order(scored: list[tuple[Batch, SampleScores]]) -> tuple[Batch, SampleScores]:
-    """The scored chunks as one batch, rows sorted by `sample_seed` (the order they were generated in), with their
-    scores and extras (None where a chunk's samples had no such extra) in the same order."""
-    batch = Batch.concat([b for b, _ in scored])
-    order = torch.argsort(batch.tensors["sample_seed"])
+    """The scored chunks as one batch, rows sorted by `sample_seed` (the order they were generated in)."""
+    batch, scores = concat_scored(scored)
+    return take_scored(batch, scores, torch.argsort(batch.tensors["sample_seed"]))
+
+
+def concat_scored(scored: list[tuple[Batch, SampleScores]]) -> tuple[Batch, SampleScores]:
+    """Scored batches as one, their scores and extras (None where a batch's samples had no such extra) with them."""
     keys = {key: None for _, s in scored for key in s.extras}
-    extras: dict[str, list[Any]] = {}
-    for key in keys:
-        values = [v for b, s in scored for v in s.extras.get(key, [None] * len(b))]
-        extras[key] = as_object_array(values)[order.numpy()].tolist()
-    scores = SampleScores(torch.cat([s.token_level for _, s in scored])[order],
-                          torch.cat([s.scores for _, s in scored])[order], extras)
-    return batch.take(order), scores
+    extras = {key: [v for b, s in scored for v in s.extras.get(key, [None] * len(b))] for key in keys}
+    return Batch.concat([b for b, _ in scored]), SampleScores(
+        torch.cat([s.token_level for _, s in scored]), torch.cat([s.scores for _, s in scored]), extras)
+
+
+def take_scored(batch: Batch, scores: SampleScores, rows: torch.Tensor) -> tuple[Batch, SampleScores]:
+    """The rows `rows` of a scored batch, with their scores and extras."""
+    index = rows.numpy()
+    extras = {key: as_object_array(values)[index].tolist() for key, values in scores.extras.items()}
+    return batch.take(rows), SampleScores(scores.token_level[rows], scores.scores[rows], extras)

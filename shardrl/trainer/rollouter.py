@@ -32,7 +32,9 @@ import torch
 
 from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
+from shardrl.rewards.manager import SampleScores
 from shardrl.trainer.prompt_feed import PromptFeed
+from shardrl.trainer.reward_loop import Scorer, ScoringThread, take_scored
 from shardrl.trainer.staleness import Budget
 from shardrl.trainer.tracking import Timeline
 from shardrl.workers.rollout import RolloutWorker
@@ -52,6 +54,8 @@ class Group:
     done: list[Batch] = field(default_factory=list)
     samples: Batch | None = None  # the n finished samples, in row order
     oldest_version: int = 0  # of any of its tokens
+    scored: tuple[Batch, SampleScores] | None = None  # scored while the rollouter goes on (a scorer given)
+    queued: bool = False  # finished (and scored, with a scorer): in the queue for the trainer
 
     def add(self, sample: Batch) -> bool:
         """Record one finished sample; True when the group is complete."""
@@ -69,7 +73,9 @@ class Rollouter:
     """Keeps the rollout pool busy within the staleness budget; thread-safe towards the trainer's calls."""
 
     def __init__(self, rollout: RoleHandle, num_replicas: int, feed: PromptFeed, budget: Budget, timeline: Timeline,
-                 trainer_step: Callable[[], int], in_order: bool = False) -> None:
+                 trainer_step: Callable[[], int], in_order: bool = False, score: Scorer | None = None) -> None:
+        """`score`: score each finished group on a scoring thread of its own before the trainer may take it
+        (`reward_model.use_reward_loop`; the group's `scored`); None: the trainer scores what it takes."""
         self.rollout, self.num_replicas, self.feed = rollout, num_replicas, feed
         self.group_size, self.window, self.extra, self.in_order = feed.group_size, budget.window, budget.extra, in_order
         self.timeline, self.trainer_step = timeline, trainer_step
@@ -88,7 +94,12 @@ class Rollouter:
         self.pausing = self.drain = self.stopping = False
         self.requests = self.answered = 0
         self.error: BaseException | None = None
+        self.scoring_error: BaseException | None = None  # the scorer's (a reward function's), raised as it is
         self.thread = threading.Thread(target=self._run, name="rollouter", daemon=True)
+        self.scoring: ScoringThread | None = None
+        self.being_scored: dict[str, Group] = {}  # by uid, finished and not yet scored
+        if score is not None:
+            self.scoring = ScoringThread(self._scoring_failed_on(score), timeline, trainer_step, self._scored)
 
     # ---- the trainer's side -----------------------------------------------------------------------------------------
 
@@ -157,11 +168,13 @@ class Rollouter:
             self.stopping = True
             self.cond.notify_all()
         self.thread.join()
+        if self.scoring is not None:
+            self.scoring.close()
 
     def _ready(self, num_groups: int) -> list[Group] | None:
         """The groups `take` hands out, once they are all finished."""
         candidates = list(islice(self.outstanding if self.in_order else self.queue, num_groups))
-        if len(candidates) < num_groups or any(g.samples is None for g in candidates):
+        if len(candidates) < num_groups or not all(g.queued for g in candidates):
             return None
         return candidates
 
@@ -171,6 +184,8 @@ class Rollouter:
         self.feed.retire([group.key])
 
     def _raise_error(self) -> None:
+        if self.scoring_error is not None:
+            raise self.scoring_error
         if self.error is not None:
             raise RuntimeError(f"the rollouter failed: {self.error}") from self.error
 
@@ -248,5 +263,39 @@ class Rollouter:
             return
         self.replica_load[replica] -= len(finished)
         for row, uid in enumerate(finished.non_tensors["uid"]):
-            if self.running[uid].add(finished.take([row])):
-                self.queue.append(self.running.pop(uid))
+            if not self.running[uid].add(finished.take([row])):
+                continue
+            group = self.running.pop(uid)
+            if self.scoring is None:
+                self._enqueue(group)
+            else:
+                self.being_scored[uid] = group
+                self.scoring.submit(group.samples)
+
+    def _enqueue(self, group: Group) -> None:
+        group.queued = True
+        self.queue.append(group)
+
+    # ---- the scoring thread -----------------------------------------------------------------------------------
+
+    def _scored(self, batch: Batch, scores: SampleScores) -> None:
+        """The groups of one scoring call (any number of whole groups), each to the queue with its own rows."""
+        uids = batch.non_tensors["uid"]
+        with self.cond:
+            for uid in dict.fromkeys(uids):
+                group = self.being_scored.pop(uid)
+                group.scored = take_scored(batch, scores, torch.tensor([i for i, u in enumerate(uids) if u == uid]))
+                self._enqueue(group)
+            self.cond.notify_all()
+
+    def _scoring_failed_on(self, score: Scorer) -> Scorer:
+        """`score`, handing its error to the trainer's thread (which waits in `take`) as the rollouter's own."""
+        def scored(samples: Batch) -> tuple[Batch, SampleScores]:
+            try:
+                return score(samples)
+            except BaseException as error:
+                with self.cond:
+                    self.scoring_error = error
+                    self.cond.notify_all()
+                raise
+        return scored
