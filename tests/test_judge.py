@@ -194,3 +194,26 @@ def test_with_on_parse_failure_fail_the_run_ends_with_one_line_naming_the_sample
     assert done.returncode == 1 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert f"judge {task['model']}: no score in its verdict on sample" in last and "score_pattern" in last, last
+
+
+def test_reward_model_scores_replace_or_add_to_the_reward_function_with_their_weight():
+    from shardrl.rewards.manager import RewardModelScoring
+
+    rows = 3
+    batch = Batch({"rm_scores": torch.tensor([[0.0, 0.5], [0.0, -1.0], [2.0, 0.0]]),
+                   "response_mask": torch.tensor([[1.0, 1.0], [1.0, 1.0], [1.0, 0.0]]),
+                   "responses": torch.ones(rows, 2, dtype=torch.long), "attention_mask": torch.ones(rows, 4)},
+                  {"data_source": as_object_array(["t"] * rows),
+                   "reward_model": as_object_array([{"ground_truth": "1"}] * rows),
+                   "extra_info": as_object_array([{}] * rows)})
+    calls = []
+
+    def rule(*sample):
+        calls.append(sample)
+        return 10.0
+
+    replaced = compute_token_level_scores(batch, Tokenizer(), rule, reward_model=RewardModelScoring("replace", 2.0))
+    assert replaced.scores.tolist() == [1.0, -2.0, 4.0] and calls == []  # verl's: the rule is not called
+    added = compute_token_level_scores(batch, Tokenizer(), rule, reward_model=RewardModelScoring("add", 0.5))
+    assert added.scores.tolist() == [10.25, 9.5, 11.0] and len(calls) == rows
+    assert added.token_level.tolist() == [[0.0, 10.25], [0.0, 9.5], [11.0, 0.0]]  # on each last response token

@@ -62,7 +62,7 @@ from shardrl.job.schema import (
     RolloutCorrectionConfig,
 )
 from shardrl.parallel.layout_spec import LayoutSpec
-from shardrl.rewards.manager import JudgeScoring, OverlongShaping
+from shardrl.rewards.manager import JudgeScoring, OverlongShaping, RewardModelScoring
 from shardrl.rollout.runner import EngineConfig
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -230,9 +230,10 @@ def reward_options(config: PPOConfig, judge: JudgeScoring | None) -> RewardOptio
     if custom.url is not None and custom.path is not None:
         raise ConfigError("custom_reward_function.url", "set either a reward function (path) or a reward service "
                                                         "(url), not both")
+    rm = config.reward_model
     return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping, custom.num_workers,
                          custom.timeout, custom.on_error, custom.url, custom.max_concurrency, custom.retries,
-                         custom.retry_backoff, config.reward_model.use_reward_loop, judge)
+                         custom.retry_backoff, rm.use_reward_loop, judge, RewardModelScoring(rm.combine, rm.weight))
 
 
 def judge_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> JudgeOptions:

@@ -28,7 +28,7 @@ from shardrl.job.schema import (
 )
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout_spec import LayoutSpec
-from shardrl.rewards.manager import JudgeScoring, OverlongShaping
+from shardrl.rewards.manager import JudgeScoring, OverlongShaping, RewardModelScoring
 from shardrl.rollout.request import SamplingParams
 from shardrl.rollout.runner import EngineConfig
 
@@ -290,6 +290,7 @@ class RewardOptions:
     server_backoff: float = 1.0
     while_generating: bool = True  # reward_model.use_reward_loop: score each sample as its generation finishes
     judge: JudgeScoring | None = None  # reward_model.judge
+    reward_model: RewardModelScoring = RewardModelScoring()  # reward_model.combine, .weight
 
 
 @dataclass(frozen=True)

@@ -394,6 +394,10 @@ class RewardModelConfig:
     # verl's reward loop: each sample is scored as soon as its generation finishes (synchronous schedule: while the
     # others still decode); false: the whole batch after generation.
     use_reward_loop: bool
+    # shardrl: the reward model's score (times `weight`) is the reward (`replace`, verl's) or is added to the reward
+    # function's (`add`)
+    combine: Literal["replace", "add"]
+    weight: float
     overlong_buffer: OverlongBufferConfig
     judge: JudgeConfig
 

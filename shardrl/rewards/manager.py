@@ -32,6 +32,15 @@ class OverlongShaping:
 
 
 @dataclass(frozen=True)
+class RewardModelScoring:
+    """How a reward model's scores (`rm_scores`) become rewards: times `weight`, the reward (`replace`, verl's: the
+    reward function is not called) or added to the reward function's (`add`)."""
+
+    combine: Literal["replace", "add"] = "replace"
+    weight: float = 1.0
+
+
+@dataclass(frozen=True)
 class JudgeScoring:
     """How a generative judge's scores (`judge_scores` [B], NaN where its verdict had no score) become rewards
     (`reward_model.judge`): the reward (`replace`: the reward function is not called) or added to the reward
@@ -164,16 +173,22 @@ def judge_scores(batch: Batch, judge: JudgeScoring) -> tuple[torch.Tensor, dict[
 def compute_token_level_scores(
     batch: Batch, tokenizer: PreTrainedTokenizerBase, score_fn: ScoreFn, overlong: OverlongShaping | None = None,
     *, data_source_key: str = "data_source", judge: JudgeScoring | None = None,
+    reward_model: RewardModelScoring = RewardModelScoring(),
 ) -> SampleScores:
     """Score every response, add the overlong penalty when shaping, and place the result on the last token.
 
     A response's length is its count of generated tokens (`response_mask`), the count the rollout stops at
     `max_length`. `data_source_key`: see `score_responses`. A batch with `rm_scores` `[B, T]` (a reward model's, on
-    each response's last token) is scored by them instead of `score_fn`; one with `judge_scores` by the judge,
-    instead of `score_fn` or added to it as `judge` says (`judge_scores`).
+    each response's last token) is scored by them, instead of `score_fn` or added to it as `reward_model` says; one
+    with `judge_scores` by the judge, instead of `score_fn` or added to it as `judge` says (`judge_scores`).
     """
-    if "rm_scores" in batch.tensors.keys():  # a reward model's (verl's: then the reward function is not called)
-        scores, extras = batch.tensors["rm_scores"].sum(-1), {}  # [B]
+    if "rm_scores" in batch.tensors.keys():
+        learned = reward_model.weight * batch.tensors["rm_scores"].sum(-1)  # [B]
+        if reward_model.combine == "replace":  # verl's: the reward function is not called
+            scores, extras = learned, {}
+        else:
+            scores, extras = score_responses(batch, tokenizer, score_fn, data_source_key=data_source_key)
+            scores = scores + learned
     elif judge is not None and judge.combine == "replace":
         scores, extras = judge_scores(batch, judge)
     else:

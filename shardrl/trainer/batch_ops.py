@@ -71,7 +71,8 @@ def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions,
     verl's DAPO recipe scores it) and the per-sample scores and extras. The extras named in `keep_extras` (gdpo's
     reward components) also become non-tensor columns of the batch, which later steps read."""
     scores = compute_token_level_scores(batch, tokenizer, score_fn, reward.overlong,
-                                        data_source_key=reward.data_source_key, judge=reward.judge)
+                                        data_source_key=reward.data_source_key, judge=reward.judge,
+                                        reward_model=reward.reward_model)
     batch.tensors["token_level_scores"] = scores.token_level
     for key in keep_extras:
         if key not in scores.extras:
