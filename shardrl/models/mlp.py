@@ -62,7 +62,7 @@ class MoEBlock(nn.Module):
         self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
         self.experts = MoELayer(config.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, layout,
                                 MoENames(f"{prefix}.gate.weight", gate, up, down), moe.norm_topk_prob,
-                                aux_loss_coef, z_loss_coef, dtype)
+                                aux_loss_coef, z_loss_coef, dtype, layer_id)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(config.hidden_size, moe.shared_expert_size, layout, f"{prefix}.shared_expert",

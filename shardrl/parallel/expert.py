@@ -22,6 +22,7 @@ as a single process would; the trainer sets `aux_loss_scale` per micro batch to 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,6 +34,9 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.moe_rows import combine_rows, dispatch_rows
 from shardrl.parallel.spec import ShardSpec, set_spec
 from shardrl.parallel.tensor import token_split_sizes
+
+if TYPE_CHECKING:
+    from shardrl.parallel.routing import RoutingTable
 
 
 @dataclass(frozen=True)
@@ -54,7 +58,8 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, layout: Layout,
                  names: MoENames, norm_topk_prob: bool, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, layer_id: int = 0) -> None:
+        """`layer_id`: the model layer it belongs to (which column of a routing table is its)."""
         super().__init__()
         ep, etp = layout.ep_size, layout.etp_size
         if num_experts % ep:
@@ -73,6 +78,8 @@ class MoELayer(nn.Module):
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments per expert
+        self.layer_id = layer_id
+        self.routing: RoutingTable | None = None  # record or replay the experts chosen (routing.attached)
 
         device = layout.device
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
@@ -114,7 +121,7 @@ class MoELayer(nn.Module):
         the device."""
         logits = self.router(x)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
-        top_probs, top_experts = torch.topk(probs, self.top_k, dim=-1)  # [T, k]
+        top_probs, top_experts = self._choose(probs, num_tokens)  # [T, k]
         if self.norm_topk_prob:
             top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
         flat = top_experts.flatten()
@@ -125,6 +132,22 @@ class MoELayer(nn.Module):
         if not torch.is_grad_enabled():  # inference (rollout, logprobs): no router losses, nor their all-reduce
             return out
         return self._attach_router_losses(out, logits, probs, counts)
+
+    def _choose(self, probs: Tensor, num_tokens: int | None) -> tuple[Tensor, Tensor]:
+        """Each token's k experts and their router probabilities: its own top-k, recorded into an attached routing
+        table, or the table's experts (replay) weighed by this router's probabilities of them."""
+        table = self.routing
+        if table is None:
+            return torch.topk(probs, self.top_k, dim=-1)
+        start = 0
+        if self.layout.tp_size > 1 and num_tokens is not None:  # this rank's share of the TP group's tokens
+            start = sum(token_split_sizes(num_tokens, self.layout.tp_size)[:self.layout.tp_rank])
+        rows = table.rows(self.layer_id, start, start + probs.shape[0])  # [T, k]
+        if table.replay:
+            return probs.gather(-1, rows), rows
+        top_probs, top_experts = torch.topk(probs, self.top_k, dim=-1)
+        rows.copy_(top_experts)
+        return top_probs, top_experts
 
     def _combine(self, x: Tensor, top_experts: Tensor, weights: Tensor, counts: Tensor,
                  num_tokens: int | None) -> Tensor:
