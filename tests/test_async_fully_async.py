@@ -53,8 +53,11 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 LOADER_BATCH, N, PER_STEP = 32, 8, 16  # data.train_batch_size, rollout.n, require_batches x ppo_mini_batch_size
 SAVED_AT, STEPS = 3, 6
 # A step takes 16 groups first finished first, a sync every 2 steps, then up to 32 + 16 groups outstanding.
-# Unshuffled data, so loader batch k holds prompts 32k..32k+31; lr=0 keeps the weights fixed (see the test).
+# Unshuffled data, so loader batch k holds prompts 32k..32k+31; lr=0 keeps the weights fixed (see the test). The
+# trainer scores what it takes (no reward loop, which scores groups as they finish, taken or not): the scored log
+# then lists each step's groups in step order.
 RESUME_ARGS = [*DETACHED, "data.shuffle=false", "trainer.test_freq=-1", "trainer.val_before_train=false",
+               "reward_model.use_reward_loop=false",
                "async_training.partial_rollout=true", "async_training.require_batches=1",
                "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0.5",
                "actor_rollout_ref.actor.optim.lr=0", f"trainer.save_freq={SAVED_AT}",

@@ -7,11 +7,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from shardrl.parallel.expert import MoELayer
+from shardrl.parallel.expert import MoELayer, attached
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.layout_spec import LayoutSpec
-from shardrl.parallel.routing import RoutingTable, attached, expert_id_dtype
+from shardrl.parallel.routing import RoutingTable, expert_id_dtype
 from test_expert import ATOL, NAMES, full_weights, load_full
 
 H, F_SIZE, E, K = 16, 8, 8, 2

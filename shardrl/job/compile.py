@@ -85,13 +85,24 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
     model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
                           shared.override_config, actor.load_weight)
     log_prob = role.batches.get("log_prob")
+    mode = actor.router_replay.mode
+    if mode == "R3":
+        raise ConfigError("actor_rollout_ref.actor.router_replay.mode", "R3 replays the rollout engine's routing, "
+                                                                        "which the engine does not record yet; use R2 "
+                                                                        "(the old-logprob pass's, replayed in the "
+                                                                        "update) or disabled")
+    replay = mode == "R2"
+    if replay and log_prob is None:
+        raise ConfigError("actor_rollout_ref.actor.router_replay.mode", "R2 replays the routing of the old-logprob "
+                                                                        "pass, which this job skips (PPO anchors on "
+                                                                        "the rollout's log-probs); use disabled")
     return ActorOptions(
         seed=actor.megatron.seed, model=model,
         update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, shared.seed),
         loss=policy_loss_options(config, shared.decoupled, shared.use_kl_loss, shared.response_length),
         log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
         checkpoint=_checkpoint_options(actor.checkpoint),
-        distillation=distillation_settings(config) if shared.distillation else None)
+        distillation=distillation_settings(config) if shared.distillation else None, router_replay=replay)
 
 
 def distillation_settings(config: PPOConfig) -> DistillationSettings:

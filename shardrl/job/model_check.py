@@ -74,6 +74,10 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:
             continue
         hf, source = found
         notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
+        replay = config.actor_rollout_ref.actor.router_replay.mode
+        if "actor" in names and replay != "disabled" and not any(hf.get(f) for f in EXPERT_COUNT_FIELDS):
+            raise ConfigError("actor_rollout_ref.actor.router_replay.mode", f"{replay} replays MoE routing, but "
+                                                                            f"{source} is a dense model; use disabled")
     return notes
 
 

@@ -155,6 +155,8 @@ class ActorOptions:
     temperature: float  # logprobs are taken at the rollout's sampling temperature (the teacher's too)
     checkpoint: CheckpointOptions
     distillation: DistillationSettings | None  # on-policy distillation's term of the actor loss; None: off
+    # R2 routing replay: the old-logprob pass records each token's MoE experts, the update replays them
+    router_replay: bool = False
 
 
 @dataclass(frozen=True)

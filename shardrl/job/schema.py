@@ -120,6 +120,16 @@ class PolicyLossConfig:
 
 
 @dataclass(frozen=True)
+class RouterReplayConfig:
+    """verl's MoE routing replay: `R2` replays in the update the experts the old-logprob pass chose; `R3` (the
+    rollout's, in every pass) is not built yet. shardrl carries routing in the batch, never in files."""
+
+    mode: Literal["disabled", "R2", "R3"]
+    record_file: str | None
+    replay_file: str | None
+
+
+@dataclass(frozen=True)
 class ActorConfig:
     """The policy being trained: PPO loss, mini/micro batching, optimizer, layout."""
 
@@ -147,6 +157,7 @@ class ActorConfig:
     optim: OptimConfig
     megatron: MegatronConfig
     checkpoint: CheckpointConfig
+    router_replay: RouterReplayConfig
 
     @property
     def clip_grad_norm(self) -> float:
@@ -163,6 +174,7 @@ class RefConfig:
     log_prob_use_dynamic_bsz: bool
     log_prob_max_token_len_per_gpu: PosInt
     megatron: MegatronConfig
+    router_replay: RouterReplayConfig
 
 
 @dataclass(frozen=True)
@@ -258,6 +270,7 @@ class RolloutConfig:
     max_model_len: PosInt | None  # null: prompt_length + response_length
     enable_chunked_prefill: bool
     enable_prefix_caching: bool
+    enable_rollout_routing_replay: bool  # verl's: the rollout records MoE routing (for R3; not built yet)
     log_prob_micro_batch_size: PosInt | None  # old-logprob pass of the actor (global, deprecated)
     log_prob_micro_batch_size_per_gpu: PosInt | None
     log_prob_use_dynamic_bsz: bool

@@ -21,8 +21,9 @@ as a single process would; the trainer sets `aux_loss_scale` per micro batch to 
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -33,10 +34,8 @@ from shardrl.parallel.grouped_gemm import can_use_grouped_mm, expert_ffn
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.moe_rows import combine_rows, dispatch_rows
 from shardrl.parallel.spec import ShardSpec, set_spec
+from shardrl.parallel.routing import RoutingTable
 from shardrl.parallel.tensor import token_split_sizes
-
-if TYPE_CHECKING:
-    from shardrl.parallel.routing import RoutingTable
 
 
 @dataclass(frozen=True)
@@ -211,6 +210,19 @@ class MoELayer(nn.Module):
         self.last_z_loss = totals[-2] / num_tokens
         self.last_tokens_per_expert = group_counts.long()
         return num_experts * (fraction * prob_sum).sum() / num_tokens, lse_sq.sum() / num_tokens
+
+
+@contextmanager
+def attached(model: nn.Module, table: RoutingTable) -> Iterator[RoutingTable]:
+    """`table` on every MoE layer of `model` for the body (and off after it)."""
+    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
+    for layer in layers:
+        layer.routing = table
+    try:
+        yield table
+    finally:
+        for layer in layers:
+            layer.routing = None
 
 
 class _PermuteRows(torch.autograd.Function):

@@ -3,7 +3,7 @@ experts another forward chose (the rollout engine's, or the old-logprob pass's) 
 
 A `RoutingTable` holds the expert choices of one forward over packed tokens: `experts` [T, L, k], the global expert
 ids of the T tokens a TP group holds (packed order) at each of the model's L MoE layers (`layer_ids`, in order).
-Attached to a model's MoE layers (`attached`), it is filled by them (`replay=False`: each rank writes its own
+Attached to a model's MoE layers (`expert.attached`), it is filled by them (`replay=False`: each rank writes its own
 tokens' rows; `complete` sums the ranks' parts) or read by them (`replay=True`). A replayed layer still weighs the
 replayed experts by its own router's probabilities, so the router's gradient flows and its losses are computed as
 usual; only the choice of experts is taken from the table.
@@ -11,14 +11,11 @@ usual; only the choice of experts is taken from the table.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-
-from shardrl.parallel.expert import MoELayer
+from torch import Tensor
 
 
 def expert_id_dtype(num_experts: int) -> torch.dtype:
@@ -60,16 +57,3 @@ class RoutingTable:
         for group in groups:
             if group is not None:
                 dist.all_reduce(self.experts, group=group)
-
-
-@contextmanager
-def attached(model: nn.Module, table: RoutingTable) -> Iterator[RoutingTable]:
-    """`table` on every MoE layer of `model` for the body (and off after it)."""
-    layers = [m for m in model.modules() if isinstance(m, MoELayer)]
-    for layer in layers:
-        layer.routing = table
-    try:
-        yield table
-    finally:
-        for layer in layers:
-            layer.routing = None

@@ -34,7 +34,15 @@ from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_chec
 from shardrl.models.hf_bridge import save_hf_checkpoint
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import GroupRegistry
-from shardrl.workers.engine import MicroBatch, ModelEngine, make_micro_batches, stack_outputs, train_epochs
+from shardrl.workers.engine import (
+    ROUTED_EXPERTS,
+    MicroBatch,
+    ModelEngine,
+    Routing,
+    make_micro_batches,
+    stack_outputs,
+    train_epochs,
+)
 from shardrl.workers.packing import unpack_responses
 from shardrl.workers.role_model import build_engine, resident, unpadded_rows
 
@@ -48,15 +56,33 @@ def _logprobs(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: f
 def compute_log_prob(engine: ModelEngine, batch: Batch, batching: ForwardBatching,
                      temperature: float = 1.0) -> tuple[Tensor, Tensor]:
     """Log-probabilities and entropies `[B, R]` of `batch["responses"]` under the engine's current weights."""
+    out = log_prob_pass(engine, batch, batching, temperature, routing=None)
+    return out["log_probs"], out["entropy"]
 
+
+@torch.no_grad()
+def compute_log_prob_and_routing(engine: ModelEngine, batch: Batch, batching: ForwardBatching,
+                                 temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
+    """`compute_log_prob` plus the experts every MoE layer chose for every token (`routed_experts` [B, S, L, k],
+    R2 routing replay's record)."""
+    out = log_prob_pass(engine, batch, batching, temperature, routing="record")
+    return out["log_probs"], out["entropy"], out[ROUTED_EXPERTS]
+
+
+@torch.no_grad()
+def log_prob_pass(engine: ModelEngine, batch: Batch, batching: ForwardBatching, temperature: float,
+                  routing: Routing) -> dict[str, Tensor]:
+    """`log_probs` and `entropy` [B, R] on the host; `routing="record"` adds `routed_experts` [B, S, L, k],
+    `"replay"` makes every MoE layer use the batch's (`make_micro_batches`)."""
     def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
         return hidden.new_zeros(()), {"log_probs": log_prob, "entropy": entropy}
 
     micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
-                                                batching.max_token_len)
+                                                batching.max_token_len, routing, engine.config)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
-    return stack_outputs(outputs, "log_probs", restore).cpu(), stack_outputs(outputs, "entropy", restore).cpu()
+    keys = ("log_probs", "entropy") + ((ROUTED_EXPERTS,) if routing == "record" else ())
+    return {key: stack_outputs(outputs, key, restore).cpu() for key in keys}
 
 
 def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: float,
@@ -83,14 +109,17 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
 
 
 def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, update: UpdateOptions,
-                  temperature: float = 1.0, distillation: DistillationSettings | None = None) -> dict[str, list[float]]:
-    """PPO epochs over mini batches of `batch`; one optimizer step per mini batch; metrics per step."""
+                  temperature: float = 1.0, distillation: DistillationSettings | None = None,
+                  replay_routing: bool = False) -> dict[str, list[float]]:
+    """PPO epochs over mini batches of `batch`; one optimizer step per mini batch; metrics per step. With
+    `replay_routing` every MoE layer uses the experts in the batch's `routed_experts` (R2)."""
     keys = ["old_log_probs", "advantages", "response_mask"]
     keys += [k for k in ("is_weights",) if k in batch.tensors.keys()]
     keys += ["ref_log_probs"] if loss.use_kl_loss else []
     keys += ["teacher_log_probs"] if distillation is not None else []
     return train_epochs(engine, batch, update, keys,
-                        lambda scale: policy_loss_fn(loss, scale, temperature, distillation), loss.max_response_length)
+                        lambda scale: policy_loss_fn(loss, scale, temperature, distillation), loss.max_response_length,
+                        "replay" if replay_routing else None)
 
 
 class ActorRefWorker:
@@ -109,9 +138,14 @@ class ActorRefWorker:
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
+        """`old_log_probs` and `entropy`; with R2 routing replay also `routed_experts`, which the update replays."""
+        o = self.options
         with self._actor_resident():
-            log_probs, entropy = compute_log_prob(self.actor, batch, self.options.log_prob, self.options.temperature)
-        return Batch({"old_log_probs": log_probs, "entropy": entropy})
+            if not o.router_replay:
+                log_probs, entropy = compute_log_prob(self.actor, batch, o.log_prob, o.temperature)
+                return Batch({"old_log_probs": log_probs, "entropy": entropy})
+            log_probs, entropy, routed = compute_log_prob_and_routing(self.actor, batch, o.log_prob, o.temperature)
+        return Batch({"old_log_probs": log_probs, "entropy": entropy, ROUTED_EXPERTS: routed})
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
@@ -132,7 +166,7 @@ class ActorRefWorker:
         update = dataclasses.replace(self.options.update, seed=self.options.update.seed + step)
         with self._actor_resident():
             return update_policy(self.actor, unpadded_rows(batch), self.options.loss, update,
-                                 self.options.temperature, self.options.distillation)
+                                 self.options.temperature, self.options.distillation, self.options.router_replay)
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:

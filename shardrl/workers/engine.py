@@ -7,8 +7,10 @@ critic.py). It ties together the pieces that each know one thing: `Transformer` 
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -25,11 +27,15 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.offload import HostBuffers
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
+from shardrl.parallel.expert import attached
+from shardrl.parallel.routing import RoutingTable, expert_id_dtype
 from shardrl.workers.packing import Packed, pack
 
 # loss_fn(last chunk, hidden [T, H] of the last stage, micro batch) -> (scalar loss, outputs dict of tensors)
 LossFn = Callable[[Transformer, Tensor, "MicroBatch"], tuple[Tensor, dict[str, Tensor]]]
-
+# MoE routing of a pass (routing replay): record each token's experts, or replay the batch's `routed_experts`
+Routing = Literal["record", "replay"] | None
+ROUTED_EXPERTS = "routed_experts"  # [B, S, L, k]: per token of input_ids, the experts of each MoE layer
 
 @dataclass
 class MicroBatch:
@@ -41,6 +47,8 @@ class MicroBatch:
     data: dict[str, Tensor]
     rows: list[int] = field(default_factory=list)
     max_seqlen: int | None = None
+    routing: RoutingTable | None = None  # the MoE layers record into it or replay it (`Routing`)
+    attention_mask: Tensor | None = None  # [b, S] on the host, with a recording table: where its rows go back
 
 
 class ModelEngine:
@@ -88,11 +96,17 @@ class ModelEngine:
 
         def forward_step(chunk: Transformer, mb: MicroBatch, x: Tensor | None) -> Tensor:
             p = mb.packed
-            return chunk(p.input_ids if x is None else x, p.position_ids, p.cu_seqlens, max_seqlen=mb.max_seqlen)
+            with attached(chunk, mb.routing) if mb.routing is not None else contextlib.nullcontext():
+                return chunk(p.input_ids if x is None else x, p.position_ids, p.cu_seqlens, max_seqlen=mb.max_seqlen)
 
-        return forward_backward(self.chunks, micro_batches, self.layout, forward_step,
-                                lambda hidden, mb: loss_fn(last, hidden, mb), forward_only=forward_only,
-                                broadcast_outputs=True)
+        outputs = forward_backward(self.chunks, micro_batches, self.layout, forward_step,
+                                   lambda hidden, mb: loss_fn(last, hidden, mb), forward_only=forward_only,
+                                   broadcast_outputs=True)
+        for mb, out in zip(micro_batches, outputs):
+            if mb.routing is not None and not mb.routing.replay:  # each rank recorded its tokens at its layers
+                mb.routing.complete([self.layout.tp_group, self.layout.pp_group])
+                out[ROUTED_EXPERTS] = unpack_routing(mb.routing, mb.attention_mask, self.config.moe.num_experts)
+        return outputs
 
     def step(self) -> dict[str, float]:
         """Apply one optimizer update from the accumulated gradients, then advance the LR schedule."""
@@ -105,10 +119,13 @@ class ModelEngine:
 
 
 def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, micro_batch_size: int | None,
-                       max_token_len: int | None) -> tuple[list[MicroBatch], list[int]]:
+                       max_token_len: int | None, routing: Routing = None,
+                       model_config: ModelConfig | None = None) -> tuple[list[MicroBatch], list[int]]:
     """Cut a rank's batch into packed micro batches: fixed `micro_batch_size` samples, or (dynamic batch size)
     at most `max_token_len` tokens each. Returns them and `restore` so that concatenated per-row outputs
-    `[restore]` are back in batch order."""
+    `[restore]` are back in batch order. `routing` (with the MoE model's `model_config`): each micro batch records
+    its tokens' experts (the pass then outputs `routed_experts`) or replays the batch's `routed_experts`, packed
+    like its tokens."""
     lengths = batch.tensors["attention_mask"].sum(-1).tolist()
     if max_token_len is not None:
         groups, restore = split_by_token_budget(lengths, max_token_len)
@@ -123,8 +140,33 @@ def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, 
     for rows in groups:
         t = batch.tensors[rows]
         packed = pack(t["input_ids"], t["attention_mask"], t["position_ids"], response_length).to(device)
-        out.append(MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows, max(lengths[r] for r in rows)))
+        mb = MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows, max(lengths[r] for r in rows))
+        if routing is not None:
+            mb.routing = routing_table(t, packed.num_tokens, routing, model_config, device)
+            mb.attention_mask = t["attention_mask"]
+        out.append(mb)
     return out, restore
+
+
+def routing_table(t, num_tokens: int, routing: Routing, config: ModelConfig, device: torch.device) -> RoutingTable:
+    """A micro batch's routing table: empty to record into, or its rows' `routed_experts` packed like their tokens
+    (row after row, the attention-masked positions) to replay."""
+    layer_ids = sorted(config.moe.layers)
+    if routing == "record":
+        return RoutingTable.recording(num_tokens, layer_ids, config.moe.top_k, device)
+    if ROUTED_EXPERTS not in t.keys():
+        raise ValueError(f"routing replay: the batch has no {ROUTED_EXPERTS!r} (recorded by the old-logprob pass, R2, "
+                         f"or the rollout, R3)")
+    return RoutingTable(t[ROUTED_EXPERTS][t["attention_mask"].bool()].to(device), layer_ids, replay=True)
+
+
+def unpack_routing(table: RoutingTable, attention_mask: Tensor, num_experts: int) -> Tensor:
+    """A recorded table back to its rows: [b, S, L, k] on the host in the smallest integer type of the expert ids,
+    zero at padding."""
+    mask = attention_mask.bool()
+    out = torch.zeros(*mask.shape, *table.experts.shape[1:], dtype=expert_id_dtype(num_experts))
+    out[mask] = table.experts.cpu().to(out.dtype)
+    return out
 
 
 def mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batch]:
@@ -136,7 +178,8 @@ def mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batc
 
 
 def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys: Sequence[str],
-                 make_loss_fn: Callable[[LossScale], LossFn], max_response_length: int) -> dict[str, list[float]]:
+                 make_loss_fn: Callable[[LossScale], LossFn], max_response_length: int,
+                 routing: Routing = None) -> dict[str, list[float]]:
     """PPO epochs over mini batches of `batch`, one optimizer step each. The loss of every micro batch is built
     with the mini batch's global counts (`LossScale`, summed over micro batches and DP), so the gradient does not
     depend on the cut. Metrics per step are exact mini-batch values (micro-batch shares summed, then over DP).
@@ -150,8 +193,8 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
     counts = global_counts(minis, engine.layout)
     # Every step's micro batches go to the device now: a blocking host-to-device copy waits for the queued kernels,
     # which is free before the first forward and a stall between steps.
-    micros = [make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size, update.max_token_len)[0]
-              for mini in minis]
+    micros = [make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size, update.max_token_len,
+                                 routing, engine.config)[0] for mini in minis]
     names: list[str] = []
     step_sums: list[Tensor] = []  # [num metrics] float64 on the device, per step
     step_metrics: list[dict[str, float]] = []
