@@ -46,12 +46,15 @@ def load_full(layer: MoELayer, full: dict[str, torch.Tensor]) -> None:
                 param[i].copy_(full[key][e].narrow(spec.dim, lo, hi - lo))
 
 
-def reference_moe(x, w: dict[str, torch.Tensor], top_k: int, norm_topk: bool) -> torch.Tensor:
-    """Token by token, expert by expert: the textbook top-k MoE."""
+def reference_moe(x, w: dict[str, torch.Tensor], top_k: int, norm_topk: bool,
+                  experts: torch.Tensor | None = None) -> torch.Tensor:
+    """Token by token, expert by expert: the textbook top-k MoE; with `experts` [T, k], token t goes through
+    experts[t] (routing replay) instead of its own top-k, weighed by its router's probabilities of them."""
     outputs = []
-    for token in x:
+    for t, token in enumerate(x):
         probs = torch.softmax(w["router"] @ token, dim=-1)
-        chosen = sorted(range(probs.numel()), key=lambda e: -probs[e].item())[:top_k]
+        chosen = (sorted(range(probs.numel()), key=lambda e: -probs[e].item())[:top_k] if experts is None
+                  else experts[t].tolist())
         total = sum(probs[e] for e in chosen) if norm_topk else 1.0
         y = torch.zeros_like(token)
         for e in chosen:

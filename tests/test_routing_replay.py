@@ -5,14 +5,13 @@ over EP2, EP2 x ETP2 and experts split over TP on gloo; a replay misaligned by o
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from shardrl.parallel.expert import MoELayer, attached
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.routing import RoutingTable, expert_id_dtype
-from test_expert import ATOL, NAMES, full_weights, load_full
+from test_expert import ATOL, NAMES, full_weights, load_full, reference_moe
 
 H, F_SIZE, E, K = 16, 8, 8, 2
 SEED, LAYER = 5, 3
@@ -21,16 +20,7 @@ TOKENS_PER_RANK = [5, 3, 0, 6]
 
 def reference_routed(x, w, experts, norm_topk: bool):
     """Token by token: token t through experts[t], weighed by its router probabilities of them."""
-    outputs = []
-    for token, chosen in zip(x, experts.tolist()):
-        probs = torch.softmax(w["router"] @ token, dim=-1)
-        total = sum(probs[e] for e in chosen) if norm_topk else 1.0
-        y = torch.zeros_like(token)
-        for e in chosen:
-            hidden = F.silu(w["gate"][e] @ token) * (w["up"][e] @ token)
-            y = y + probs[e] / total * (w["down"][e] @ hidden)
-        outputs.append(y)
-    return torch.stack(outputs)
+    return reference_moe(x, w, K, norm_topk, experts)
 
 
 def own_top_k(x, router):
