@@ -77,8 +77,10 @@ def test_resume_generates_the_prompts_that_were_in_flight_at_the_save(tmp_path):
     log = tmp_path / "scored.txt"
     reward = tmp_path / "index_reward.py"
     reward.write_text(INDEX_LOGGING_REWARD.format(log=str(log)))
+    # The trainer scores what it takes (the reward loop would score batch 3 ahead, as it finishes generating).
     args = [*DETACHED, "data.shuffle=false", "trainer.save_freq=2", "trainer.test_freq=-1",
-            "trainer.val_before_train=false", f"custom_reward_function.path={reward}"]
+            "trainer.val_before_train=false", f"custom_reward_function.path={reward}",
+            "reward_model.use_reward_loop=false"]
     run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=2")
     _, out = run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=3")
     assert "at step 2" in out

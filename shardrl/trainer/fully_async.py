@@ -5,8 +5,9 @@ The rollouter (rollouter.py) is a controller thread that keeps the rollout pool'
 ppo_mini_batch_size` prompt groups per step (the `n` samples of a prompt travel together, first finished first
 taken), scored as each one finished (`reward_model.use_reward_loop`: on the rollouter's scoring thread, else by
 `PPOTrainer.score` after taking them), and runs `.train` on them; every `trigger_parameter_sync_step` steps it
-pauses the rollouter at a call boundary and syncs. How far generation may run ahead, and so how stale samples may be, is the
-budget rule of staleness.py: after each sync the rollouter may start prompts until `window + extra` are outstanding.
+pauses the rollouter at a call boundary and syncs. How far generation may run ahead, and so how stale samples may
+be, is the budget rule of staleness.py: after each sync the rollouter may start prompts until `window + extra` are
+outstanding.
 Without `partial_rollout` the pause lets running requests finish first (every sample is then one version); with it
 they are paused in the engine and continue under the new weights (their tokens carry both versions).
 
