@@ -34,6 +34,7 @@ JOB = ["trainer.total_training_steps=2", "trainer.test_freq=-1", "trainer.val_be
        "data.max_response_length=32", "data.train_batch_size=32", "actor_rollout_ref.rollout.n=4",
        "actor_rollout_ref.rollout.max_num_seqs=8", "actor_rollout_ref.actor.ppo_mini_batch_size=32",
        "custom_reward_function.num_workers=4"]
+LOOP = "reward_model.use_reward_loop=true"
 TIMING = ("timing_s/", "perf/throughput", "sync/gbps", "sync/seconds")
 
 
@@ -51,8 +52,8 @@ def run(tmp_path, name, *overrides):
 
 
 def test_scoring_while_generating_hides_a_slow_reward_function_and_trains_the_same_batch(tmp_path):
-    overlapped, calls = run(tmp_path, "overlapped")
-    whole, _ = run(tmp_path, "whole", "reward_model.use_reward_loop=false")
+    overlapped, calls = run(tmp_path, "overlapped", LOOP)
+    whole, _ = run(tmp_path, "whole")
     assert len(calls) == 2 * SAMPLES and all(c["end"] - c["start"] >= 0.05 for c in calls)
     for row in overlapped:
         # exposed (the wait for scores after generation) against the scorer's time in all, from the timeline's
@@ -111,7 +112,7 @@ def test_a_scorer_error_reaches_the_trainer_thread_as_it_was():
 
 
 def test_fully_async_scores_each_group_as_it_finishes_not_after_the_trainer_takes_it(tmp_path):
-    rows, calls = run(tmp_path, "async", "--config-name=fully_async_ppo_trainer")
+    rows, calls = run(tmp_path, "async", LOOP, "--config-name=fully_async_ppo_trainer")
     assert [r["step"] for r in rows] == [1, 2] and len(calls) >= 2 * SAMPLES
     assert all("timing_s/reward" not in r for r in rows)  # the trainer never waited on a scorer of its own
     assert sum(r.get("timing_s/score", 0.0) for r in rows) >= 0.05  # the rollouter's scoring thread's spans

@@ -23,4 +23,5 @@ exec "$PYTHON" -m shardrl.trainer.main_ppo \
     reward_model.judge.score_pattern="'([01])'" \
     reward_model.judge.response_length=8 \
     reward_model.judge.max_model_len=1024 \
+    reward_model.use_reward_loop=true \
     "$@"

@@ -290,7 +290,7 @@ class RewardOptions:
     server_concurrency: int = 64
     server_retries: int = 3
     server_backoff: float = 1.0
-    while_generating: bool = True  # reward_model.use_reward_loop: score each sample as its generation finishes
+    while_generating: bool = False  # reward_model.use_reward_loop: score each sample as its generation finishes
     judge: JudgeScoring | None = None  # reward_model.judge
     reward_model: RewardModelScoring = RewardModelScoring()  # reward_model.combine, .weight
 
