@@ -87,7 +87,7 @@ def hf_top_k(ckpt: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name, batching", [
     ("1", BATCHINGS[0]), ("1", BATCHINGS[1]), ("ep2", BATCHINGS[0]), ("tp2_sp", BATCHINGS[1]),
-    ("pp2_ep2", BATCHINGS[0]), ("pp2_ep2", BATCHINGS[1])], ids=lambda v: v if isinstance(v, str) else (
+    ("pp2_ep2", BATCHINGS[0]), pytest.param("pp2_ep2", BATCHINGS[1], marks=pytest.mark.slow)], ids=lambda v: v if isinstance(v, str) else (
     "dynamic" if v.max_token_len else "fixed"))
 def test_recorded_routing_is_transformers_router_top_k_and_replay_follows_the_table(moe, name, batching):
     expected = hf_top_k(moe)
@@ -150,11 +150,12 @@ def moe_builtin_task(tmp_path) -> list[str]:
 
 @pytest.mark.parametrize("config_name, extra", [
     ("ppo_trainer", ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2"]),
-    ("fully_async_ppo_trainer", ["trainer.n_gpus_per_node=2",
-                                 "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
-                                 "actor_rollout_ref.actor.use_dynamic_bsz=true",
-                                 "async_training.use_rollout_log_probs=false",  # recompute: the pass R2 records
-                                 "algorithm.rollout_correction.decoupled=true"]),
+    pytest.param("fully_async_ppo_trainer", ["trainer.n_gpus_per_node=2",
+                                              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                                              "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                              "async_training.use_rollout_log_probs=false",  # the pass R2 records
+                                              "algorithm.rollout_correction.decoupled=true"],
+                 marks=pytest.mark.slow),
 ])
 def test_an_r2_job_trains_an_moe_policy_with_the_old_log_prob_passs_routing(tmp_path, config_name, extra):
     """The routing travels from the old-logprob pass through the controller (balancing, DP padding and split,
