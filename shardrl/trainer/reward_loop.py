@@ -68,7 +68,6 @@ class ScoringThread:
         self.waiting: list[Batch] = []  # submitted, not yet taken by the thread
         self.scored: list[tuple[Batch, SampleScores]] = []
         self.spans: list[tuple[float, float]] = []  # perf_counter start/end of each scoring call
-        self.generation_end: float | None = None  # set by finish()
         self.closing = False
         self.error: BaseException | None = None
         self.thread = threading.Thread(target=self._run, name="reward-loop", daemon=True)
@@ -85,14 +84,14 @@ class ScoringThread:
         (by `sample_seed`) and the metric `timing_s/reward_hidden`: of the seconds the scorer ran (its "score"
         spans, `timing_s/score`), those while generation still ran. The caller times this wait (the exposed part,
         `timing_s/reward`)."""
-        self.generation_end = time.perf_counter()
+        generation_end = time.perf_counter()
         with self.cond:
             self.closing = True
             self.cond.notify_all()
         self.thread.join()
         self._raise_error()
         batch, scores = _in_row_order(self.scored)
-        hidden = sum(max(0.0, min(end, self.generation_end) - start) for start, end in self.spans)
+        hidden = sum(max(0.0, min(end, generation_end) - start) for start, end in self.spans)
         return batch, scores, {"timing_s/reward_hidden": hidden}
 
     def close(self) -> None:
