@@ -87,12 +87,13 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
     log_prob = role.batches.get("log_prob")
     mode = actor.router_replay.mode
     if mode == "R3":
-        raise ConfigError("actor_rollout_ref.actor.router_replay.mode", "R3 replays the rollout engine's routing, "
-                                                                        "which the engine does not record yet; use R2 "
-                                                                        "(the old-logprob pass's, replayed in the "
-                                                                        "update) or disabled")
-    replay = mode == "R2"
-    if replay and log_prob is None:
+        _needs_rollout_routing(config, "actor_rollout_ref.actor.router_replay.mode")
+    if (arr.rollout.enable_rollout_routing_replay and log_prob is None and mode != "R3"
+            and arr.ref.router_replay.mode != "R3"):
+        raise ConfigError("actor_rollout_ref.rollout.enable_rollout_routing_replay", "the rollout's routing would be "
+                          "read by nothing: this job has no old-logprob pass to compare with it and no R3 to replay "
+                          "it; set actor_rollout_ref.actor.router_replay.mode=R3 or leave it false")
+    if mode == "R2" and log_prob is None:
         raise ConfigError("actor_rollout_ref.actor.router_replay.mode", "R2 replays the routing of the old-logprob "
                                                                         "pass, which this job skips (PPO anchors on "
                                                                         "the rollout's log-probs); use disabled")
@@ -102,7 +103,14 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         loss=policy_loss_options(config, shared.decoupled, shared.use_kl_loss, shared.response_length),
         log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
         checkpoint=_checkpoint_options(actor.checkpoint),
-        distillation=distillation_settings(config) if shared.distillation else None, router_replay=replay)
+        distillation=distillation_settings(config) if shared.distillation else None, router_replay=mode)
+
+
+def _needs_rollout_routing(config: PPOConfig, key: str) -> None:
+    """R3 replays what the rollout engine recorded: the rollout must record it."""
+    if not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+        raise ConfigError(key, "R3 replays the rollout engine's routing, which it records only with "
+                               "actor_rollout_ref.rollout.enable_rollout_routing_replay=true; set it (or use R2)")
 
 
 def distillation_settings(config: PPOConfig) -> DistillationSettings:
@@ -127,7 +135,13 @@ def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOpt
     # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
     model = model_options(config.actor_rollout_ref.ref.megatron, role.spec, role.ranks, False, None,
                           shared.override_config, load_weight=True)
-    return RefOptions(model, role.batches["log_prob"].forward())
+    mode = config.actor_rollout_ref.ref.router_replay.mode
+    if mode == "R3":
+        _needs_rollout_routing(config, "actor_rollout_ref.ref.router_replay.mode")
+        if config.actor_rollout_ref.actor.router_replay.mode == "R2":
+            raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "R3 replays the rollout's routing, but under "
+                              "the actor's R2 the batch carries the old-logprob pass's; use R3 for both, or disabled")
+    return RefOptions(model, role.batches["log_prob"].forward(), replay_rollout_routing=mode == "R3")
 
 
 def reward_model_options(config: PPOConfig, role: RolePlan) -> RewardModelOptions:
@@ -159,7 +173,8 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
         max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
         max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
-        enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching)
+        enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching,
+        record_routing=rollout.enable_rollout_routing_replay)
     sync, val, length = rollout.weight_sync, rollout.val_kwargs, shared.response_length
     ignore_eos = rollout.ignore_eos
     return RolloutOptions(

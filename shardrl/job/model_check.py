@@ -74,11 +74,21 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:
             continue
         hf, source = found
         notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
-        replay = config.actor_rollout_ref.actor.router_replay.mode
-        if "actor" in names and replay != "disabled" and not any(hf.get(f) for f in EXPERT_COUNT_FIELDS):
-            raise ConfigError("actor_rollout_ref.actor.router_replay.mode", f"{replay} replays MoE routing, but "
-                                                                            f"{source} is a dense model; use disabled")
+        if "actor" in names and not any(hf.get(f) for f in EXPERT_COUNT_FIELDS):
+            _refuse_routing_on_dense(config, source)
     return notes
+
+
+def _refuse_routing_on_dense(config: PPOConfig, source: str) -> None:
+    """Routing replay and recording need routed experts."""
+    arr = config.actor_rollout_ref
+    for key, value, on in (("actor_rollout_ref.actor.router_replay.mode", arr.actor.router_replay.mode, "replays"),
+                           ("actor_rollout_ref.ref.router_replay.mode", arr.ref.router_replay.mode, "replays"),
+                           ("actor_rollout_ref.rollout.enable_rollout_routing_replay",
+                            arr.rollout.enable_rollout_routing_replay, "records")):
+        if value not in ("disabled", False):
+            raise ConfigError(key, f"{value} {on} MoE routing, but {source} is a dense model; "
+                                   f"use {'disabled' if on == 'replays' else 'false'}")
 
 
 def check_layout_fits(hf: dict[str, Any], source: str, spec: LayoutSpec, keys: dict[str, str]) -> str:

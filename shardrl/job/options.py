@@ -155,14 +155,16 @@ class ActorOptions:
     temperature: float  # logprobs are taken at the rollout's sampling temperature (the teacher's too)
     checkpoint: CheckpointOptions
     distillation: DistillationSettings | None  # on-policy distillation's term of the actor loss; None: off
-    # R2 routing replay: the old-logprob pass records each token's MoE experts, the update replays them
-    router_replay: bool = False
+    # MoE routing replay (verl's actor.router_replay.mode): R2, the old-logprob pass records each token's experts
+    # and the update replays them; R3, the old-logprob pass and the update replay the rollout engine's.
+    router_replay: Literal["disabled", "R2", "R3"] = "disabled"
 
 
 @dataclass(frozen=True)
 class RefOptions:
     model: ModelOptions
     log_prob: ForwardBatching
+    replay_rollout_routing: bool = False  # ref.router_replay.mode=R3: the reference pass replays the rollout's
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,9 @@ class PolicyLossConfig:
 
 @dataclass(frozen=True)
 class RouterReplayConfig:
-    """verl's MoE routing replay: `R2` replays in the update the experts the old-logprob pass chose; `R3` (the
-    rollout's, in every pass) is not built yet. shardrl carries routing in the batch, never in files."""
+    """verl's MoE routing replay: `R2` replays in the update the experts the old-logprob pass chose; `R3` replays
+    the rollout engine's (actor: in the old-logprob pass and the update; ref: in the reference pass). shardrl
+    carries routing in the batch, never in files."""
 
     mode: Literal["disabled", "R2", "R3"]
     record_file: str | None
@@ -270,7 +271,9 @@ class RolloutConfig:
     max_model_len: PosInt | None  # null: prompt_length + response_length
     enable_chunked_prefill: bool
     enable_prefix_caching: bool
-    enable_rollout_routing_replay: bool  # verl's: the rollout records MoE routing (for R3; not built yet)
+    # verl's: the rollout engine records every token's MoE experts into the batch (`routed_experts`), for R3 to
+    # replay; the old-logprob pass reports how often its own routing differs (`routing/rollout_mismatch`)
+    enable_rollout_routing_replay: bool
     log_prob_micro_batch_size: PosInt | None  # old-logprob pass of the actor (global, deprecated)
     log_prob_micro_batch_size_per_gpu: PosInt | None
     log_prob_use_dynamic_bsz: bool

@@ -133,20 +133,16 @@ class MoELayer(nn.Module):
         return self._attach_router_losses(out, logits, probs, counts)
 
     def _choose(self, probs: Tensor, num_tokens: int | None) -> tuple[Tensor, Tensor]:
-        """Each token's k experts and their router probabilities: its own top-k, recorded into an attached routing
-        table, or the table's experts (replay) weighed by this router's probabilities of them."""
+        """Each token's k experts and their router probabilities: its own top-k, or as an attached routing table
+        says (`RoutingTable.choose`: recorded into it, or its experts replayed, weighed by this router's
+        probabilities of them)."""
         table = self.routing
         if table is None:
             return torch.topk(probs, self.top_k, dim=-1)
         start = 0
         if self.layout.tp_size > 1 and num_tokens is not None:  # this rank's share of the TP group's tokens
             start = sum(token_split_sizes(num_tokens, self.layout.tp_size)[:self.layout.tp_rank])
-        rows = table.rows(self.layer_id, start, start + probs.shape[0])  # [T, k]
-        if table.replay:
-            return probs.gather(-1, rows), rows
-        top_probs, top_experts = torch.topk(probs, self.top_k, dim=-1)
-        rows.copy_(top_experts)
-        return top_probs, top_experts
+        return table.choose(self.layer_id, start, probs, self.top_k)
 
     def _combine(self, x: Tensor, top_experts: Tensor, weights: Tensor, counts: Tensor,
                  num_tokens: int | None) -> Tensor:

@@ -7,6 +7,14 @@ Attached to a model's MoE layers (`expert.attached`), it is filled by them (`rep
 tokens' rows; `complete` sums the ranks' parts) or read by them (`replay=True`). A replayed layer still weighs the
 replayed experts by its own router's probabilities, so the router's gradient flows and its losses are computed as
 usual; only the choice of experts is taken from the table.
+
+An expert id equal to the expert count (`unknown_expert`) marks a token whose routing nobody recorded: the last
+sampled token of a rollout, which the engine never ran through the model, or environment tokens appended after the
+last model turn. A replaying layer routes such a token by its own top-k.
+
+Each layer also counts the tokens whose own top-k (as a set) differs from the table's experts (`replay`) or from a
+`reference` routing a recording pass is compared against (the rollout's, while the pass routes itself): the routing
+mismatch between two forwards, per token summed over layers (`mismatch_per_token`).
 """
 
 from __future__ import annotations
@@ -19,36 +27,92 @@ from torch import Tensor
 
 
 def expert_id_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer type that holds every expert id (how a batch stores routing)."""
-    if num_experts <= 256:
+    """The smallest integer type that holds every expert id and the expert count itself (`unknown_expert`): how a
+    batch stores routing."""
+    if num_experts < 256:
         return torch.uint8
-    return torch.int16 if num_experts <= 2 ** 15 else torch.int32
+    return torch.int16 if num_experts < 2 ** 15 else torch.int32
+
+
+def unknown_expert(num_experts: int) -> int:
+    """The id that marks a token without recorded routing (one past the last expert)."""
+    return num_experts
 
 
 class RoutingTable:
-    def __init__(self, experts: Tensor, layer_ids: Sequence[int], replay: bool) -> None:
-        """`experts` [T, L, k] expert ids (any integer type; used as int64 on its device), L = len(layer_ids)."""
-        if experts.dim() != 3 or experts.shape[1] != len(layer_ids):
-            raise ValueError(f"RoutingTable: experts of shape {tuple(experts.shape)} for {len(layer_ids)} MoE layers; "
-                             f"expected [tokens, {len(layer_ids)}, top_k]")
+    def __init__(self, experts: Tensor, layer_ids: Sequence[int], replay: bool,
+                 reference: Tensor | None = None) -> None:
+        """`experts` [T, L, k] expert ids (any integer type; used as int64 on its device), L = len(layer_ids).
+        `reference` [T, L, k] (recording only): the routing to count this forward's choices against."""
+        for name, table in (("experts", experts), ("reference", reference)):
+            if table is not None and (table.dim() != 3 or table.shape[1] != len(layer_ids)):
+                raise ValueError(f"RoutingTable: {name} of shape {tuple(table.shape)} for {len(layer_ids)} MoE "
+                                 f"layers; expected [tokens, {len(layer_ids)}, top_k]")
+        if replay and reference is not None:
+            raise ValueError("RoutingTable: a replayed table is its own reference; give `reference` only to record")
         self.experts = experts.long()
+        self.reference = None if reference is None else reference.long()
         self.column = {layer_id: i for i, layer_id in enumerate(layer_ids)}
         self.replay = replay
+        # (layer, first token) -> [tokens, 2] (own choice differs, compared) of that layer's rows on this rank. Keyed,
+        # not summed, so a forward recomputed for backward (activation checkpointing) counts once.
+        self._mismatch: dict[tuple[int, int], Tensor] = {}
 
     @classmethod
-    def recording(cls, num_tokens: int, layer_ids: Sequence[int], top_k: int, device: torch.device) -> RoutingTable:
-        """An empty table for a forward to record into."""
-        return cls(torch.zeros(num_tokens, len(layer_ids), top_k, dtype=torch.long, device=device), layer_ids, False)
+    def recording(cls, num_tokens: int, layer_ids: Sequence[int], top_k: int, device: torch.device,
+                  reference: Tensor | None = None) -> RoutingTable:
+        """An empty table for a forward to record into (compared against `reference` when given)."""
+        experts = torch.zeros(num_tokens, len(layer_ids), top_k, dtype=torch.long, device=device)
+        return cls(experts, layer_ids, False, None if reference is None else reference.to(device))
 
-    def rows(self, layer_id: int, start: int, stop: int) -> Tensor:
-        """The expert ids [stop - start, k] of tokens start..stop at MoE layer `layer_id` (a view: recording writes
-        into it)."""
+    @property
+    def counts_mismatch(self) -> bool:
+        return self.replay or self.reference is not None
+
+    def rows(self, layer_id: int, start: int, stop: int, table: Tensor | None = None) -> Tensor:
+        """The expert ids [stop - start, k] of tokens start..stop at MoE layer `layer_id` in `experts` (or in
+        `table`, e.g. the reference); a view: recording writes into it."""
         if layer_id not in self.column:
             raise KeyError(f"RoutingTable: MoE layer {layer_id} is not among its layers {sorted(self.column)}")
-        if stop > self.experts.shape[0]:
+        table = self.experts if table is None else table
+        if stop > table.shape[0]:
             raise ValueError(f"RoutingTable: tokens {start}..{stop} at layer {layer_id}, but it holds "
-                             f"{self.experts.shape[0]}; the table must cover the forward's packed tokens")
-        return self.experts[start:stop, self.column[layer_id]]
+                             f"{table.shape[0]}; the table must cover the forward's packed tokens")
+        return table[start:stop, self.column[layer_id]]
+
+    def choose(self, layer_id: int, start: int, probs: Tensor, top_k: int) -> tuple[Tensor, Tensor]:
+        """One layer's choice for its tokens start..start+len(probs): (router probabilities [T, k], experts [T, k]).
+        Replay: the table's experts (a token marked unknown keeps its own); record: its own top-k, written into
+        the table. Either way the layer's own top-k is counted against the table's (or the reference's)."""
+        stop = start + probs.shape[0]
+        own_probs, own = torch.topk(probs, top_k, dim=-1)
+        if self.replay:
+            table = self.rows(layer_id, start, stop)
+            known = (table < probs.shape[-1]).all(-1)  # [T]
+            chosen = torch.where(known[:, None], table, own)
+            self._count(layer_id, start, own, table, known)
+            return probs.gather(-1, chosen), chosen
+        self.rows(layer_id, start, stop).copy_(own)
+        if self.reference is not None:
+            table = self.rows(layer_id, start, stop, self.reference)
+            self._count(layer_id, start, own, table, (table < probs.shape[-1]).all(-1))
+        return own_probs, own
+
+    def _count(self, layer_id: int, start: int, own: Tensor, other: Tensor, known: Tensor) -> None:
+        differs = (own.sort(-1).values != other.sort(-1).values).any(-1) & known
+        self._mismatch[(layer_id, start)] = torch.stack([differs, known], dim=1).long()  # [T, 2]
+
+    def mismatch_per_token(self, groups: Sequence[dist.ProcessGroup | None]) -> Tensor:
+        """[T, 2] per token, summed over the MoE layers: (layers whose own choice differed from the table's or the
+        reference's, layers that compared), complete on every rank of `groups` (TP: each rank counted its tokens;
+        PP: each stage its layers)."""
+        total = torch.zeros(self.experts.shape[0], 2, dtype=torch.long, device=self.experts.device)
+        for (_, start), counts in self._mismatch.items():
+            total[start:start + counts.shape[0]] += counts
+        for group in groups:
+            if group is not None:
+                dist.all_reduce(total, group=group)
+        return total
 
     def complete(self, groups: Sequence[dist.ProcessGroup | None]) -> None:
         """After a recording forward: every rank of `groups` (its TP group, whose ranks each recorded their own

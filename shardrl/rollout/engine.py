@@ -11,6 +11,13 @@ Use:
     partial = engine.abort(); engine.update_weights(new, version=7); engine.resume()   # partial rollout
     engine.sleep(offload_weights=True); ...; engine.wake_up(kv_cache=False)       # colocated weight sync:
     ...sync writes the shards in place...; engine.set_policy_version(8); engine.wake_up()   # KV cache after it
+
+With `EngineConfig.record_routing` (MoE) a finished request's output carries the experts every MoE layer chose for
+each of its tokens (`RequestOutput.routed_experts`): the routing that computed its cached keys and values, kept
+beside them per (slot, position) and written by the same prefill and decode steps (CUDA graphs, run-ahead, shared
+prefills, cached and fed continuations included). A request resumed after an abort is re-prefilled under the new
+weights, and so is its routing: the tokens after it attended to those keys. A weight update drops parked caches
+with their routing alike.
 """
 
 from __future__ import annotations
@@ -77,6 +84,7 @@ class EngineError(ValueError):
 class Engine:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig = EngineConfig()) -> None:
         _check_layout(layout, model_config)
+        _check_config(config, model_config)
         self.model_config, self.layout, self.config = model_config, layout, config
         self.device = layout.device
         self.runner = ModelRunner(model_config, layout, config)
@@ -316,8 +324,9 @@ class Engine:
                 request.feed = None
             request.append(int(token), logprob, raw if request.params.raw_logprobs else None, self.policy_version)
             if request.finish_reason is not None:
+                routed = self.runner.routed_experts(request.slot, request.num_tokens)  # before the slot goes
                 self.scheduler.release(request)
-                finished.append(request.output())
+                finished.append(request.output(routed))
         return finished
 
     def stream(self) -> Iterator[RequestOutput]:
@@ -348,6 +357,12 @@ class Engine:
         ids = list(self._paused) if request_ids is None else list(request_ids)
         for rid in reversed(ids):
             self.scheduler.add(self._paused.pop(rid), front=True)
+
+
+def _check_config(config: EngineConfig, model_config: ModelConfig) -> None:
+    if config.record_routing and model_config.moe is None:
+        raise EngineError(f"record_routing: {model_config.architecture} is a dense model; there is no MoE routing to "
+                          f"record")
 
 
 def _check_layout(layout: Layout, model_config: ModelConfig) -> None:

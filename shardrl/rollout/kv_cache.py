@@ -35,18 +35,28 @@ class KVCache:
     Each layer's keys and values are tensors of their own, not views of one: a compiled decode forward
     (`EngineConfig.compile_decode`) then writes the new tokens in place, where a write into a view of a larger
     tensor would make it copy that whole tensor back every step.
+
+    With `routing` = (MoE layers, top-k, id dtype) it also keeps every position's experts, `routing_ids` [S,
+    max_len, L, k] (routing replay, R3): written where the keys and values of the same (slot, position) are, by the same
+    forwards, so it holds exactly the routing that computed the cached keys and values, at a few bytes per token
+    and layer beside the cache's kilobytes.
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
-                 dtype: torch.dtype, device: torch.device) -> None:
+                 dtype: torch.dtype, device: torch.device,
+                 routing: tuple[int, int, torch.dtype] | None = None) -> None:
         self.num_layers, self.shape = num_layers, (num_slots, max_len, num_kv_heads, head_dim)
         self.num_slots, self.max_len, self.dtype, self.device = num_slots, max_len, dtype, device
+        self.routing = routing
         self.layers: list[tuple[Tensor, Tensor]] | None = None
+        self.routing_ids: Tensor | None = None
         self.allocate()
 
     @staticmethod
-    def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
-        return num_layers * 2 * num_kv_heads * max_len * head_dim * dtype.itemsize
+    def bytes_per_slot(num_layers: int, max_len: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                       routing: tuple[int, int, torch.dtype] | None = None) -> int:
+        routing_bytes = 0 if routing is None else routing[0] * routing[1] * max_len * routing[2].itemsize
+        return num_layers * 2 * num_kv_heads * max_len * head_dim * dtype.itemsize + routing_bytes
 
     @property
     def allocated(self) -> bool:
@@ -54,15 +64,23 @@ class KVCache:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.nbytes for pair in self.layers for t in pair) if self.allocated else 0
+        if not self.allocated:
+            return 0
+        routing = 0 if self.routing_ids is None else self.routing_ids.nbytes
+        return sum(t.nbytes for pair in self.layers for t in pair) + routing
 
     def allocate(self) -> None:
         # Zeros, not empty: unwritten positions are masked, but masked NaN garbage would still poison softmax rows.
         self.layers = [tuple(torch.zeros(self.shape, dtype=self.dtype, device=self.device) for _ in range(2))
                        for _ in range(self.num_layers)]
+        if self.routing is not None:
+            moe_layers, top_k, id_dtype = self.routing
+            self.routing_ids = torch.zeros(self.num_slots, self.max_len, moe_layers, top_k, dtype=id_dtype,
+                                           device=self.device)
 
     def free(self) -> None:
         self.layers = None
+        self.routing_ids = None
 
     def copy_rows(self, sources: list[int], destinations: list[int], length: int) -> None:
         """Copy positions 0..length-1 of slot sources[i] into slot destinations[i], in every layer (a sequence that
@@ -73,6 +91,8 @@ class KVCache:
         for keys, values in self.layers:
             keys[dst, :length] = keys[src, :length]
             values[dst, :length] = values[src, :length]
+        if self.routing_ids is not None:
+            self.routing_ids[dst, :length] = self.routing_ids[src, :length]
 
     def layer(self, layer_id: int) -> tuple[Tensor, Tensor]:
         """(keys, values) of one layer, each [S, L, nkv, D]."""

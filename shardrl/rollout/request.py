@@ -6,6 +6,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from torch import Tensor
+
 FinishReason = Literal["stop", "length"]
 
 
@@ -62,6 +64,9 @@ class RequestOutput:
     `logprobs[i]` is the logprob of `token_ids[i]` under the distribution it was sampled from; `raw_logprobs[i]`
     (when asked for) under the unfiltered temperature-1 policy; `policy_versions[i]` is the engine's
     `policy_version` when token i was sampled (tokens of a request resumed after a weight update carry the new one).
+    `routed_experts` [len(prompt_ids) + len(token_ids), MoE layers, k] (on the engine's device, the smallest integer
+    type that holds the expert count): the experts each position ran through, with the last token, which no step
+    ran, marked `routing.unknown_expert`; only on finished outputs of an engine that records routing.
     """
 
     request_id: str
@@ -72,6 +77,7 @@ class RequestOutput:
     policy_versions: list[int]
     finish_reason: FinishReason | None
     finished: bool
+    routed_experts: Tensor | None = None
 
 
 @dataclass
@@ -132,8 +138,8 @@ class Request:
         """Whether `num_new` more tokens would bring the request to `max_tokens` or to `max_len`."""
         return len(self.token_ids) + num_new >= self.params.max_tokens or self.num_tokens + num_new >= self.max_len
 
-    def output(self) -> RequestOutput:
+    def output(self, routed_experts: Tensor | None = None) -> RequestOutput:
         return RequestOutput(
             self.request_id, list(self.prompt_ids), list(self.token_ids), list(self.logprobs),
             list(self.raw_logprobs) if self.params.raw_logprobs else None, list(self.policy_versions),
-            self.finish_reason, self.finish_reason is not None)
+            self.finish_reason, self.finish_reason is not None, routed_experts)

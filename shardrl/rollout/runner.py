@@ -18,7 +18,9 @@ from torch import Tensor
 
 from shardrl.models.config import ModelConfig
 from shardrl.models.transformer import Transformer
+from shardrl.parallel.expert import attached
 from shardrl.parallel.layout import Layout
+from shardrl.parallel.routing import RoutingTable, expert_id_dtype, unknown_expert
 from shardrl.parallel.tensor import pack_adjacent
 from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket, row_buckets
@@ -61,6 +63,9 @@ class EngineConfig:
     # A multi-turn continuation of at most this many new tokens that arrives while others decode joins the decode
     # batch and feeds them one per step instead of stalling the batch for a prefill (see `scheduler.py`); 0: never.
     max_fed_tokens: int = 32
+    # Record every token's MoE experts (`RequestOutput.routed_experts`) for routing replay (R3): verl's
+    # `enable_rollout_routing_replay`.
+    record_routing: bool = False
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
 
@@ -77,6 +82,8 @@ class ModelRunner:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig) -> None:
         self.model_config, self.layout, self.config, self.device = model_config, layout, config, layout.device
         self.model = Transformer(model_config, layout, dtype=config.dtype).eval().requires_grad_(False)
+        # Routing replay (R3): the MoE layers' ids and top-k when the runner records routing, else None.
+        self.routing_layers = sorted(model_config.moe.layers) if config.record_routing else None
         self._pack_projections()
         self._reads_host = self.model.reads_host()  # fixed by the layout and dtype, asked once
         self.cache = self._build_cache()
@@ -87,6 +94,9 @@ class ModelRunner:
         self.ids, self.positions, self.live = self.inputs
         self.sampling = SamplingBuffers(num_slots, model_config.vocab_size, self.device)
         self.out = torch.zeros(num_slots, 3, dtype=torch.float64, device=self.device)  # a step's rows, see `decode`
+        # A decode step's routing record (a fixed buffer, as CUDA graphs need): rows' experts [S, L, k].
+        self._decode_routing = (None if self.routing_layers is None else torch.zeros(
+            num_slots, len(self.routing_layers), model_config.moe.top_k, dtype=torch.long, device=self.device))
         self.graphs: DecodeGraphs | None = None
         self._split_kv = uses_split_kv_decode(self.device, config.dtype)
         self.graph_captures, self.graph_capture_seconds = 0, 0.0  # since the runner was built
@@ -137,8 +147,33 @@ class ModelRunner:
                                          [r.cached for r in requests], lengths)
         else:
             hook = PrefillAttention(self.cache, slots, positions)
-        hidden = self.model(ids, positions, cu_seqlens, hook, max(lengths))
+        if self.routing_layers is None:
+            hidden = self.model(ids, positions, cu_seqlens, hook, max(lengths))
+        else:
+            table = RoutingTable.recording(ids.shape[0], self.routing_layers, self.model_config.moe.top_k,
+                                           self.device)
+            hidden = self._recording(table, slots, positions,
+                                     lambda: self.model(ids, positions, cu_seqlens, hook, max(lengths)))
         return self.logits(hidden[cu_seqlens[1:] - 1])
+
+    def _recording(self, table: RoutingTable, slots: Tensor, positions: Tensor, forward) -> Tensor:
+        """Run `forward` with its MoE layers recording into `table`, then store each token's experts at its
+        (slot, position) of the cache, beside its keys and values."""
+        with attached(self.model, table):
+            hidden = forward()
+        table.complete([self.layout.tp_group])  # each TP rank recorded its share of the tokens
+        self.cache.routing_ids[slots, positions] = table.experts.to(self.cache.routing_ids.dtype)
+        return hidden
+
+    def routed_experts(self, slot: int, num_tokens: int) -> Tensor | None:
+        """The experts [num_tokens, L, k] of positions 0..num_tokens-1 of `slot` (a copy on the device, queued
+        behind the steps launched so far); the last position, whose token no step ran, is marked unknown
+        (`routing.unknown_expert`). None unless the runner records routing."""
+        if self.routing_layers is None:
+            return None
+        routed = self.cache.routing_ids[slot, :num_tokens].clone()
+        routed[-1] = unknown_expert(self.model_config.moe.num_experts)
+        return routed
 
     def load_decode_inputs(self, rows: list[Request | None], sampling: SamplingBatch,
                            idle_positions: dict[int, int]) -> None:
@@ -212,8 +247,14 @@ class ModelRunner:
 
     def decode_hidden(self, ids: Tensor, positions: Tensor, length: int) -> Tensor:
         """The portable decode forward (and what the CUDA graphs capture): ids, positions [B] -> hidden [B, H]."""
-        cu_seqlens = torch.arange(ids.shape[0] + 1, dtype=torch.int32, device=ids.device)
-        return self.model(ids, positions, cu_seqlens, DecodeAttention(self.cache, positions, length), 1)
+        num_rows = ids.shape[0]
+        cu_seqlens = torch.arange(num_rows + 1, dtype=torch.int32, device=ids.device)
+        hook = DecodeAttention(self.cache, positions, length)
+        if self.routing_layers is None:
+            return self.model(ids, positions, cu_seqlens, hook, 1)
+        table = RoutingTable(self._decode_routing[:num_rows].zero_(), self.routing_layers, replay=False)
+        slots = torch.arange(num_rows, device=ids.device)  # decode row b is slot b
+        return self._recording(table, slots, positions, lambda: self.model(ids, positions, cu_seqlens, hook, 1))
 
     def logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, H] -> full-vocab logits [N, V] on every TP rank."""
@@ -264,8 +305,11 @@ class ModelRunner:
     def _build_cache(self) -> KVCache:
         config, model = self.config, self.model_config
         kv_heads = max(model.num_kv_heads // self.layout.tp_size, 1)
+        routing = None
+        if self.routing_layers is not None:
+            routing = (len(self.routing_layers), model.moe.top_k, expert_id_dtype(model.moe.num_experts))
         per_slot = KVCache.bytes_per_slot(model.num_layers, config.max_model_len, kv_heads, model.head_dim,
-                                          config.dtype)
+                                          config.dtype, routing)
         if self.device.type == "cuda":
             budget = gpu_cache_budget(self.device, config.gpu_memory_utilization, self._activation_bytes())
             source = "gpu_memory_utilization"
@@ -274,7 +318,7 @@ class ModelRunner:
             source = "cpu_kv_cache_tokens"
         slots = num_slots_for_budget(budget, per_slot, config.max_num_seqs, source)
         return KVCache(model.num_layers, slots, config.max_model_len, kv_heads, model.head_dim, config.dtype,
-                       self.device)
+                       self.device, routing)
 
     @torch.inference_mode()
     def _activation_bytes(self) -> int:

@@ -18,6 +18,7 @@ from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.rewards.manager import SampleScores, compute_token_level_scores
 from shardrl.job.options import AlgorithmOptions, LoopOptions, RewardOptions
+from shardrl.workers.engine import ROUTING_MISMATCH
 
 # Which validation samples `trainer.log_val_generations` shows: a fixed seed, so every validation of every run shows
 # the answers to the same prompts and they can be compared.
@@ -216,6 +217,9 @@ def data_metrics(batch: Batch) -> dict[str, float]:
         metrics |= _masked_stats("reward_model/score", rm, seq_mask) | {"reward_model/score/std": float(rm.std())}
     if "values" in t.keys():
         metrics |= _masked_stats("critic/values", t["values"], mask)
+    if ROUTING_MISMATCH in t.keys():  # the old-logprob pass's own MoE routing against the rollout's
+        differs, compared = t[ROUTING_MISMATCH].sum(0).tolist()
+        metrics["routing/rollout_mismatch"] = differs / max(compared, 1.0)
     if "entropy" in t.keys():
         metrics["actor/entropy"] = float((t["entropy"] * sampled).sum() / sampled.sum().clamp_min(1))
     return metrics

@@ -32,6 +32,7 @@ from shardrl.workers.critic import CriticWorker
 from shardrl.workers.judge import JudgeWorker
 from shardrl.workers.reward_model import RewardModelWorker
 from shardrl.workers.detached import DetachedActorWorker
+from shardrl.workers.engine import ROUTED_EXPERTS
 from shardrl.workers.hybrid import ActorRolloutRefWorker
 from shardrl.workers.rollout import RolloutWorker
 
@@ -179,7 +180,10 @@ class PPOTrainer:
                                          self.policy_version, self.max_staleness)
         if self.plan.actor.log_prob is not None:  # recompute the old logprobs (else PPO anchors on behaviour's)
             with t.phase(step, "old_log_prob"):
-                batch = batch.union(w.actor.call(ActorRefWorker.compute_log_prob, batch))
+                old = w.actor.call(ActorRefWorker.compute_log_prob, batch)
+                if ROUTED_EXPERTS in old.tensors.keys():  # R2's record takes the place of the rollout's (if any)
+                    batch.tensors.pop(ROUTED_EXPERTS, None)
+                batch = batch.union(old)
         if self.plan.ref is not None:
             with t.phase(step, "ref"):
                 batch = batch.union(w.actor.call(ActorRefWorker.compute_ref_log_prob, batch))

@@ -36,10 +36,12 @@ from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.workers.engine import (
     ROUTED_EXPERTS,
+    ROUTING_MISMATCH,
     MicroBatch,
     ModelEngine,
     Routing,
     make_micro_batches,
+    replay_overridden_fraction,
     stack_outputs,
     train_epochs,
 )
@@ -61,19 +63,11 @@ def compute_log_prob(engine: ModelEngine, batch: Batch, batching: ForwardBatchin
 
 
 @torch.no_grad()
-def compute_log_prob_and_routing(engine: ModelEngine, batch: Batch, batching: ForwardBatching,
-                                 temperature: float = 1.0) -> tuple[Tensor, Tensor, Tensor]:
-    """`compute_log_prob` plus the experts every MoE layer chose for every token (`routed_experts` [B, S, L, k],
-    R2 routing replay's record)."""
-    out = log_prob_pass(engine, batch, batching, temperature, routing="record")
-    return out["log_probs"], out["entropy"], out[ROUTED_EXPERTS]
-
-
-@torch.no_grad()
 def log_prob_pass(engine: ModelEngine, batch: Batch, batching: ForwardBatching, temperature: float,
                   routing: Routing) -> dict[str, Tensor]:
     """`log_probs` and `entropy` [B, R] on the host; `routing="record"` adds `routed_experts` [B, S, L, k],
-    `"replay"` makes every MoE layer use the batch's (`make_micro_batches`)."""
+    `"replay"` makes every MoE layer use the batch's (`make_micro_batches`); a pass that replays or compares adds
+    `routing_mismatch` [B, 2]."""
     def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
         return hidden.new_zeros(()), {"log_probs": log_prob, "entropy": entropy}
@@ -81,8 +75,19 @@ def log_prob_pass(engine: ModelEngine, batch: Batch, batching: ForwardBatching, 
     micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
                                                 batching.max_token_len, routing, engine.config)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
-    keys = ("log_probs", "entropy") + ((ROUTED_EXPERTS,) if routing == "record" else ())
+    keys = ("log_probs", "entropy") + tuple(k for k in (ROUTED_EXPERTS, ROUTING_MISMATCH) if k in outputs[0])
     return {key: stack_outputs(outputs, key, restore).cpu() for key in keys}
+
+
+def old_log_prob_routing(mode: str, batch: Batch, engine: ModelEngine) -> Routing:
+    """The old-logprob pass's routing under `router_replay.mode`: R3 replays the rollout's, R2 records its own
+    (compared with the rollout's when the batch has it), and otherwise an MoE pass compares its own routing with the
+    rollout's if the rollout recorded it."""
+    if mode == "R3":
+        return "replay"
+    if mode == "R2":
+        return "record"
+    return "compare" if engine.config.moe is not None and ROUTED_EXPERTS in batch.tensors.keys() else None
 
 
 def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: float,
@@ -112,14 +117,15 @@ def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, up
                   temperature: float = 1.0, distillation: DistillationSettings | None = None,
                   replay_routing: bool = False) -> dict[str, list[float]]:
     """PPO epochs over mini batches of `batch`; one optimizer step per mini batch; metrics per step. With
-    `replay_routing` every MoE layer uses the experts in the batch's `routed_experts` (R2)."""
+    `replay_routing` every MoE layer uses the experts in the batch's `routed_experts` (R2, R3) and the metrics
+    gain `router_replay/overridden`."""
     keys = ["old_log_probs", "advantages", "response_mask"]
     keys += [k for k in ("is_weights",) if k in batch.tensors.keys()]
     keys += ["ref_log_probs"] if loss.use_kl_loss else []
     keys += ["teacher_log_probs"] if distillation is not None else []
-    return train_epochs(engine, batch, update, keys,
-                        lambda scale: policy_loss_fn(loss, scale, temperature, distillation), loss.max_response_length,
-                        "replay" if replay_routing else None)
+    return replay_overridden_fraction(train_epochs(
+        engine, batch, update, keys, lambda scale: policy_loss_fn(loss, scale, temperature, distillation),
+        loss.max_response_length, "replay" if replay_routing else None))
 
 
 class ActorRefWorker:
@@ -138,20 +144,23 @@ class ActorRefWorker:
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_log_prob(self, batch: Batch) -> Batch:
-        """`old_log_probs` and `entropy`; with R2 routing replay also `routed_experts`, which the update replays."""
+        """`old_log_probs` and `entropy`; with R2 routing replay also `routed_experts`, which the update replays;
+        where the rollout's routing is in the batch, `routing_mismatch` (`old_log_prob_routing`)."""
         o = self.options
         with self._actor_resident():
-            if not o.router_replay:
-                log_probs, entropy = compute_log_prob(self.actor, batch, o.log_prob, o.temperature)
-                return Batch({"old_log_probs": log_probs, "entropy": entropy})
-            log_probs, entropy, routed = compute_log_prob_and_routing(self.actor, batch, o.log_prob, o.temperature)
-        return Batch({"old_log_probs": log_probs, "entropy": entropy, ROUTED_EXPERTS: routed})
+            out = log_prob_pass(self.actor, batch, o.log_prob, o.temperature,
+                                old_log_prob_routing(o.router_replay, batch, self.actor))
+        out["old_log_probs"] = out.pop("log_probs")
+        return Batch(out)
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        with resident(self.ref, self.ref_options.model):
-            log_probs, _ = compute_log_prob(self.ref, batch, self.ref_options.log_prob, self.options.temperature)
-        return Batch({"ref_log_probs": log_probs})
+        """`ref_log_probs`; with ref R3 every MoE layer replays the rollout's routing."""
+        r = self.ref_options
+        with resident(self.ref, r.model):
+            out = log_prob_pass(self.ref, batch, r.log_prob, self.options.temperature,
+                                "replay" if r.replay_rollout_routing else None)
+        return Batch({"ref_log_probs": out["log_probs"]})
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
@@ -166,7 +175,8 @@ class ActorRefWorker:
         update = dataclasses.replace(self.options.update, seed=self.options.update.seed + step)
         with self._actor_resident():
             return update_policy(self.actor, unpadded_rows(batch), self.options.loss, update,
-                                 self.options.temperature, self.options.distillation, self.options.router_replay)
+                                 self.options.temperature, self.options.distillation,
+                                 self.options.router_replay != "disabled")
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def save_checkpoint(self, root: str, step: int, trainer_state: dict) -> None:

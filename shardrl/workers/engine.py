@@ -33,9 +33,16 @@ from shardrl.workers.packing import Packed, pack
 
 # loss_fn(last chunk, hidden [T, H] of the last stage, micro batch) -> (scalar loss, outputs dict of tensors)
 LossFn = Callable[[Transformer, Tensor, "MicroBatch"], tuple[Tensor, dict[str, Tensor]]]
-# MoE routing of a pass (routing replay): record each token's experts, or replay the batch's `routed_experts`
-Routing = Literal["record", "replay"] | None
+# MoE routing of a pass (routing replay): "record" each token's experts (output as `routed_experts`, R2's record),
+# "replay" the batch's `routed_experts` (R2's update, R3's passes), or route itself and "compare" its choices with
+# the batch's `routed_experts` (the rollout's). A pass that replays or has `routed_experts` to compare with outputs
+# `routing_mismatch`.
+Routing = Literal["record", "replay", "compare"] | None
 ROUTED_EXPERTS = "routed_experts"  # [B, S, L, k]: per token of input_ids, the experts of each MoE layer
+# [B, 2] per row, summed over its tokens and MoE layers: (pairs where the pass's own top-k differed from the batch's
+# `routed_experts`, pairs compared); a replayed pass's first column counts the tokens whose choice replay overrode.
+ROUTING_MISMATCH = "routing_mismatch"
+OVERRIDDEN_PAIRS, COMPARED_PAIRS = "router_replay/overridden_pairs", "router_replay/compared_pairs"
 
 @dataclass
 class MicroBatch:
@@ -48,7 +55,8 @@ class MicroBatch:
     rows: list[int] = field(default_factory=list)
     max_seqlen: int | None = None
     routing: RoutingTable | None = None  # the MoE layers record into it or replay it (`Routing`)
-    attention_mask: Tensor | None = None  # [b, S] on the host, with a recording table: where its rows go back
+    records_routing: bool = False  # the pass outputs the table's experts (`Routing` "record")
+    attention_mask: Tensor | None = None  # [b, S] on the host, with a table: where its tokens' rows go back
 
 
 class ModelEngine:
@@ -102,10 +110,16 @@ class ModelEngine:
         outputs = forward_backward(self.chunks, micro_batches, self.layout, forward_step,
                                    lambda hidden, mb: loss_fn(last, hidden, mb), forward_only=forward_only,
                                    broadcast_outputs=True)
+        groups = [self.layout.tp_group, self.layout.pp_group]  # each rank routed its tokens at its layers
         for mb, out in zip(micro_batches, outputs):
-            if mb.routing is not None and not mb.routing.replay:  # each rank recorded its tokens at its layers
-                mb.routing.complete([self.layout.tp_group, self.layout.pp_group])
-                out[ROUTED_EXPERTS] = unpack_routing(mb.routing, mb.attention_mask, self.config.moe.num_experts)
+            table = mb.routing
+            if table is None:
+                continue
+            if table.counts_mismatch:
+                out[ROUTING_MISMATCH] = per_row(table.mismatch_per_token(groups), mb.attention_mask)
+            if mb.records_routing:
+                table.complete(groups)
+                out[ROUTED_EXPERTS] = unpack_routing(table, mb.attention_mask, self.config.moe.num_experts)
         return outputs
 
     def step(self) -> dict[str, float]:
@@ -143,21 +157,26 @@ def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, 
         mb = MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows, max(lengths[r] for r in rows))
         if routing is not None:
             mb.routing = routing_table(t, packed.num_tokens, routing, model_config, device)
+            mb.records_routing = routing == "record"
             mb.attention_mask = t["attention_mask"]
         out.append(mb)
     return out, restore
 
 
 def routing_table(t, num_tokens: int, routing: Routing, config: ModelConfig, device: torch.device) -> RoutingTable:
-    """A micro batch's routing table: empty to record into, or its rows' `routed_experts` packed like their tokens
-    (row after row, the attention-masked positions) to replay."""
+    """A micro batch's routing table: empty to record into (compared against its rows' `routed_experts` where the
+    batch has them), or those `routed_experts` packed like their tokens (row after row, the attention-masked
+    positions) to replay."""
     layer_ids = sorted(config.moe.layers)
-    if routing == "record":
-        return RoutingTable.recording(num_tokens, layer_ids, config.moe.top_k, device)
-    if ROUTED_EXPERTS not in t.keys():
-        raise ValueError(f"routing replay: the batch has no {ROUTED_EXPERTS!r} (recorded by the old-logprob pass, R2, "
-                         f"or the rollout, R3)")
-    return RoutingTable(t[ROUTED_EXPERTS][t["attention_mask"].bool()].to(device), layer_ids, replay=True)
+    batch_routing = None
+    if ROUTED_EXPERTS in t.keys():
+        batch_routing = t[ROUTED_EXPERTS][t["attention_mask"].bool()].to(device)  # [T, L, k]
+    elif routing != "record":
+        raise ValueError(f"routing {routing}: the batch has no {ROUTED_EXPERTS!r} (recorded by the old-logprob pass, "
+                         f"R2, or the rollout, R3: actor_rollout_ref.rollout.enable_rollout_routing_replay)")
+    if routing == "replay":
+        return RoutingTable(batch_routing, layer_ids, replay=True)
+    return RoutingTable.recording(num_tokens, layer_ids, config.moe.top_k, device, reference=batch_routing)
 
 
 def unpack_routing(table: RoutingTable, attention_mask: Tensor, num_experts: int) -> Tensor:
@@ -167,6 +186,13 @@ def unpack_routing(table: RoutingTable, attention_mask: Tensor, num_experts: int
     out = torch.zeros(*mask.shape, *table.experts.shape[1:], dtype=expert_id_dtype(num_experts))
     out[mask] = table.experts.cpu().to(out.dtype)
     return out
+
+
+def per_row(per_token: Tensor, attention_mask: Tensor) -> Tensor:
+    """Packed per-token counts [T, C] -> per-row sums [b, C] (float64, on the host)."""
+    rows = attention_mask.bool().nonzero()[:, 0]  # [T] each packed token's row
+    return torch.zeros(attention_mask.shape[0], per_token.shape[1], dtype=torch.float64).index_add_(
+        0, rows, per_token.cpu().double())
 
 
 def mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batch]:
@@ -201,6 +227,10 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
     for micro, (num_tokens, num_seqs) in zip(micros, counts):
         scale = LossScale(num_tokens, num_seqs, max_response_length)
         outputs = engine.run(micro, make_loss_fn(scale), forward_only=False)
+        for o in outputs:  # a replayed update's routing counts, as metrics (`replay_overridden_fraction`)
+            if ROUTING_MISMATCH in o:
+                overridden, compared = o.pop(ROUTING_MISMATCH).sum(0).to(engine.layout.device)
+                o[OVERRIDDEN_PAIRS], o[COMPARED_PAIRS] = overridden, compared
         names = names or [k for k, v in outputs[0].items() if v.dim() == 0]  # scalars are metrics, the rest outputs
         step_sums.append(torch.stack([sum(o[k] for o in outputs).double() for k in names]))
         step_metrics.append(engine.step())
@@ -210,6 +240,15 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
         for k, v in (dict(zip(names, values)) | host).items():
             metrics.setdefault(k, []).append(v)
     return metrics
+
+
+def replay_overridden_fraction(metrics: dict[str, list[float]]) -> dict[str, list[float]]:
+    """An update's per-step routing counts -> `router_replay/overridden`: the fraction of (token, MoE layer) pairs
+    where replay overrode the layer's own top-k (how far the update's routing had drifted from the replayed one)."""
+    if OVERRIDDEN_PAIRS not in metrics:
+        return metrics
+    overridden, compared = metrics.pop(OVERRIDDEN_PAIRS), metrics.pop(COMPARED_PAIRS)
+    return metrics | {"router_replay/overridden": [o / max(c, 1.0) for o, c in zip(overridden, compared)]}
 
 
 def global_counts(minis: list[Batch], layout: Layout) -> list[list[float]]:
