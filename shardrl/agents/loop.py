@@ -108,7 +108,7 @@ class Episode:
                                  f"trajectory when episode.remaining is 0")
         params = _with_max_tokens(params, min(params.max_tokens, self.remaining))
         out = await self._generate(traj.prompt_ids + traj.response_ids, params)
-        traj.add_model(out.token_ids, out.logprobs, out.policy_versions)
+        traj.add_model(out.token_ids, out.logprobs, out.policy_versions, out.routed_experts)
         traj.assistant_turns += 1
         traj.finish_reason = out.finish_reason or "stop"
         return ModelTurn(out.token_ids, self._decode(out.token_ids), traj.finish_reason)

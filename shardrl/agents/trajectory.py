@@ -10,6 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import IntEnum
 
+from torch import Tensor
+
+from shardrl.rollout.engine import common_prefix
+
 
 class Source(IntEnum):
     """Who wrote a response token: only MODEL tokens are trained on (`response_mask`)."""
@@ -46,12 +50,20 @@ class Trajectory:
     divergent_requests: int = 0
     request_seconds: float = 0.0
     agent_reward: float | None = None
+    # MoE routing of the latest model turn's whole sequence (engine's `routed_experts`, when it records routing) and
+    # the ids it covers: a later turn continues the same sequence, so the latest covers every earlier position.
+    routing: Tensor | None = None
+    routing_ids: list[int] = field(default_factory=list)
 
     @property
     def response_mask(self) -> list[int]:
         return [int(s == Source.MODEL) for s in self.sources]
 
-    def add_model(self, ids: list[int], logprobs: list[float], versions: list[int]) -> None:
+    def add_model(self, ids: list[int], logprobs: list[float], versions: list[int],
+                  routing: Tensor | None = None) -> None:
+        """A model turn's tokens; `routing` covers the sequence before them and them (the turn's request)."""
+        if routing is not None:
+            self.routing, self.routing_ids = routing, self.prompt_ids + self.response_ids + ids
         self.response_ids += ids
         self.sources += [Source.MODEL] * len(ids)
         self.logprobs += logprobs
@@ -61,6 +73,13 @@ class Trajectory:
         """Drop the response tokens after the first `num_response_tokens` (a client went back in its history)."""
         for column in (self.response_ids, self.sources, self.logprobs, self.policy_versions):
             del column[num_response_tokens:]
+
+    def recorded_routing(self) -> Tensor | None:
+        """The routing of the sequence's leading positions that the latest recorded turn ran (an external agent
+        may have rewritten history since: only the prefix both share counts); None when nothing was recorded."""
+        if self.routing is None:
+            return None
+        return self.routing[:common_prefix(self.routing_ids, self.prompt_ids + self.response_ids)]
 
     def add_environment(self, ids: list[int], source: Source) -> None:
         self.response_ids += ids

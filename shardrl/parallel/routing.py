@@ -8,9 +8,10 @@ tokens' rows; `complete` sums the ranks' parts) or read by them (`replay=True`).
 replayed experts by its own router's probabilities, so the router's gradient flows and its losses are computed as
 usual; only the choice of experts is taken from the table.
 
-An expert id equal to the expert count (`unknown_expert`) marks a token whose routing nobody recorded: the last
-sampled token of a rollout, which the engine never ran through the model, or environment tokens appended after the
-last model turn. A replaying layer routes such a token by its own top-k.
+The largest value of the id type (`unknown_expert`, never an expert: `expert_id_dtype` keeps it free) marks a
+token whose routing nobody recorded: the last sampled token of a rollout, which the engine never ran through the
+model, or environment tokens appended after the last model turn. A replaying layer routes such a token (any id
+past its experts) by its own top-k.
 
 Each layer also counts the tokens whose own top-k (as a set) differs from the table's experts (`replay`) or from a
 `reference` routing a recording pass is compared against (the rollout's, while the pass routes itself): the routing
@@ -27,16 +28,16 @@ from torch import Tensor
 
 
 def expert_id_dtype(num_experts: int) -> torch.dtype:
-    """The smallest integer type that holds every expert id and the expert count itself (`unknown_expert`): how a
-    batch stores routing."""
+    """The smallest integer type that holds every expert id with its largest value to spare (`unknown_expert`):
+    how a batch stores routing."""
     if num_experts < 256:
         return torch.uint8
     return torch.int16 if num_experts < 2 ** 15 else torch.int32
 
 
-def unknown_expert(num_experts: int) -> int:
-    """The id that marks a token without recorded routing (one past the last expert)."""
-    return num_experts
+def unknown_expert(dtype: torch.dtype) -> int:
+    """The id that marks a token without recorded routing in a table of `dtype` (its largest value)."""
+    return torch.iinfo(dtype).max
 
 
 class RoutingTable:

@@ -65,8 +65,8 @@ class RequestOutput:
     (when asked for) under the unfiltered temperature-1 policy; `policy_versions[i]` is the engine's
     `policy_version` when token i was sampled (tokens of a request resumed after a weight update carry the new one).
     `routed_experts` [len(prompt_ids) + len(token_ids), MoE layers, k] (on the engine's device, the smallest integer
-    type that holds the expert count): the experts each position ran through, with the last token, which no step
-    ran, marked `routing.unknown_expert`; only on finished outputs of an engine that records routing.
+    type of the expert ids): the experts each position ran through, with the last token, which no step ran, marked
+    `routing.unknown_expert`; only on finished outputs of an engine that records routing.
     """
 
     request_id: str

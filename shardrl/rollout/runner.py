@@ -172,7 +172,7 @@ class ModelRunner:
         if self.routing_layers is None:
             return None
         routed = self.cache.routing_ids[slot, :num_tokens].clone()
-        routed[-1] = unknown_expert(self.model_config.moe.num_experts)
+        routed[-1] = unknown_expert(routed.dtype)
         return routed
 
     def load_decode_inputs(self, rows: list[Request | None], sampling: SamplingBatch,

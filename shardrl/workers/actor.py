@@ -73,7 +73,8 @@ def log_prob_pass(engine: ModelEngine, batch: Batch, batching: ForwardBatching, 
         return hidden.new_zeros(()), {"log_probs": log_prob, "entropy": entropy}
 
     micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
-                                                batching.max_token_len, routing, engine.config)
+                                                batching.max_token_len, routing, engine.config,
+                                                engine.count_group)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
     keys = ("log_probs", "entropy") + tuple(k for k in (ROUTED_EXPERTS, ROUTING_MISMATCH) if k in outputs[0])
     return {key: stack_outputs(outputs, key, restore).cpu() for key in keys}

@@ -32,7 +32,8 @@ def compute_values(engine: ModelEngine, batch: Batch, batching: ForwardBatching)
         return hidden.new_zeros(()), {"values": _values(chunk, hidden, mb)}
 
     micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
-                                                batching.max_token_len)
+                                                batching.max_token_len,
+                                                count_group=engine.count_group)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
     return stack_outputs(outputs, "values", restore).cpu()
 

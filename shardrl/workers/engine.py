@@ -122,6 +122,15 @@ class ModelEngine:
                 out[ROUTED_EXPERTS] = unpack_routing(table, mb.attention_mask, self.config.moe.num_experts)
         return outputs
 
+    @property
+    def count_group(self) -> dist.ProcessGroup | None:
+        """The ranks that must run as many micro batches per pass: an MoE layer's expert exchange spans DP
+        replicas (EP groups are carved from them), each of which cuts its own share by its tokens (dynamic batch
+        size). None when no collective crosses DP replicas inside a forward."""
+        if self.config.moe is None or self.layout.ep_size == 1:
+            return None
+        return self.layout.dp_cp_group
+
     def step(self) -> dict[str, float]:
         """Apply one optimizer update from the accumulated gradients, then advance the LR schedule."""
         assert self.optimizer is not None and self.scheduler is not None, "step() on an inference-only engine"
@@ -133,16 +142,22 @@ class ModelEngine:
 
 
 def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, micro_batch_size: int | None,
-                       max_token_len: int | None, routing: Routing = None,
-                       model_config: ModelConfig | None = None) -> tuple[list[MicroBatch], list[int]]:
+                       max_token_len: int | None, routing: Routing = None, model_config: ModelConfig | None = None,
+                       count_group: dist.ProcessGroup | None = None) -> tuple[list[MicroBatch], list[int]]:
     """Cut a rank's batch into packed micro batches: fixed `micro_batch_size` samples, or (dynamic batch size)
-    at most `max_token_len` tokens each. Returns them and `restore` so that concatenated per-row outputs
-    `[restore]` are back in batch order. `routing` (with the MoE model's `model_config`): each micro batch records
-    its tokens' experts (the pass then outputs `routed_experts`) or replays the batch's `routed_experts`, packed
-    like its tokens."""
+    at most `max_token_len` tokens each, as many on every rank of `count_group` (the most any of them needs:
+    `ModelEngine.count_group`). Returns them and `restore` so that concatenated per-row outputs `[restore]` are
+    back in batch order. `routing` (with the MoE model's `model_config`): each micro batch records its tokens'
+    experts (the pass then outputs `routed_experts`) or replays the batch's `routed_experts`, packed like its
+    tokens."""
     lengths = batch.tensors["attention_mask"].sum(-1).tolist()
     if max_token_len is not None:
         groups, restore = split_by_token_budget(lengths, max_token_len)
+        if count_group is not None:
+            most = torch.tensor([len(groups)], device=device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=count_group)
+            if int(most) > len(groups):
+                groups, restore = split_by_token_budget(lengths, max_token_len, min(int(most), len(lengths)))
     else:
         if not micro_batch_size or micro_batch_size < 1:
             raise ValueError(f"micro batch size must be >= 1, got {micro_batch_size}")
@@ -220,7 +235,7 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
     # Every step's micro batches go to the device now: a blocking host-to-device copy waits for the queued kernels,
     # which is free before the first forward and a stall between steps.
     micros = [make_micro_batches(mini, keys, engine.layout.device, update.micro_batch_size, update.max_token_len,
-                                 routing, engine.config)[0] for mini in minis]
+                                 routing, engine.config, engine.count_group)[0] for mini in minis]
     names: list[str] = []
     step_sums: list[Tensor] = []  # [num metrics] float64 on the device, per step
     step_metrics: list[dict[str, float]] = []

@@ -45,7 +45,8 @@ def score_sequences(engine: ModelEngine, batch: Batch, batching: ForwardBatching
     # Packing cuts `responses` off the end of each row for per-token outputs; a score reads none, so width 0.
     sequences = Batch({k: t[k] for k in SEQUENCE_KEYS} | {"responses": t["input_ids"][:, :0]})
     micro_batches, restore = make_micro_batches(sequences, (), engine.layout.device, batching.micro_batch_size,
-                                                batching.max_token_len)
+                                                batching.max_token_len,
+                                                count_group=engine.count_group)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
     return stack_outputs(outputs, "scores", restore).cpu()
 

@@ -4,18 +4,23 @@ The trainer's batch layout is verl's: `prompts [B, P]` left-padded, `responses [
 `input_ids = cat(prompts, responses)`, `attention_mask`, `position_ids` (continuing after the prompt),
 `response_mask [B, R]`, the prompt rows' `sample_seed`, plus the off-policy contract's fields: `rollout_log_probs
 [B, R]` (the behaviour logprob of every sampled token) and `policy_versions [B, R]` (the policy version that
-produced it; -1 on padding).
+produced it; -1 on padding). An engine that records MoE routing adds `routed_experts [B, P + R, L, k]`: per
+position of `input_ids` the experts each MoE layer ran it through, `routing.unknown_expert` where no step ran it
+(padding, a sequence's last token, environment tokens after the last model turn), for R3 to replay.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from shardrl.agents.driver import AgentRunner
 from shardrl.agents.loop import AgentSample
 from shardrl.agents.trajectory import Trajectory
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.data.chat import left_pad
+from shardrl.workers.engine import ROUTED_EXPERTS
+from shardrl.parallel.routing import unknown_expert
 from shardrl.rollout.engine import Engine
 from shardrl.rollout.request import RequestOutput, SamplingParams
 
@@ -30,7 +35,27 @@ def samples_batch(prompts: Batch, outputs: list[RequestOutput], response_length:
     """Pack engine outputs (one per prompt row: the controller repeats prompts `n` times before generation) into the
     padded sample batch."""
     rows = [(out.token_ids, [1] * len(out.token_ids), out.logprobs, out.policy_versions) for out in outputs]
-    return _padded_batch(prompts, rows, [out.finish_reason for out in outputs], response_length, pad_token_id)
+    samples = _padded_batch(prompts, rows, [out.finish_reason for out in outputs], response_length, pad_token_id)
+    if outputs and outputs[0].routed_experts is not None:
+        samples.tensors[ROUTED_EXPERTS] = routing_columns(samples, [out.routed_experts for out in outputs],
+                                                          [len(out.prompt_ids) for out in outputs])
+    return samples
+
+
+def routing_columns(samples: Batch, routed: list[Tensor], prompt_lengths: list[int]) -> Tensor:
+    """Each row's routing [N_i, L, k] (from its sequence's first position; on any device) in the batch's columns:
+    a row's sequence starts where its left-padded prompt does and runs on into the response, so its routing is
+    one slice of `[B, P + R, L, k]`; the rest is `unknown_expert`. One copy to the host for the whole batch."""
+    width = samples.tensors["input_ids"].shape[1]
+    prompt_width = samples.tensors["prompts"].shape[1]
+    lengths = [min(r.shape[0], width - prompt_width + n) for r, n in zip(routed, prompt_lengths)]
+    host = torch.cat([r[:n] for r, n in zip(routed, lengths)]).cpu().split(lengths)
+    dtype = routed[0].dtype
+    out = torch.full((len(routed), width, *routed[0].shape[1:]), unknown_expert(dtype), dtype=dtype)
+    for i, (rows, n) in enumerate(zip(host, prompt_lengths)):
+        start = prompt_width - n
+        out[i, start:start + rows.shape[0]] = rows
+    return out
 
 
 ResponseRow = tuple[list[int], list[int], list[float], list[int]]  # ids, response mask, logprobs, policy versions
@@ -119,6 +144,11 @@ def trajectories_batch(prompts: Batch, trajectories: list[Trajectory], response_
     for key, values in counts.items():
         samples.tensors[key] = torch.tensor(values, dtype=torch.float32)
     samples.tensors["response_sources"] = sources
+    routed = [t.recorded_routing() for t in trajectories]
+    recorded = next((r for r in routed if r is not None), None)
+    if recorded is not None:  # a trajectory that ended before its first model turn has none: all unknown
+        routed = [recorded[:0] if r is None else r for r in routed]
+        samples.tensors[ROUTED_EXPERTS] = routing_columns(samples, routed, [len(t.prompt_ids) for t in trajectories])
     samples.non_tensors["extra_info"] = as_object_array([
         {**(info or {}), "num_turns": t.assistant_turns + t.user_turns, "turn_scores": list(t.turn_scores),
          "tool_rewards": list(t.tool_rewards), "agent_reward": t.agent_reward}
