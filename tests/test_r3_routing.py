@@ -6,7 +6,6 @@ reference that runs each engine output's tokens through the engine's own routing
 routing off by one token, or no replay, gives other log-probs (the test would fail); the pass counts the tokens
 whose own choice replay overrode, over every recorded (token, layer) pair."""
 
-from pathlib import Path
 
 import pytest
 import torch

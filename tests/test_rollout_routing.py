@@ -10,6 +10,9 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM
 
+from shardrl.agents.trajectory import Source, Trajectory
+from shardrl.data.batch import Batch
+from shardrl.data.chat import left_pad
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout
@@ -17,6 +20,8 @@ from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.routing import unknown_expert
 from shardrl.rollout.engine import Engine, EngineConfig, EngineError
 from shardrl.rollout.request import SamplingParams
+from shardrl.workers.engine import ROUTED_EXPERTS
+from shardrl.workers.samples import trajectories_batch
 
 E, K, LAYERS = 4, 2, 3
 CONFIG = EngineConfig(max_model_len=48, cpu_kv_cache_tokens=48 * 6, max_num_batched_tokens=96, record_routing=True)
@@ -118,3 +123,34 @@ def test_tp2_engines_record_the_same_routing_on_every_rank(moe):
             for ids, routed in layout:
                 assert torch.equal(routed[:-1].long().sort(-1).values, hf_routing(moe[0], ids)[:-1])
                 assert (routed[-1] == unknown_expert(torch.uint8)).all()
+
+
+def test_a_multi_turn_trajectorys_batch_row_holds_its_last_turns_routing(moe):
+    """Two model turns with tool tokens between them and after the last: the batch row holds, per position of
+    the trajectory, the routing of the last turn's request (which covers everything before it); the tool tokens after
+    it, which no step ran, are unknown; after a rewrite of history only the shared prefix keeps its routing."""
+    engine = Engine.from_pretrained(moe[0], Layout.single(), CONFIG)
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    prompt = PROMPTS[0]
+    traj = Trajectory(list(prompt))
+    first = engine.generate([prompt], greedy)[0]
+    traj.add_model(first.token_ids, first.logprobs, first.policy_versions, first.routed_experts)
+    traj.add_environment(ENV, Source.TOOL)
+    second = engine.generate([traj.prompt_ids + traj.response_ids], greedy)[0]
+    traj.add_model(second.token_ids, second.logprobs, second.policy_versions, second.routed_experts)
+    traj.add_environment(ENV[:2], Source.TOOL)
+    rows = [left_pad(prompt, 8, 0)]
+    prompts = Batch({key: torch.stack([r[i] for r in rows]) for i, key in
+                     enumerate(("input_ids", "attention_mask", "position_ids"))},
+                    {"extra_info": [{}]})
+    batch = trajectories_batch(prompts, [traj], response_length=24, pad_token_id=0)
+    routed = batch.tensors[ROUTED_EXPERTS][0]
+    sequence = traj.prompt_ids + traj.response_ids
+    start, ran = 8 - len(prompt), len(second.prompt_ids) + len(second.token_ids) - 1
+    assert torch.equal(routed[start:start + ran].long().sort(-1).values, hf_routing(moe[0], sequence)[:ran])
+    assert (routed[start + ran:] == unknown_expert(torch.uint8)).all()  # the last sampled token, the tool tokens
+    assert (routed[:start] == unknown_expert(torch.uint8)).all()
+    traj.truncate(len(first.token_ids) + 1)  # an external agent went back into the first tool result
+    traj.add_environment([5, 5], Source.REWRITTEN)
+    kept = traj.recorded_routing()
+    assert kept.shape[0] == len(prompt) + len(first.token_ids) + 1

@@ -109,10 +109,17 @@ def test_recorded_routing_is_transformers_router_top_k_and_replay_follows_the_ta
         assert (out["replayed"] - out["log_probs"])[response].abs().max() > 1e-3  # the table, not its own routing
 
 
+R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"]
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["actor_rollout_ref.actor.router_replay.mode=R3"], "actor_rollout_ref.actor.router_replay.mode"),
+    (["actor_rollout_ref.ref.router_replay.mode=R3"], "actor_rollout_ref.ref.router_replay.mode"),
     (["actor_rollout_ref.ref.router_replay.mode=R2"], "actor_rollout_ref.ref.router_replay.mode"),
-    (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+    (["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.ref.router_replay.mode=R3",
+      "actor_rollout_ref.rollout.enable_rollout_routing_replay=true"], "actor_rollout_ref.ref.router_replay.mode"),
+    # Nothing would read the rollout's routing: no old-logprob pass (PPO anchors on the rollout's log-probs), no R3.
+    (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true", "algorithm.rollout_correction.bypass_mode=true"],
      "actor_rollout_ref.rollout.enable_rollout_routing_replay"),
     (["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.router_replay.record_file=/r.pt"],
      "actor_rollout_ref.actor.router_replay.record_file"),
@@ -123,14 +130,26 @@ def test_router_replay_settings_shardrl_cannot_honour_are_refused(overrides, key
     assert err.value.key == key
 
 
-def test_r2_on_a_dense_model_is_refused_before_workers_start(tmp_path):
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.actor.router_replay.mode=R2"], "actor_rollout_ref.actor.router_replay.mode"),
+    (R3, "actor_rollout_ref.actor.router_replay.mode"),
+    (["actor_rollout_ref.rollout.enable_rollout_routing_replay=true"],
+     "actor_rollout_ref.rollout.enable_rollout_routing_replay"),
+])
+def test_routing_replay_on_a_dense_model_is_refused_before_workers_start(tmp_path, overrides, key):
     dense = make_tiny_checkpoint("qwen3", tmp_path / "dense")
     with pytest.raises(ConfigError, match="dense model") as err:
-        plan_job(compose("ppo_trainer", ["trainer.device=cpu", f"actor_rollout_ref.model.path={dense}",
-                                         "actor_rollout_ref.actor.router_replay.mode=R2"]))
-    assert err.value.key == "actor_rollout_ref.actor.router_replay.mode"
+        plan_job(compose("ppo_trainer", ["trainer.device=cpu", f"actor_rollout_ref.model.path={dense}", *overrides]))
+    assert err.value.key == key
+
+
+def test_r2_and_r3_compile_to_the_passes_they_name():
     plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", "actor_rollout_ref.actor.router_replay.mode=R2"]))
-    assert plan.actor.router_replay
+    assert plan.actor.router_replay == "R2" and not plan.rollout.engine.record_routing
+    plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", *R3, "actor_rollout_ref.ref.router_replay.mode=R3",
+                                            "actor_rollout_ref.actor.use_kl_loss=true"]))
+    assert plan.actor.router_replay == "R3" and plan.rollout.engine.record_routing
+    assert plan.ref.replay_rollout_routing
 
 
 def moe_builtin_task(tmp_path) -> list[str]:
@@ -167,3 +186,34 @@ def test_an_r2_job_trains_an_moe_policy_with_the_old_log_prob_passs_routing(tmp_
                       "actor_rollout_ref.actor.optim.lr=0")
     assert [r["step"] for r in rows] == [1, 2]
     assert all(abs(r["actor/ppo_kl"]) < 1e-6 and r["actor/pg_clipfrac"] == 0 for r in rows), rows
+
+
+@pytest.mark.parametrize("config_name, extra", [
+    ("ppo_trainer", ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                     "actor_rollout_ref.actor.optim.lr=0"]),
+    pytest.param("fully_async_ppo_trainer", ["trainer.n_gpus_per_node=2",
+                                              "actor_rollout_ref.actor.megatron.expert_model_parallel_size=2",
+                                              "actor_rollout_ref.actor.use_dynamic_bsz=true",
+                                              "async_training.use_rollout_log_probs=false",
+                                              "algorithm.rollout_correction.decoupled=true",
+                                              "trainer.total_training_steps=4"],
+                 marks=pytest.mark.slow),
+])
+def test_an_r3_job_replays_the_rollouts_routing_in_every_pass(tmp_path, config_name, extra):
+    """The rollout's routing travels in the sample batch through the controller (balancing, DP split, dynamic micro
+    batches) to the old-logprob pass and the update, which replay it. Sync at lr=0: the trainer holds the rollout's
+    weights, so its own routing equals the rollout's at every (token, layer) pair only if every token's row is its
+    own (one token off, most pairs differ), and the update's ratio is exactly 1. Fully async: the rollout runs
+    behind the trainer, whose own routing drifts from the rollout's; the replay overrides those choices."""
+    from async_jobs import run_job
+
+    task = [a for a in moe_builtin_task(tmp_path) if "router_replay" not in a]
+    rows, _ = run_job(tmp_path / "run", config_name, *task, *R3, *extra)
+    assert all("routing/rollout_mismatch" in r and "actor/router_replay/overridden" in r for r in rows), rows
+    if config_name == "ppo_trainer":
+        assert [r["step"] for r in rows] == [1, 2]
+        assert all(r["routing/rollout_mismatch"] == 0 and r["actor/router_replay/overridden"] == 0
+                   and abs(r["actor/ppo_kl"]) < 1e-6 for r in rows), rows
+    else:
+        assert rows[0]["routing/rollout_mismatch"] == 0  # generated with the trainer's first weights
+        assert max(r["actor/router_replay/overridden"] for r in rows) > 0.01, rows

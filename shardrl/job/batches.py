@@ -59,6 +59,10 @@ class SharedKeys:
     use_kl_loss: bool
     use_kl_in_reward: bool
     distillation: bool  # distillation.enabled: the teacher role
+    # MoE routing replay: actor.router_replay.mode, ref.router_replay.mode, rollout.enable_rollout_routing_replay
+    router_replay: str
+    ref_router_replay: str
+    record_routing: bool
 
     @property
     def use_reference_policy(self) -> bool:
@@ -74,7 +78,9 @@ def read_shared(config: PPOConfig) -> SharedKeys:
                    override_config=dict(arr.model.override_config), decoupled=algo.rollout_correction.decoupled,
                    adv_estimator=adv, use_critic=enable if enable is not None else adv == "gae",
                    use_kl_loss=arr.actor.use_kl_loss, use_kl_in_reward=algo.use_kl_in_reward,
-                      distillation=config.distillation.enabled)
+                      distillation=config.distillation.enabled, router_replay=arr.actor.router_replay.mode,
+                      ref_router_replay=arr.ref.router_replay.mode,
+                      record_routing=rollout.enable_rollout_routing_replay)
 
 
 @dataclass(frozen=True)

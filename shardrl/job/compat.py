@@ -49,8 +49,6 @@ def _detached(config: PPOConfig) -> bool:
 _MODEL_GROUPS = ("actor_rollout_ref.model", "critic.model")
 
 REFUSED: tuple[Refused, ...] = (
-    Refused("actor_rollout_ref.ref.router_replay.mode", lambda mode: mode != "R2", "R2", "the reference pass "
-            "records nothing for a later pass to replay; use R3 (the rollout's routing) or disabled"),
     *(Refused(f"actor_rollout_ref.{role}.router_replay.{file}", _is(None), "/tmp/routes.pt", "shardrl carries "
               "routing in the batch from the pass that records it to the one that replays it; leave it null")
       for role in ("actor", "ref") for file in ("record_file", "replay_file")),

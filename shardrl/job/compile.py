@@ -85,11 +85,10 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
     model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
                           shared.override_config, actor.load_weight)
     log_prob = role.batches.get("log_prob")
-    mode = actor.router_replay.mode
+    mode = shared.router_replay
     if mode == "R3":
-        _needs_rollout_routing(config, "actor_rollout_ref.actor.router_replay.mode")
-    if (arr.rollout.enable_rollout_routing_replay and log_prob is None and mode != "R3"
-            and arr.ref.router_replay.mode != "R3"):
+        _needs_rollout_routing(shared, "actor_rollout_ref.actor.router_replay.mode")
+    if shared.record_routing and log_prob is None and "R3" not in (mode, shared.ref_router_replay):
         raise ConfigError("actor_rollout_ref.rollout.enable_rollout_routing_replay", "the rollout's routing would be "
                           "read by nothing: this job has no old-logprob pass to compare with it and no R3 to replay "
                           "it; set actor_rollout_ref.actor.router_replay.mode=R3 or leave it false")
@@ -106,9 +105,9 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         distillation=distillation_settings(config) if shared.distillation else None, router_replay=mode)
 
 
-def _needs_rollout_routing(config: PPOConfig, key: str) -> None:
+def _needs_rollout_routing(shared: SharedKeys, key: str) -> None:
     """R3 replays what the rollout engine recorded: the rollout must record it."""
-    if not config.actor_rollout_ref.rollout.enable_rollout_routing_replay:
+    if not shared.record_routing:
         raise ConfigError(key, "R3 replays the rollout engine's routing, which it records only with "
                                "actor_rollout_ref.rollout.enable_rollout_routing_replay=true; set it (or use R2)")
 
@@ -135,10 +134,13 @@ def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOpt
     # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
     model = model_options(config.actor_rollout_ref.ref.megatron, role.spec, role.ranks, False, None,
                           shared.override_config, load_weight=True)
-    mode = config.actor_rollout_ref.ref.router_replay.mode
+    mode = shared.ref_router_replay
+    if mode == "R2":
+        raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "the reference pass records nothing for a later "
+                          "pass to replay; use R3 (the rollout's routing) or disabled")
     if mode == "R3":
-        _needs_rollout_routing(config, "actor_rollout_ref.ref.router_replay.mode")
-        if config.actor_rollout_ref.actor.router_replay.mode == "R2":
+        _needs_rollout_routing(shared, "actor_rollout_ref.ref.router_replay.mode")
+        if shared.router_replay == "R2":
             raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "R3 replays the rollout's routing, but under "
                               "the actor's R2 the batch carries the old-logprob pass's; use R3 for both, or disabled")
     return RefOptions(model, role.batches["log_prob"].forward(), replay_rollout_routing=mode == "R3")
@@ -174,7 +176,7 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
         max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching,
-        record_routing=rollout.enable_rollout_routing_replay)
+        record_routing=shared.record_routing)
     sync, val, length = rollout.weight_sync, rollout.val_kwargs, shared.response_length
     ignore_eos = rollout.ignore_eos
     return RolloutOptions(

@@ -24,7 +24,7 @@ from typing import Literal
 
 import torch
 
-from shardrl.job.batches import RolePlan, judge_role, plan_step, read_shared, rollout_role, train_role
+from shardrl.job.batches import RolePlan, SharedKeys, judge_role, plan_step, read_shared, rollout_role, train_role
 from shardrl.job.compat import refuse_unsupported
 from shardrl.job.errors import ConfigError
 from shardrl.job.compile import (
@@ -187,7 +187,7 @@ def plan_job(config: PPOConfig) -> JobPlan:
         model_path=config.actor_rollout_ref.model.path,
         critic_model_path=config.critic.model.path,
         actor=actor,
-        ref=ref_options(config, shared, roles["ref"]) if "ref" in roles else None,
+        ref=ref_options(config, shared, roles["ref"]) if "ref" in roles else _no_ref(shared),
         teacher=teacher_options(config, roles["teacher"]) if "teacher" in roles else None,
         critic=critic_options(config, shared, roles["critic"]) if "critic" in roles else None,
         reward_model=reward_model_options(config, roles["reward_model"]) if "reward_model" in roles else None,
@@ -207,6 +207,13 @@ def plan_job(config: PPOConfig) -> JobPlan:
 
 TRAIN_TABLES = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "etp", "ep", "edp", "ep_etp", "embedding")
 ROLLOUT_TABLES = ("tp", "dp", "ep", "etp")
+
+
+def _no_ref(shared: SharedKeys) -> None:
+    """A job without a reference pass (no KL): its routing-replay key would do nothing."""
+    if shared.ref_router_replay != "disabled":
+        raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "this job has no reference pass (no KL loss or "
+                          "reward penalty) to replay routing in; leave it disabled or turn KL on")
 
 
 def _groups(table: list[list[int]], limit: int = 8) -> str:
