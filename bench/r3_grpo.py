@@ -9,7 +9,7 @@ routing too (`enable_rollout_routing_replay` alone), so both report how often th
 Prints each step's numbers and the mean ratio R3 / off of the k3 mismatch.
 
     python bench/r3_grpo.py [--steps 8]          # on the GPU
-    python bench/r3_grpo.py --device cpu --steps 1   # smoke test (fp32)
+    python bench/r3_grpo.py --device cpu --steps 3 --response 16   # fp32 on CPU: the two runs must agree
 """
 
 from __future__ import annotations
@@ -27,18 +27,19 @@ from shardrl.models.tiny import make_tiny_checkpoint
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128,
              norm_topk_prob=True)
-RESPONSE = 256
-METRICS = ("rollout_corr/mismatch_k3_kl", "rollout_corr/mismatch_kl", "routing/rollout_mismatch")
+METRICS = ("rollout_corr/mismatch_k3_kl", "rollout_corr/mismatch_kl", "routing/rollout_mismatch", "actor/entropy",
+           "actor/pg_loss", "actor/grad_norm")
 
 
-def job(root: Path, task: dict, model: Path, steps: int, replay: bool, device: str) -> list[dict]:
-    run = root / ("r3" if replay else "off")
+def job(root: Path, task: dict, model: Path, steps: int, replay: bool, device: str, seed: int,
+        response: int) -> list[dict]:
+    run = root / f"{'r3' if replay else 'off'}-{seed}"
     overrides = [f"actor_rollout_ref.model.path={model}", f"data.tokenizer={task['model']}",
                  f"data.train_files={task['train_files']}", "trainer.test_freq=-1", "trainer.val_before_train=false",
                  f"trainer.total_training_steps={steps}", f"trainer.device={device}", "trainer.n_gpus_per_node=1",
                  "actor_rollout_ref.rollout.enable_rollout_routing_replay=true", f"trainer.default_local_dir={run}",
-                 "trainer.logger=[file]", f"data.max_response_length={RESPONSE}",
-                 "actor_rollout_ref.rollout.ignore_eos=true"]
+                 "trainer.logger=[file]", f"data.max_response_length={response}",
+                 "actor_rollout_ref.rollout.ignore_eos=true", f"trainer.seed={seed}"]
     if device == "cuda":
         overrides += ["actor_rollout_ref.actor.megatron.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"]
     if replay:
@@ -54,6 +55,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--device", default="cuda", help="cpu: an fp32 smoke test")
+    parser.add_argument("--response", type=int, default=256, help="tokens generated per response")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="trainer.seed of each pair of runs")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -61,11 +64,17 @@ def main() -> None:
         config = json.loads((Path(task["model"]) / "config.json").read_text())
         model = make_tiny_checkpoint("qwen3_moe", root / "moe", seed=1, noise_std=0.05, vocab_size=config["vocab_size"],
                                      eos_token_id=config["eos_token_id"], pad_token_id=0, bos_token_id=None, **SHAPE)
-        runs = {"off": job(root, task, model, args.steps, False, args.device),
-                "R3": job(root, task, model, args.steps, True, args.device)}
+        for seed in args.seeds:
+            runs = {name: job(root, task, model, args.steps, replay, args.device, seed, args.response)
+                    for name, replay in (("off", False), ("R3", True))}
+            report(runs, seed)
+
+
+def report(runs: dict[str, list[dict]], seed: int) -> None:
+    print(f"trainer.seed={seed}")
     print("step | " + " | ".join(f"{name} {m.split('/')[-1]}" for name in runs for m in METRICS))
     for rows in zip(*runs.values()):
-        print(f"{rows[0]['step']:4} | " + " | ".join(f"{r[m]:.3g}" for r in rows for m in METRICS))
+        print(f"{rows[0]['step']:4} | " + " | ".join(f"{r.get(m, float('nan')):.3g}" for r in rows for m in METRICS))
     means = {name: sum(r[METRICS[0]] for r in rows) / len(rows) for name, rows in runs.items()}
     ratio = means["R3"] / means["off"] if means["off"] else float("nan")
     print(f"mean k3 mismatch: off {means['off']:.4g}, R3 {means['R3']:.4g}, ratio R3/off {ratio:.3f}")

@@ -10,10 +10,13 @@ review its diff like code.
 
 The bits hold for one torch build on one kind of CPU (every CPU rank runs one thread, so the core count does not
 matter, but the vector ISA picks torch's kernels): the file records both, and a failure names them beside this
-machine's.
+machine's. On another build or ISA (an AVX2 machine against an AVX512 baseline) the kernels round differently, so
+numbers are compared up to that rounding instead (relative 1e-4, absolute 1e-7: float32 rounding carried through four
+steps, far below what a changed formula moves); counts, steps and keys still exactly.
 """
 
 import json
+import math
 import os
 import platform
 import subprocess
@@ -57,8 +60,19 @@ def bits(value):
     return float(value).hex() if isinstance(value, (int, float)) else value
 
 
-def differences(expected: list[dict], got: list[dict]) -> list[str]:
-    """Each way `got` departs from `expected`, step by step and in the order a step logs its keys."""
+def close(want, have) -> bool:
+    """Equal up to another CPU's float32 rounding (see the module docstring)."""
+    if isinstance(want, list) and isinstance(have, list):
+        return len(want) == len(have) and all(close(w, h) for w, h in zip(want, have))
+    if isinstance(want, (int, float)) and isinstance(have, (int, float)):
+        return math.isclose(want, have, rel_tol=1e-4, abs_tol=1e-7) or bits(want) == bits(have)
+    return want == have
+
+
+def differences(expected: list[dict], got: list[dict], exact: bool = True) -> list[str]:
+    """Each way `got` departs from `expected` (bit for bit, or `close` when not `exact`), step by step and in the
+    order a step logs its keys."""
+    same = (lambda w, h: bits(w) == bits(h)) if exact else close
     steps, baseline_steps = [row["step"] for row in got], [row["step"] for row in expected]
     if steps != baseline_steps:
         return [f"logged steps {steps}, baseline steps {baseline_steps}"]
@@ -70,7 +84,7 @@ def differences(expected: list[dict], got: list[dict]) -> list[str]:
         if new := sorted(have.keys() - want.keys()):
             found.append(f"step {step}: metrics not in the baseline: {new} (if not maths, add a NOT_MATHS prefix)")
         found += [f"step {step} {key}: expected {want[key]!r}, got {have[key]!r}"
-                  for key in want if key in have and bits(want[key]) != bits(have[key])]
+                  for key in want if key in have and not same(want[key], have[key])]
     return found
 
 
@@ -84,8 +98,11 @@ def test_default_job_matches_metric_baseline(tmp_path):
     baseline = json.loads(BASELINE.read_text())
     assert baseline["overrides"] == OVERRIDES, (
         f"{BASELINE.name} was made with {baseline['overrides']}, the test runs {OVERRIDES}: rerun with {UPDATE_ENV}=1")
-    if found := differences(baseline["rows"], rows):
-        pytest.fail(f"the default job's maths moved: {len(found)} differences from {BASELINE.name}, first: {found[0]}\n"
+    exact = baseline["made_with"] == made_with()
+    if found := differences(baseline["rows"], rows, exact):
+        how = "bit for bit" if exact else "up to another CPU's rounding"
+        pytest.fail(f"the default job's maths moved ({how}): {len(found)} differences from {BASELINE.name}, first: "
+                    f"{found[0]}\n"
                     f"baseline made with {baseline['made_with']}, this run with {made_with()}; a deliberate maths "
                     f"change reruns with {UPDATE_ENV}=1 and says why in the commit\n" + "\n".join(found[1:20]),
                     pytrace=False)
