@@ -204,10 +204,11 @@ def unpack_routing(table: RoutingTable, attention_mask: Tensor, num_experts: int
 
 
 def per_row(per_token: Tensor, attention_mask: Tensor) -> Tensor:
-    """Packed per-token counts [T, C] -> per-row sums [b, C] (float64, on the host)."""
-    rows = attention_mask.bool().nonzero()[:, 0]  # [T] each packed token's row
-    return torch.zeros(attention_mask.shape[0], per_token.shape[1], dtype=torch.float64).index_add_(
-        0, rows, per_token.cpu().double())
+    """Packed per-token counts [T, C] -> per-row sums [b, C] (float64, on their device: no host read per micro
+    batch)."""
+    rows = attention_mask.bool().nonzero()[:, 0].to(per_token.device, non_blocking=True)  # [T] each token's row
+    return torch.zeros(attention_mask.shape[0], per_token.shape[1], dtype=torch.float64,
+                       device=per_token.device).index_add_(0, rows, per_token.double())
 
 
 def mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batch]:
@@ -244,7 +245,7 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
         outputs = engine.run(micro, make_loss_fn(scale), forward_only=False)
         for o in outputs:  # a replayed update's routing counts, as metrics (`replay_overridden_fraction`)
             if ROUTING_MISMATCH in o:
-                overridden, compared = o.pop(ROUTING_MISMATCH).sum(0).to(engine.layout.device)
+                overridden, compared = o.pop(ROUTING_MISMATCH).sum(0)
                 o[OVERRIDDEN_PAIRS], o[COMPARED_PAIRS] = overridden, compared
         names = names or [k for k, v in outputs[0].items() if v.dim() == 0]  # scalars are metrics, the rest outputs
         step_sums.append(torch.stack([sum(o[k] for o in outputs).double() for k in names]))
