@@ -51,6 +51,7 @@ def run(tmp_path, name, *overrides):
     return rows, calls
 
 
+@pytest.mark.slow  # 43 s; the fully-async job below and the unit tests keep the loop in the default suite
 def test_scoring_while_generating_hides_a_slow_reward_function_and_trains_the_same_batch(tmp_path):
     overlapped, calls = run(tmp_path, "overlapped", LOOP)
     whole, _ = run(tmp_path, "whole")
@@ -72,7 +73,6 @@ def test_scoring_while_generating_hides_a_slow_reward_function_and_trains_the_sa
 
 
 def chunk(seeds, scores, extras):
-    rows = len(seeds)
     batch = Batch({"sample_seed": torch.tensor(seeds), "token_level_scores": torch.tensor(scores)[:, None]},
                   {"name": as_object_array([f"s{seed}" for seed in seeds])})
     return batch, SampleScores(torch.tensor(scores)[:, None], torch.tensor(scores), extras | {})

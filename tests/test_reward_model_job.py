@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
@@ -73,6 +74,7 @@ def test_a_run_whose_only_reward_is_a_reward_model_learns(tmp_path):
     assert rows[0]["reward_model/score/std"] > 0
 
 
+@pytest.mark.slow  # 42 s; the RM on the trainer pool runs in the default suite
 def test_a_reward_model_on_a_pool_of_its_own_scores_as_it_does_on_the_trainer_pool(tmp_path):
     """Its own two ranks at TP2 (after the trainer's one), scoring while the trainer pool generates: the same
     scores, so the same run, as the reward model on the trainer pool."""
