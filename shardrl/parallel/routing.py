@@ -89,19 +89,21 @@ class RoutingTable:
         own_probs, own = torch.topk(probs, top_k, dim=-1)
         if self.replay:
             table = self.rows(layer_id, start, stop)
-            known = (table < probs.shape[-1]).all(-1)  # [T]
+            known = self._count(layer_id, start, own, table, probs.shape[-1])
             chosen = torch.where(known[:, None], table, own)
-            self._count(layer_id, start, own, table, known)
             return probs.gather(-1, chosen), chosen
         self.rows(layer_id, start, stop).copy_(own)
         if self.reference is not None:
-            table = self.rows(layer_id, start, stop, self.reference)
-            self._count(layer_id, start, own, table, (table < probs.shape[-1]).all(-1))
+            self._count(layer_id, start, own, self.rows(layer_id, start, stop, self.reference), probs.shape[-1])
         return own_probs, own
 
-    def _count(self, layer_id: int, start: int, own: Tensor, other: Tensor, known: Tensor) -> None:
+    def _count(self, layer_id: int, start: int, own: Tensor, other: Tensor, num_experts: int) -> Tensor:
+        """Record which tokens' own experts differ (as sets) from `other`'s; returns the tokens whose routing
+        `other` knows ([T] bool: every id an expert, none `unknown_expert`)."""
+        known = (other < num_experts).all(-1)
         differs = (own.sort(-1).values != other.sort(-1).values).any(-1) & known
         self._mismatch[(layer_id, start)] = torch.stack([differs, known], dim=1).long()  # [T, 2]
+        return known
 
     def mismatch_per_token(self, groups: Sequence[dist.ProcessGroup | None]) -> Tensor:
         """[T, 2] per token, summed over the MoE layers: (layers whose own choice differed from the table's or the

@@ -36,10 +36,10 @@ class KVCache:
     (`EngineConfig.compile_decode`) then writes the new tokens in place, where a write into a view of a larger
     tensor would make it copy that whole tensor back every step.
 
-    With `routing` = (MoE layers, top-k, id dtype) it also keeps every position's experts, `routing_ids` [S,
-    max_len, L, k] (routing replay, R3): written where the keys and values of the same (slot, position) are, by the same
-    forwards, so it holds exactly the routing that computed the cached keys and values, at a few bytes per token
-    and layer beside the cache's kilobytes.
+    With `routing` = (MoE layers, top-k, id dtype) it also keeps every position's experts, `routing_ids`
+    [S, max_len, L, k] (routing replay, R3): written where the keys and values of the same (slot, position) are,
+    by the same forwards, so it holds exactly the routing that computed the cached keys and values, at a few bytes
+    per token and layer beside the cache's kilobytes.
     """
 
     def __init__(self, num_layers: int, num_slots: int, max_len: int, num_kv_heads: int, head_dim: int,
