@@ -44,15 +44,27 @@ class PackedSeqs:
         return self.cos.shape[0]
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float, bitwise: bool = False) -> Tensor:
     """q [T, nq, D], k and v [T, nkv, D] (nq a multiple of nkv) -> [T, nq, D].
 
     The one device-specific switch: CUDA in bf16/fp16 runs flash attention's fused varlen kernels
-    (`_FlashVarlen`); everything else runs `reference_attention`, which the tests compare against.
+    (`_FlashVarlen`), or with `bitwise` the batch-invariant kernel (`_BitwiseAttention`); everything else runs
+    `reference_attention`, which the tests compare against.
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale)
+        flash = _BitwiseAttention if bitwise else _FlashVarlen
+        return flash.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale)
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
+
+
+def bitwise_attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: Tensor, q_pos: Tensor,
+                      k_start: Tensor, max_q_len: int, scale: float) -> Tensor:
+    """The batch-invariant attention kernel (`bitwise_kernels.attention`: packed queries against key stores, the
+    training batch's own k and v or the engine's cache) for every caller in bitwise mode, so a query's bits do not
+    depend on whether it is decoded, prefilled or trained."""
+    from shardrl.parallel.bitwise_kernels import attention  # Triton: CUDA installs only
+
+    return attention(q, keys, values, q_start, q_len, q_pos, k_start, max_q_len, scale)
 
 
 class _FlashVarlen(torch.autograd.Function):
@@ -72,10 +84,38 @@ class _FlashVarlen(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
-        dq, dk, dv = torch.ops.aten._flash_attention_backward(
-            grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen, 0.0,
-            True, rng_state, unused, scale=ctx.scale)
-        return dq, dk, dv, None, None, None
+        return *_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, rng_state, unused, ctx.max_seqlen,
+                                ctx.scale), None, None, None
+
+
+def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
+                    rng_state: Tensor, unused: Tensor, max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+    return torch.ops.aten._flash_attention_backward(
+        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True,
+        rng_state, unused, scale=scale)
+
+
+class _BitwiseAttention(torch.autograd.Function):
+    """Forward: the batch-invariant kernel over the packed sequences (`bitwise_attention`). Backward: flash
+    attention's, from its own forward rerun (a gradient of the same function up to rounding; backward bits need not
+    match the rollout's). Costs one more attention forward per layer and micro batch than `_FlashVarlen`."""
+
+    @staticmethod
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
+        starts = cu_seqlens[:-1]
+        out = bitwise_attention(q, k, v, starts, cu_seqlens[1:] - starts, torch.zeros_like(starts), starts,
+                                max_seqlen, scale)
+        ctx.save_for_backward(q, k, v, cu_seqlens)
+        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        q, k, v, cu_seqlens = ctx.saved_tensors
+        flash_out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
+            q, k, v, cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, False, scale=ctx.scale)
+        return *_flash_backward(grad_out, q, k, v, flash_out, lse, cu_seqlens, rng_state, unused, ctx.max_seqlen,
+                                ctx.scale), None, None, None
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:
@@ -105,21 +145,21 @@ class Attention(nn.Module):
                              f"{tp} must divide the query heads and divide or be a multiple of the KV heads")
         self.group, self.sequence_parallel, self.layer_id = layout.tp_group, sequence_parallel, layer_id
         self.head_dim, self.scale = head_dim, head_dim ** -0.5
-        kv_shards = min(num_kv, tp)
+        kv_shards, bitwise = min(num_kv, tp), fast.bitwise
         self.q_proj = ColumnParallelLinear(hidden, num_heads * head_dim, layout, f"{prefix}.q_proj",
-                                           config.qkv_bias, dtype=dtype)
+                                           config.qkv_bias, dtype=dtype, bitwise=bitwise)
         self.k_proj = ColumnParallelLinear(hidden, num_kv * head_dim, layout, f"{prefix}.k_proj", config.qkv_bias,
-                                           num_shards=kv_shards, dtype=dtype)
+                                           num_shards=kv_shards, dtype=dtype, bitwise=bitwise)
         self.v_proj = ColumnParallelLinear(hidden, num_kv * head_dim, layout, f"{prefix}.v_proj", config.qkv_bias,
-                                           num_shards=kv_shards, dtype=dtype)
+                                           num_shards=kv_shards, dtype=dtype, bitwise=bitwise)
         self.o_proj = RowParallelLinear(num_heads * head_dim, hidden, layout, f"{prefix}.o_proj", config.o_bias,
-                                        sequence_parallel, dtype=dtype)
+                                        sequence_parallel, dtype=dtype, bitwise=bitwise)
         self.q_norm = self.k_norm = None
         if config.qk_norm:  # each rank normalises only its own heads, so the weights' gradients are summed over TP
             self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, f"{prefix}.q_norm.weight", tp > 1,
-                                  layout.device, dtype, fast.compile)
+                                  layout.device, dtype, fast.compile, bitwise)
             self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, f"{prefix}.k_norm.weight", tp > 1,
-                                  layout.device, dtype, fast.compile)
+                                  layout.device, dtype, fast.compile, bitwise)
 
     @property
     def column_linears(self) -> tuple[ColumnParallelLinear, ...]:
@@ -137,7 +177,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, k, seqs.cos, seqs.signed_sin, self.fast.compile)
         if seqs.kv_cache is None:
-            out = packed_attention(q, k, v, seqs, self.scale)  # [T, nq/tp, D]
+            out = packed_attention(q, k, v, seqs, self.scale, self.fast.bitwise)  # [T, nq/tp, D]
         else:
             out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)
         return row_parallel(out.flatten(1), self.o_proj, self.fast.tp_overlap.chunks)

@@ -24,10 +24,14 @@ Fn = TypeVar("Fn", bound=Callable)
 @dataclass(frozen=True)
 class FastPaths:
     """tp_overlap: how tensor-parallel collectives overlap compute; compile: `torch.compile` the elementwise
-    chains (verl's `use_torch_compile`)."""
+    chains (verl's `use_torch_compile`); bitwise: batch-invariant kernels on CUDA (`parallel/bitwise_kernels.py`)
+    for every GEMM, norm and attention, so a token's bits do not depend on the rest of its batch and the rollout
+    engine and the trainer compute the same log-probs (`rollout.bitwise_logprobs`). The one option here that
+    changes bits on purpose; it costs speed."""
 
     tp_overlap: TPOverlap = field(default_factory=TPOverlap)
     compile: bool = False
+    bitwise: bool = False
 
 
 @functools.cache

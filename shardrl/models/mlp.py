@@ -27,10 +27,13 @@ class MLP(nn.Module):
                  sequence_parallel: bool, dtype: torch.dtype, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
         self.group, self.sequence_parallel, self.fast = layout.tp_group, sequence_parallel, fast
-        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_size, layout, f"{prefix}.gate_proj", bias, dtype=dtype)
-        self.up_proj = ColumnParallelLinear(hidden_size, ffn_size, layout, f"{prefix}.up_proj", bias, dtype=dtype)
+        bitwise = fast.bitwise
+        self.gate_proj = ColumnParallelLinear(hidden_size, ffn_size, layout, f"{prefix}.gate_proj", bias, dtype=dtype,
+                                              bitwise=bitwise)
+        self.up_proj = ColumnParallelLinear(hidden_size, ffn_size, layout, f"{prefix}.up_proj", bias, dtype=dtype,
+                                            bitwise=bitwise)
         self.down_proj = RowParallelLinear(ffn_size, hidden_size, layout, f"{prefix}.down_proj", bias,
-                                           sequence_parallel, dtype=dtype)
+                                           sequence_parallel, dtype=dtype, bitwise=bitwise)
 
     @property
     def column_linears(self) -> tuple[ColumnParallelLinear, ...]:
@@ -62,13 +65,13 @@ class MoEBlock(nn.Module):
         self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
         self.experts = MoELayer(config.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, layout,
                                 MoENames(f"{prefix}.gate.weight", gate, up, down), moe.norm_topk_prob,
-                                aux_loss_coef, z_loss_coef, dtype, layer_id)
+                                aux_loss_coef, z_loss_coef, dtype, layer_id, fast.bitwise)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(config.hidden_size, moe.shared_expert_size, layout, f"{prefix}.shared_expert",
                                      False, sequence_parallel, dtype, fast)
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, layout, f"{prefix}.shared_expert_gate",
-                                                       sequence_parallel, dtype)
+                                                       sequence_parallel, dtype, fast.bitwise)
 
     def forward(self, x: Tensor, num_tokens: int) -> Tensor:
         """x [T, H] (or this rank's SP chunk) -> same shape; `num_tokens` is T."""

@@ -28,7 +28,7 @@ from shardrl.models.rope import RotaryEmbedding
 from shardrl.parallel.expert import MoELayer
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import set_spec
-from shardrl.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, enter_tp, gather_tokens
+from shardrl.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, enter_tp, gather_tokens, linear
 from shardrl.parallel.vocab import VocabParallelEmbedding, vocab_parallel_logprobs, vocab_spec
 
 VALUE_HEAD_NAME = "score.weight"
@@ -40,10 +40,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         prefix, eps, tp = f"model.layers.{layer_id}", config.rms_norm_eps, layout.tp_size
         self.input_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.input_layernorm.weight",
-                                       sequence_parallel and tp > 1, layout.device, dtype, fast.compile)
+                                       sequence_parallel and tp > 1, layout.device, dtype, fast.compile, fast.bitwise)
         self.self_attn = Attention(config, layout, layer_id, sequence_parallel, dtype, fast)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.post_attention_layernorm.weight",
-                                                sequence_parallel and tp > 1, layout.device, dtype, fast.compile)
+                                                sequence_parallel and tp > 1, layout.device, dtype, fast.compile,
+                                                fast.bitwise)
         if config.moe is not None and layer_id in config.moe.layers:
             self.mlp = MoEBlock(config, layout, layer_id, sequence_parallel, dtype, moe_aux_loss_coef,
                                 moe_z_loss_coef, fast)
@@ -72,7 +73,7 @@ class Transformer(nn.Module):
         if layout.cp_size > 1:
             raise NotImplementedError(f"context_parallel_size={layout.cp_size}: context parallelism is not built "
                                       f"yet; use context_parallel_size=1")
-        self.config, self.layout = config, layout
+        self.config, self.layout, self.bitwise = config, layout, fast.bitwise
         self.layer_ids = range(config.num_layers) if layer_ids is None else layer_ids
         self.pre_process, self.post_process, self.value_head = pre_process, post_process, value_head
         self.sequence_parallel, self.recompute = sequence_parallel and layout.tp_size > 1, recompute
@@ -88,9 +89,9 @@ class Transformer(nn.Module):
             for i in self.layer_ids)
         if post_process:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight", sp, layout.device, dtype,
-                                fast.compile)
+                                fast.compile, fast.bitwise)
             if value_head:
-                self.score = ReplicatedLinear(config.hidden_size, 1, layout, "score", sp, dtype)
+                self.score = ReplicatedLinear(config.hidden_size, 1, layout, "score", sp, dtype, fast.bitwise)
             elif not (tied and pre_process):  # else the LM head is `embed_tokens.weight` itself
                 name = "model.embed_tokens.weight" if tied else "lm_head.weight"
                 spec = vocab_spec(name, config.vocab_size, config.hidden_size, layout, tied_group=tied)
@@ -131,6 +132,8 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: Tensor, num_tokens: int) -> Tensor:
         """hidden [T, H] (or [T_r, H]) -> logits [T, Vp/tp] of this rank's vocab block (`gather_vocab` for all)."""
         h = enter_tp(hidden, self.layout.tp_group, self.sequence_parallel, num_tokens)  # [T, H]
+        if self.bitwise:
+            return linear(h, self.lm_head_weight(), bitwise=True)
         return torch.nn.functional.linear(h, self.lm_head_weight())
 
     def compute_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:

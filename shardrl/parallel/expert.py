@@ -35,7 +35,7 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.moe_rows import combine_rows, dispatch_rows
 from shardrl.parallel.spec import ShardSpec, set_spec
 from shardrl.parallel.routing import RoutingTable
-from shardrl.parallel.tensor import token_split_sizes
+from shardrl.parallel.tensor import linear, token_split_sizes
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,10 @@ class MoELayer(nn.Module):
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, layout: Layout,
                  names: MoENames, norm_topk_prob: bool, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
-                 dtype: torch.dtype = torch.float32, layer_id: int = 0) -> None:
-        """`layer_id`: the model layer it belongs to (which column of a routing table is its)."""
+                 dtype: torch.dtype = torch.float32, layer_id: int = 0, bitwise: bool = False) -> None:
+        """`layer_id`: the model layer it belongs to (which column of a routing table is its). `bitwise`: the
+        router and expert GEMMs run batch invariant (`bitwise_kernels`) and the top-k weights are normalised by a
+        sum in a fixed order, so a token's routing and output bits do not depend on the rest of the batch."""
         super().__init__()
         ep, etp = layout.ep_size, layout.etp_size
         if num_experts % ep:
@@ -77,7 +79,7 @@ class MoELayer(nn.Module):
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments per expert
-        self.layer_id = layer_id
+        self.layer_id, self.bitwise = layer_id, bitwise
         self.routing: RoutingTable | None = None  # record or replay the experts chosen (routing.attached)
 
         device = layout.device
@@ -118,11 +120,11 @@ class MoELayer(nn.Module):
         """x [T_r, H]: the tokens this rank owns; returns [T_r, H]. `num_tokens`: the T that the TP group split
         (`token_split_sizes`), from which a dispatch inside the TP group knows every rank's rows without reading
         the device."""
-        logits = self.router(x)  # [T, E]
+        logits = linear(x, self.router.weight, bitwise=self.bitwise)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         top_probs, top_experts = self._choose(probs, num_tokens)  # [T, k]
         if self.norm_topk_prob:
-            top_probs = top_probs / top_probs.sum(dim=-1, keepdim=True)
+            top_probs = top_probs / self._sum_over_choices(top_probs)
         flat = top_experts.flatten()
         # scatter_add, not bincount: bincount reads its input's max back to the host (a sync per layer on CUDA).
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
@@ -131,6 +133,16 @@ class MoELayer(nn.Module):
         if not torch.is_grad_enabled():  # inference (rollout, logprobs): no router losses, nor their all-reduce
             return out
         return self._attach_router_losses(out, logits, probs, counts)
+
+    def _sum_over_choices(self, top_probs: Tensor) -> Tensor:
+        """[T, k] -> [T, 1]; in bitwise mode k - 1 elementwise adds in choice order (a reduction kernel may pick its
+        order by the tensor's shape)."""
+        if not self.bitwise:
+            return top_probs.sum(dim=-1, keepdim=True)
+        total = top_probs[:, :1]
+        for j in range(1, self.top_k):
+            total = total + top_probs[:, j:j + 1]
+        return total
 
     def _choose(self, probs: Tensor, num_tokens: int | None) -> tuple[Tensor, Tensor]:
         """Each token's k experts and their router probabilities: its own top-k, or as an attached routing table
@@ -151,7 +163,7 @@ class MoELayer(nn.Module):
         inverse = _inverse(order)
         rows = dispatch_rows(x, order, inverse, self.top_k)  # [T*k, H]
         if self.layout.ep_etp_group is None:
-            y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down)  # [T*k, H]
+            y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down, bitwise=self.bitwise)  # [T*k, H]
         else:
             y = self._experts_over_ranks(rows, counts, num_tokens)
         return combine_rows(y, order, inverse, weights)  # [T_r, H]
@@ -171,7 +183,8 @@ class MoELayer(nn.Module):
         rows = gather_rows(rows, plan.etp_rows, layout.etp_group)  # [M, H] by (ETP src, EP src, expert)
         by_expert = plan.row_experts.argsort(stable=True)  # [M]
         back = _inverse(by_expert)
-        y = expert_ffn(permute_rows(rows, by_expert, back), plan.expert_counts, self.w_gate, self.w_up, self.w_down)
+        y = expert_ffn(permute_rows(rows, by_expert, back), plan.expert_counts, self.w_gate, self.w_up, self.w_down,
+                       bitwise=self.bitwise)
         y = permute_rows(y, back, by_expert)  # [M, H] partial sums over this rank's F slice
         y = scatter_sum_rows(y, plan.etp_rows, layout.etp_group)
         return all_to_all_rows(y, plan.recv, plan.send, layout.ep_group)

@@ -15,13 +15,18 @@ from shardrl.parallel.activation import gated_silu
 
 
 def expert_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-               grouped: bool | None = None) -> Tensor:
+               grouped: bool | None = None, bitwise: bool = False) -> Tensor:
     """Apply expert `e`'s FFN to its block of rows.
 
     x [N, H] holds the rows of expert 0, then expert 1, ...; counts [E] (int) gives each expert's number of rows.
     w_gate, w_up [E, F, H]; w_down [E, H, F] (F may be this rank's ETP slice: the result is then a partial sum).
-    `grouped` picks the path; None picks the grouped GEMM where it is supported. Returns [N, H].
+    `grouped` picks the path; None picks the grouped GEMM where it is supported. `bitwise` (CUDA): the
+    batch-invariant grouped GEMM forward (`_BitwiseGrouped`). Returns [N, H].
     """
+    if bitwise and x.is_cuda:
+        gate = _BitwiseGrouped.apply(x, w_gate, counts)
+        up = _BitwiseGrouped.apply(x, w_up, counts)
+        return _BitwiseGrouped.apply(gated_silu(gate, up), w_down, counts)
     if grouped is None:
         grouped = can_use_grouped_mm(x, w_gate, w_down)
     if grouped:
@@ -68,3 +73,28 @@ class _ContiguousGrad(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor) -> Tensor:
         return grad.contiguous()
+
+
+class _BitwiseGrouped(torch.autograd.Function):
+    """y = x_e @ w[e]^T per expert's rows. Forward: the batch-invariant grouped GEMM (`bitwise_kernels`), whose
+    row bits do not depend on how many rows any expert got. Backward: torch's grouped GEMMs (the two products of
+    `grouped_mm`'s own backward, with no host read)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+        from shardrl.parallel.bitwise_kernels import grouped_matmul  # Triton: CUDA installs only
+
+        ctx.save_for_backward(x, weights, counts)
+        return grouped_matmul(x, weights, counts)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weights, counts = ctx.saved_tensors
+        grad = grad.contiguous()
+        offsets = counts.cumsum(0).to(torch.int32)
+        wants_x, wants_weights, _ = ctx.needs_input_grad
+        grad_x = F.grouped_mm(grad, weights, offs=offsets) if wants_x else None  # [N, in]
+        grad_weights = None
+        if wants_weights:  # [E, out, in]: expert e's grad^T @ x over its rows
+            grad_weights = F.grouped_mm(grad.t(), x, offs=offsets)
+        return grad_x, grad_weights, None

@@ -186,26 +186,37 @@ def shard_index(layout: Layout, num_shards: int) -> int:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, bitwise: bool) -> Tensor:
         ctx.save_for_backward(x, weight)
-        return F.linear(x, weight, bias)
+        return _linear_forward(x, weight, bias, bitwise)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        wants_x, wants_weight, wants_bias = ctx.needs_input_grad
+        wants_x, wants_weight, wants_bias, _ = ctx.needs_input_grad
         grad_rows = grad.reshape(-1, grad.shape[-1])  # [N, out]
         grad_x = grad.matmul(weight) if wants_x else None
         grad_weight = accumulate_weight_grad(weight, grad_rows, x.reshape(-1, x.shape[-1])) if wants_weight else None
-        return grad_x, grad_weight, grad_rows.sum(0) if wants_bias else None
+        return grad_x, grad_weight, grad_rows.sum(0) if wants_bias else None, None
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, bitwise: bool) -> Tensor:
+    """F.linear, or with `bitwise` on CUDA the batch-invariant GEMM (`bitwise_kernels.matmul`): each output row's
+    bits then depend on its own input row only, not on how many rows the batch has."""
+    if not (bitwise and x.is_cuda):
+        return F.linear(x, weight, bias)
+    from shardrl.parallel.bitwise_kernels import matmul  # Triton: CUDA installs only
+
+    return matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, bitwise: bool = False) -> Tensor:
     """F.linear; under autograd, for a weight with a fp32 `main_grad` (`GradBuffers`), its backward hands the weight
-    gradient to `accumulate_weight_grad` (fused into main_grad on CUDA)."""
-    if torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad"):
-        return _Linear.apply(x, weight, bias)
-    return F.linear(x, weight, bias)
+    gradient to `accumulate_weight_grad` (fused into main_grad on CUDA). `bitwise`: the forward GEMM is batch
+    invariant (`_linear_forward`); the backward is the same either way."""
+    if torch.is_grad_enabled() and weight.requires_grad and (hasattr(weight, "main_grad") or bitwise):
+        return _Linear.apply(x, weight, bias, bitwise)
+    return _linear_forward(x, weight, bias, bitwise)
 
 
 def sharded_param(spec: ShardSpec, layout: Layout, dtype: torch.dtype) -> nn.Parameter:
@@ -222,8 +233,9 @@ class ColumnParallelLinear(nn.Module):
     """
 
     def __init__(self, in_size: int, out_size: int, layout: Layout, name: str, bias: bool = False,
-                 num_shards: int | None = None, dtype: torch.dtype = torch.float32) -> None:
+                 num_shards: int | None = None, dtype: torch.dtype = torch.float32, bitwise: bool = False) -> None:
         super().__init__()
+        self.bitwise = bitwise
         num_shards = num_shards or layout.tp_size
         if out_size % num_shards:
             raise ValueError(f"{name}: output size {out_size} is not divisible by {num_shards} tensor-parallel shards")
@@ -232,7 +244,7 @@ class ColumnParallelLinear(nn.Module):
         self.bias = sharded_param(ShardSpec(f"{name}.bias", (out_size,), **split), layout, dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.bitwise)
 
 
 def pack_adjacent(linears: Sequence[ColumnParallelLinear], device: torch.device) -> None:
@@ -283,7 +295,7 @@ def apply_columns(x: Tensor, linears: Sequence[ColumnParallelLinear]) -> list[Te
         unbiased = all(b is None for b in biases)
         bias = None if unbiased or any(b is None for b in biases) else _packed(biases)
         if weight is not None and (unbiased or bias is not None):
-            out = F.linear(x, weight, bias)  # [T, sum of out_i/n]
+            out = _linear_forward(x, weight, bias, linears[0].bitwise)  # [T, sum of out_i/n]
             return list(out.split([linear.weight.shape[0] for linear in linears], dim=-1))
     return [linear(x) for linear in linears]
 
@@ -292,9 +304,10 @@ class RowParallelLinear(nn.Module):
     """y = exit_tp(x_r [T, in/tp] @ W_r^T) + b: input features split over TP; the bias is added after the reduce."""
 
     def __init__(self, in_size: int, out_size: int, layout: Layout, name: str, bias: bool = False,
-                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32) -> None:
+                 sequence_parallel: bool = False, dtype: torch.dtype = torch.float32, bitwise: bool = False) -> None:
         super().__init__()
         tp = layout.tp_size
+        self.bitwise = bitwise
         if in_size % tp:
             raise ValueError(f"{name}: input size {in_size} is not divisible by tensor parallel size {tp}")
         self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
@@ -307,7 +320,8 @@ class RowParallelLinear(nn.Module):
             layout, dtype) if bias else None
 
     def forward(self, x: Tensor) -> Tensor:
-        y = exit_tp(linear(x, self.weight), self.group, self.sequence_parallel)  # [T or T/tp, out]
+        y = linear(x, self.weight, bitwise=self.bitwise)
+        y = exit_tp(y, self.group, self.sequence_parallel)  # [T or T/tp, out]
         return y if self.bias is None else y + self.bias
 
 
@@ -315,12 +329,13 @@ class ReplicatedLinear(nn.Module):
     """A small linear kept whole on every TP rank (value head, shared-expert gate), applied to the tokens at hand."""
 
     def __init__(self, in_size: int, out_size: int, layout: Layout, name: str, sequence_parallel: bool = False,
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, bitwise: bool = False) -> None:
         super().__init__()
+        self.bitwise = bitwise
         # With SP each rank sees only its own tokens, so the gradient is a partial sum over TP.
         self.weight = sharded_param(ShardSpec(
             f"{name}.weight", (out_size, in_size), sum_grad_over_tp=sequence_parallel and layout.tp_size > 1),
             layout, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight)
+        return linear(x, self.weight, bitwise=self.bitwise)

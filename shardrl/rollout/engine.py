@@ -84,7 +84,7 @@ class EngineError(ValueError):
 class Engine:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig = EngineConfig()) -> None:
         _check_layout(layout, model_config)
-        _check_config(config, model_config)
+        _check_config(config, model_config, layout)
         self.model_config, self.layout, self.config = model_config, layout, config
         self.device = layout.device
         self.runner = ModelRunner(model_config, layout, config)
@@ -161,6 +161,9 @@ class Engine:
         if not 0 < len(prompt_ids) < self.config.max_model_len:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens: needs 1 to max_model_len-1="
                               f"{self.config.max_model_len - 1} tokens")
+        if self.config.bitwise and params.filtered:
+            raise EngineError(f"bitwise mode: top_k={params.top_k}, top_p={params.top_p} filter the distribution the "
+                              f"trainer scores unfiltered; sample with top_k=-1, top_p=1.0")
         if continues is not None and params.n != 1:
             raise EngineError(f"submit(continues={continues!r}): a continuation is one sequence; n={params.n}")
         base = str(next(self._counter)) if request_id is None else request_id
@@ -253,7 +256,7 @@ class Engine:
                                        self.model_config.vocab_size, self.device)
         # Each draws the token at index num_tokens of its sequence (the same counter a decode step would use).
         counters = torch.tensor([r.num_tokens for r in requests]).to(self.device, non_blocking=True)
-        drawn = sample(logits, sampling, counters, self.runner.generator)
+        drawn = sample(logits, sampling, counters, self.runner.generator, self.config.bitwise)
         raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
         rows = torch.stack([drawn.token_ids.double(), drawn.logprobs.double(), raw.double()], dim=1).tolist()
         finished = self._record(list(zip(requests, rows)))
@@ -359,10 +362,17 @@ class Engine:
             self.scheduler.add(self._paused.pop(rid), front=True)
 
 
-def _check_config(config: EngineConfig, model_config: ModelConfig) -> None:
+def _check_config(config: EngineConfig, model_config: ModelConfig, layout: Layout) -> None:
     if config.record_routing and model_config.moe is None:
         raise EngineError(f"record_routing: {model_config.architecture} is a dense model; there is no MoE routing to "
                           f"record")
+    if config.bitwise:
+        if layout.device.type != "cuda" or config.dtype not in (torch.bfloat16, torch.float16):
+            raise EngineError(f"bitwise mode runs batch-invariant CUDA kernels in half precision, not on "
+                              f"{layout.device.type} in {config.dtype}; use a GPU and dtype bfloat16")
+        if layout.tp_size > 1:
+            raise EngineError(f"bitwise mode: tensor_model_parallel_size={layout.tp_size} sums partial results "
+                              f"across ranks in an order the collective picks by size; use 1")
 
 
 def _check_layout(layout: Layout, model_config: ModelConfig) -> None:

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from shardrl.models.attention import PackedSeqs, packed_attention
+from shardrl.models.attention import PackedSeqs, bitwise_attention, packed_attention
 
 
 class KVCacheError(RuntimeError):
@@ -117,16 +117,22 @@ def gpu_cache_budget(device: torch.device, gpu_memory_utilization: float, reserv
 
 
 class PrefillAttention:
-    """Hook for a prefill forward: store each token's k and v at (its slot, its position); attend as usual."""
+    """Hook for a prefill forward: store each token's k and v at (its slot, its position); attend as usual
+    (`bitwise`: with the batch-invariant kernel, as the trainer does in bitwise mode)."""
 
-    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor) -> None:
-        self.cache, self.slots, self.positions = cache, slots, positions  # [T] each
+    def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, bitwise: bool = False) -> None:
+        self.cache, self.slots, self.positions, self.bitwise = cache, slots, positions, bitwise  # [T] each
 
     def attend(self, layer_id: int, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
         keys, values = self.cache.layer(layer_id)
         keys[self.slots, self.positions] = k  # k [T, nkv, D]
         values[self.slots, self.positions] = v
-        return packed_attention(q, k, v, seqs, scale)
+        return packed_attention(q, k, v, seqs, scale, self.bitwise)
+
+
+def _slot_rows(keys: Tensor) -> Tensor:
+    """A layer's cache [S, L, nkv, D] as one key store [S * L, nkv, D]: slot s's position p is row s * L + p."""
+    return keys.view(-1, *keys.shape[2:])
 
 
 class CachedPrefixAttention:
@@ -138,15 +144,23 @@ class CachedPrefixAttention:
     one packed run and the queries attend through flash attention's variable-length kernel, whose causal mask is
     aligned to the end of each sequence's keys (query i of n new ones sees keys 0..start + i). Elsewhere the
     queries are padded into a [B, Q] block against a [B, L] block of keys under an explicit mask (one SDPA call per
-    layer): the reference the GPU path is checked against (`bench/continuation_check.py`)."""
+    layer): the reference the GPU path is checked against (`bench/continuation_check.py`). With `bitwise` (CUDA in
+    half precision) the queries attend straight to their slots through the batch-invariant kernel."""
 
     def __init__(self, cache: KVCache, slots: Tensor, positions: Tensor, seq_slots: list[int], starts: list[int],
-                 new_lengths: list[int]) -> None:
+                 new_lengths: list[int], bitwise: bool = False) -> None:
         self.cache, self.slots, self.positions = cache, slots, positions  # [T] each
         device = positions.device
         ends = [s + n for s, n in zip(starts, new_lengths)]
         self.max_new, self.max_len = max(new_lengths), max(ends)
         self.flash = uses_split_kv_decode(cache.device, cache.dtype)
+        self.bitwise = bitwise and self.flash
+        if self.bitwise:  # per sequence: first query row, query count, first position, first cache row
+            first_rows = [sum(new_lengths[:b]) for b in range(len(new_lengths))]
+            host = torch.tensor([first_rows, new_lengths, starts, [s * cache.max_len for s in seq_slots]],
+                                dtype=torch.int32)
+            self.q_start, self.q_len, self.q_pos, self.k_start = host.to(device, non_blocking=True)
+            return
         if self.flash:  # every sequence's keys 0..end-1, packed in sequence order
             self.key_slots = torch.tensor([slot for slot, e in zip(seq_slots, ends) for _ in range(e)], device=device)
             self.key_positions = torch.tensor([p for e in ends for p in range(e)], device=device)
@@ -165,6 +179,9 @@ class CachedPrefixAttention:
         keys, values = self.cache.layer(layer_id)
         keys[self.slots, self.positions] = k  # k [T, nkv, D]
         values[self.slots, self.positions] = v
+        if self.bitwise:
+            return bitwise_attention(q, _slot_rows(keys), _slot_rows(values), self.q_start, self.q_len, self.q_pos,
+                                     self.k_start, self.max_new, scale)
         if self.flash:
             packed_k = keys[self.key_slots, self.key_positions]  # [sum of ends, nkv, D]
             packed_v = values[self.key_slots, self.key_positions]
@@ -185,14 +202,20 @@ class CachedPrefixAttention:
 class DecodeAttention:
     """Hook for a decode forward over slots 0..B-1 (one new token each, at `positions[b]`), attending to the first
     `length` cache positions at most (each row to its positions 0..positions[b]). Only tensor ops with static
-    shapes: the forward can be captured in a CUDA graph."""
+    shapes: the forward can be captured in a CUDA graph. With `bitwise` (CUDA in half precision) each row's query
+    runs through the batch-invariant kernel, the one the trainer's attention runs in bitwise mode."""
 
-    def __init__(self, cache: KVCache, positions: Tensor, length: int) -> None:
+    def __init__(self, cache: KVCache, positions: Tensor, length: int, bitwise: bool = False) -> None:
         self.cache, self.positions, self.length = cache, positions, length  # positions [B]
         num_rows, device = positions.shape[0], positions.device
         self.rows = torch.arange(num_rows, device=device)
         self.split_kv = uses_split_kv_decode(cache.device, cache.dtype)
-        if self.split_kv:  # row b attends to its positions[b] + 1 cached tokens; built once per forward, not per layer
+        self.bitwise = bitwise and self.split_kv
+        if self.bitwise:  # row b: query b, one of it, at positions[b], slot b's cache rows
+            self.q_start = self.rows.to(torch.int32)
+            self.one, self.q_pos = torch.ones_like(self.q_start), positions.to(torch.int32)
+            self.k_start = self.q_start * cache.max_len
+        elif self.split_kv:  # row b attends to its positions[b] + 1 cached tokens; built once per forward, not per layer
             self.used = (positions + 1).to(torch.int32)
         else:  # additive mask built once per forward, in the cache dtype, so no layer converts a boolean one again
             valid = torch.arange(length, device=device).unsqueeze(0) <= positions.unsqueeze(1)  # [B, L]
@@ -202,6 +225,9 @@ class DecodeAttention:
         keys, values = self.cache.layer(layer_id)  # [S, L, nkv, D]
         keys[self.rows, self.positions] = k  # k [B, nkv, D]
         values[self.rows, self.positions] = v
+        if self.bitwise:
+            return bitwise_attention(q, _slot_rows(keys), _slot_rows(values), self.q_start, self.one, self.q_pos,
+                                     self.k_start, 1, scale)
         if self.split_kv:
             from shardrl.rollout.decode_attention import split_kv_decode_attention  # Triton: CUDA installs only
 

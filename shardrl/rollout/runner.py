@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.expert import attached
 from shardrl.parallel.layout import Layout
@@ -66,6 +67,9 @@ class EngineConfig:
     # Record every token's MoE experts (`RequestOutput.routed_experts`) for routing replay (R3): verl's
     # `enable_rollout_routing_replay`.
     record_routing: bool = False
+    # Batch-invariant kernels (`FastPaths.bitwise`) in every forward and the trainer's logprob maths in sampling, so
+    # a token's reported logprob is bit for bit the trainer's in bitwise mode (`rollout.bitwise_logprobs`).
+    bitwise: bool = False
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
 
@@ -81,7 +85,8 @@ class EngineConfig:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig) -> None:
         self.model_config, self.layout, self.config, self.device = model_config, layout, config, layout.device
-        self.model = Transformer(model_config, layout, dtype=config.dtype).eval().requires_grad_(False)
+        self.model = Transformer(model_config, layout, dtype=config.dtype,
+                                 fast=FastPaths(bitwise=config.bitwise)).eval().requires_grad_(False)
         # Routing replay (R3): the MoE layers' ids and top-k when the runner records routing, else None.
         self.routing_layers = sorted(model_config.moe.layers) if config.record_routing else None
         self._pack_projections()
@@ -144,9 +149,9 @@ class ModelRunner:
         cu_seqlens = torch.nn.functional.pad(lengths_t.cumsum(0), (1, 0)).int()  # [N+1]
         if requests[0].cached > 0:
             hook = CachedPrefixAttention(self.cache, slots, positions, [r.slot for r in requests],
-                                         [r.cached for r in requests], lengths)
+                                         [r.cached for r in requests], lengths, self.config.bitwise)
         else:
-            hook = PrefillAttention(self.cache, slots, positions)
+            hook = PrefillAttention(self.cache, slots, positions, self.config.bitwise)
         if self.routing_layers is None:
             hidden = self.model(ids, positions, cu_seqlens, hook, max(lengths))
         else:
@@ -238,7 +243,7 @@ class ModelRunner:
         """logits [N, V] of rows 0..N-1 -> their tokens into the input buffers and `out`."""
         num_rows = logits.shape[0]
         counters = self.positions[:num_rows] + 1  # the index in its sequence of the token each row draws
-        drawn = sample(logits, sampling, counters, self.generator)
+        drawn = sample(logits, sampling, counters, self.generator, self.config.bitwise)
         self.ids[:num_rows].copy_(drawn.token_ids)
         self.positions[:num_rows].add_(self.live[:num_rows])
         raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
@@ -249,7 +254,7 @@ class ModelRunner:
         """The portable decode forward (and what the CUDA graphs capture): ids, positions [B] -> hidden [B, H]."""
         num_rows = ids.shape[0]
         cu_seqlens = torch.arange(num_rows + 1, dtype=torch.int32, device=ids.device)
-        hook = DecodeAttention(self.cache, positions, length)
+        hook = DecodeAttention(self.cache, positions, length, self.config.bitwise)
         if self.routing_layers is None:
             return self.model(ids, positions, cu_seqlens, hook, 1)
         table = RoutingTable(self._decode_routing[:num_rows].zero_(), self.routing_layers, replay=False)

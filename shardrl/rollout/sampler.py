@@ -25,6 +25,7 @@ from dataclasses import dataclass, replace
 import torch
 from torch import Tensor
 
+from shardrl.parallel.vocab import vocab_parallel_logprobs
 from shardrl.rollout.request import SamplingParams
 
 _MASK = 0xFFFFFFFF
@@ -49,13 +50,21 @@ class SamplingBatch:
     all_greedy: bool
     unit_temperature: bool  # every row samples at temperature 1 (or is greedy): the logits need no division
     raw: bool  # some row asked for raw temperature-1 logprobs
+    common_temperature: float | None = None  # the temperature every row shares (greedy: 1.0), else None
+
+    @property
+    def bitwise_ready(self) -> bool:
+        """Whether bitwise mode can give this batch the trainer's log-probs: no top-k / top-p (the trainer scores
+        the unfiltered distribution) and one temperature (the trainer divides by one number)."""
+        return self.top_k is None and self.common_temperature is not None
 
     @property
     def mode(self) -> tuple[bool, ...]:
         """What decides which ops `sample` runs: batches of one mode run the same ops on tensors of the same
         shapes, so one captured CUDA graph serves them all (seeded rows or not: every batch computes both kinds of
         uniform)."""
-        return self.top_k is not None, self.all_greedy, self.any_greedy, self.unit_temperature, self.raw
+        return (self.top_k is not None, self.all_greedy, self.any_greedy, self.unit_temperature, self.raw,
+                self.common_temperature)
 
     @classmethod
     def build(cls, params: list[SamplingParams], seeds: list[int | None], vocab_size: int,
@@ -76,7 +85,8 @@ class SamplingBatch:
             keys=to_device(seed_keys(seeds), torch.int64),
             has_seed=to_device([s is not None for s in seeds], torch.bool),
             any_greedy=any(p.greedy for p in params), all_greedy=all(p.greedy for p in params),
-            unit_temperature=all(t == 1.0 for t in temperature), raw=any(p.raw_logprobs for p in params))
+            unit_temperature=all(t == 1.0 for t in temperature), raw=any(p.raw_logprobs for p in params),
+            common_temperature=temperature[0] if len(set(temperature)) == 1 else None)
 
 
 class SamplingBuffers:
@@ -189,7 +199,8 @@ def inverse_cdf(weights: Tensor, uniforms: Tensor, fallback: Tensor) -> Tensor:
 
 
 @torch.no_grad()
-def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch.Generator | None = None) -> Sampled:
+def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch.Generator | None = None,
+           bitwise: bool = False) -> Sampled:
     """logits [B, V] (full vocab, any float dtype), counters [B] int64 (the index in its sequence of the token each
     row draws) -> one token per row with its logprobs.
 
@@ -205,7 +216,13 @@ def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch
     1e-3 of their mass below 2**-24 the drawn distribution was ~1e-3 (total variation) from the exact one with an
     fp64 sum and only ~10% further with fp32: an fp64 sum would need a 53-bit u to gain anything, and would double
     the traffic of the largest tensor of the step.
+
+    `bitwise` (the engine's bitwise mode): the logits are divided by the batch's one temperature as the trainer
+    divides them (`Transformer.compute_logprobs`: the same op on the same dtype) and the logprobs come from the
+    trainer's own function (`vocab_parallel_logprobs`), so they are the trainer's bits for the same logits.
     """
+    if bitwise:
+        return _sample_as_trainer(logits, batch, counters, shared)
     scaled = logits  # [B, V]
     if not batch.unit_temperature:
         scaled = torch.div(logits, batch.temperature.unsqueeze(1))  # fp32 (promoted in the same pass)
@@ -224,6 +241,26 @@ def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch
     raw = None
     if batch.raw:  # unscaled and unfiltered: the logprobs above are already the raw ones
         raw = logprobs if scaled is logits else logits.gather(1, chosen).squeeze(1).float() - log_normaliser(logits)
+    return Sampled(token_ids, logprobs, raw)
+
+
+def _sample_as_trainer(logits: Tensor, batch: SamplingBatch, counters: Tensor,
+                       shared: torch.Generator | None) -> Sampled:
+    """`sample` in bitwise mode: draw from softmax(logits / T) with the division in the logits' dtype, and report
+    the trainer's logprob of the drawn token (raw ones at temperature 1 likewise)."""
+    if not batch.bitwise_ready:
+        raise ValueError("bitwise_logprobs: a batch with top-k / top-p filtering or mixed temperatures cannot get the "
+                         "trainer's log-probs; sample with top_k=-1, top_p=1 and one temperature")
+    scaled = logits if batch.common_temperature == 1.0 else logits / batch.common_temperature
+    weights, _, best = unnormalised_probs(scaled)
+    token_ids = best if batch.all_greedy else inverse_cdf(weights, row_uniforms(batch, counters, shared), best)
+    if batch.any_greedy and not batch.all_greedy:
+        token_ids = torch.where(batch.greedy, best, token_ids)
+    vocab_size = logits.shape[-1]
+    logprobs = vocab_parallel_logprobs(scaled, token_ids, None, vocab_size)[0]
+    raw = None
+    if batch.raw:
+        raw = logprobs if scaled is logits else vocab_parallel_logprobs(logits, token_ids, None, vocab_size)[0]
     return Sampled(token_ids, logprobs, raw)
 
 

@@ -1,0 +1,102 @@
+"""What bitwise mode costs on one GPU: rollout tokens/s and trainer step time, default kernels vs the batch-invariant
+ones (`FastPaths.bitwise`, `EngineConfig.bitwise`), each measured in this process after a warm-up.
+
+Shapes (random bf16 weights): a Qwen2-0.5B-like dense model and a Qwen3-MoE-like one (32 experts, top 4). Rollout:
+`--prompts` prompts of 64..`--prompt` tokens, `--response` new tokens each (CUDA-graph decode). Trainer step: one
+micro batch of `--train-tokens` packed tokens (sequences of 512), forward + log-probs + backward (the optimizer is the
+same in both modes and left out, so the ratio is an upper bound on a whole step's).
+
+    python bench/bitwise_cost.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths
+from shardrl.models.hf_bridge import load_hf_weights
+from shardrl.models.tiny import make_tiny_checkpoint
+from shardrl.models.transformer import Transformer
+from shardrl.parallel.layout import Layout
+from shardrl.rollout.engine import Engine, EngineConfig
+from shardrl.rollout.request import SamplingParams
+
+DENSE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=4096)
+MOE = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+           head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
+           max_position_embeddings=4096)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--prompts", type=int, default=128)
+    parser.add_argument("--prompt", type=int, default=512)
+    parser.add_argument("--response", type=int, default=256)
+    parser.add_argument("--train-tokens", type=int, default=8192)
+    return parser.parse_args()
+
+
+def rollout_tokens_per_second(path: Path, bitwise: bool, args: argparse.Namespace) -> float:
+    engine = Engine.from_pretrained(path, Layout.single("cuda"), EngineConfig(
+        max_num_seqs=args.prompts, max_num_batched_tokens=16384, max_model_len=args.prompt + args.response,
+        dtype=torch.bfloat16, gpu_memory_utilization=0.6, bitwise=bitwise))
+    g = torch.Generator().manual_seed(0)
+    vocab = engine.model_config.vocab_size
+    prompts = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
+               for n in torch.randint(64, args.prompt + 1, (args.prompts,), generator=g)]
+    params = SamplingParams(max_tokens=args.response, temperature=1.0, ignore_eos=True)
+    engine.generate(prompts[:16], [params] * 16)  # warm-up: kernels compile, graphs capture
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, [params] * len(prompts))
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    del engine
+    torch.cuda.empty_cache()
+    return sum(len(o.token_ids) for o in outputs) / seconds
+
+
+def train_step_seconds(path: Path, bitwise: bool, tokens: int) -> float:
+    config = ModelConfig.from_pretrained(path)
+    model = Transformer(config, Layout.single("cuda"), dtype=torch.bfloat16, fast=FastPaths(bitwise=bitwise))
+    load_hf_weights(model, path)
+    ids = torch.randint(1, config.vocab_size, (tokens,), device="cuda")
+    positions = torch.arange(tokens, device="cuda") % 512
+    cu_seqlens = torch.arange(0, tokens + 1, 512, device="cuda", dtype=torch.int32)
+
+    def step() -> None:
+        hidden = model(ids, positions, cu_seqlens)
+        logprobs, _ = model.compute_logprobs(hidden, ids.roll(-1))
+        logprobs.mean().backward()
+
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    start, repeats = time.perf_counter(), 5
+    for _ in range(repeats):
+        step()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - start) / repeats
+
+
+def main() -> None:
+    args = parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, family, shape in (("dense 0.5B", "qwen2", DENSE), ("MoE 32x top4", "qwen3_moe", MOE)):
+            path = make_tiny_checkpoint(family, Path(tmp) / family, noise_std=0.05, **shape)
+            tps = {mode: rollout_tokens_per_second(path, mode, args) for mode in (False, True)}
+            step = {mode: train_step_seconds(path, mode, args.train_tokens) for mode in (False, True)}
+            print(f"{name}: rollout {tps[False]:.0f} -> {tps[True]:.0f} tok/s (bitwise {tps[False] / tps[True]:.3f}x "
+                  f"slower); train fwd+bwd {step[False] * 1e3:.1f} -> {step[True] * 1e3:.1f} ms "
+                  f"({step[True] / step[False]:.3f}x)", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,124 @@
+"""Bitwise mode on one GPU (bf16): the batch-invariant kernels give a row the same bits in any batch, and the rollout
+engine's sampled-token log-probs equal the trainer's old log-probs exactly, dense and MoE, over > 7,000 tokens of
+mixed batch compositions (prompts of 8..200 tokens, responses ending at different steps so the decode batch
+shrinks across CUDA-graph buckets; the trainer packs the same sequences by count and by tokens).
+
+The kernels are also checked against the default ones (`F.linear`, HF's RMSNorm, SDPA): equal up to bf16 rounding.
+A test that cannot fail is avoided by the control: the default kernels, same samples, do not give 0.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from shardrl.job.options import EngineOptions, ForwardBatching
+from shardrl.models.attention import reference_attention
+from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths
+from shardrl.models.norm import rms_norm as reference_rms_norm
+from shardrl.parallel.layout import Layout
+from shardrl.rollout.engine import Engine, EngineConfig
+from shardrl.rollout.request import SamplingParams
+from shardrl.workers.actor import compute_log_prob
+from shardrl.workers.engine import ModelEngine
+from shardrl.workers.samples import generate
+from tests.test_logprob_mismatch_gpu import MAX_PROMPT, MODEL, MOE, NUM_PROMPTS, RESPONSE, make_checkpoint, prompt_batch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-2) -> bool:
+    return ((a.float() - b.float()).norm() / b.float().norm()).item() < rel
+
+
+def test_matmul_rows_do_not_depend_on_the_batch():
+    from shardrl.parallel.bitwise_kernels import grouped_matmul, matmul
+
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(777, 896, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.randn(1152, 896, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
+    b = torch.randn(1152, device="cuda", generator=g, dtype=torch.bfloat16)
+    full = matmul(x, w, b)
+    assert _close(full, F.linear(x, w, b))
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 70), slice(100, 777)):
+        assert torch.equal(matmul(x[rows], w, b), full[rows])
+    assert torch.equal(matmul(x, w[:896]), matmul(x, w)[:, :896])  # packed q/k/v vs q alone
+    experts = torch.randn(4, 512, 896, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
+    for counts in ([777, 0, 0, 0], [1, 300, 0, 476], [200, 200, 200, 177]):
+        out = grouped_matmul(x, experts, torch.tensor(counts, device="cuda"))
+        start = 0
+        for e, n in enumerate(counts):
+            assert torch.equal(out[start:start + n], matmul(x[start:start + n], experts[e])), (counts, e)
+            start += n
+
+
+def test_rms_norm_and_attention_rows_do_not_depend_on_the_batch():
+    from shardrl.models.attention import bitwise_attention
+    from shardrl.parallel.bitwise_kernels import rms_norm
+
+    g = torch.Generator("cuda").manual_seed(1)
+    x = torch.randn(300, 896, device="cuda", generator=g, dtype=torch.bfloat16)
+    w = torch.rand(896, device="cuda", generator=g, dtype=torch.bfloat16) + 0.5
+    full = rms_norm(x, w, 1e-6)
+    assert torch.equal(rms_norm(x[7:9], w, 1e-6), full[7:9])
+    assert _close(full, reference_rms_norm(x, w, 1e-6), 1e-2)
+
+    lengths = [1, 63, 64, 65, 200, 7]
+    cu = torch.tensor([0, *lengths], device="cuda").cumsum(0).int()
+    total = int(cu[-1])
+    q = torch.randn(total, 8, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    k = torch.randn(total, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    v = torch.randn(total, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
+    starts = cu[:-1]
+    lens = cu[1:] - starts
+    packed = bitwise_attention(q, k, v, starts, lens, torch.zeros_like(starts), starts, max(lengths), 0.125)
+    assert _close(packed, reference_attention(q, k, v, cu, 0.125))
+    # Every query alone, as a decode step reads it: one query at its position against its sequence's keys.
+    seq = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), lens.long())
+    pos = (torch.arange(total, device="cuda") - cu[seq.long()]).int()
+    rows = torch.arange(total, device="cuda", dtype=torch.int32)
+    one_by_one = bitwise_attention(q, k, v, rows, torch.ones_like(rows), pos, cu[seq.long()].int(), 1, 0.125)
+    assert torch.equal(one_by_one, packed)
+
+
+def _rollout(path, bitwise: bool, temperature: float):
+    engine = Engine.from_pretrained(path, Layout.single("cuda"), EngineConfig(
+        max_num_seqs=NUM_PROMPTS, max_num_batched_tokens=4096, max_model_len=MAX_PROMPT + RESPONSE,
+        dtype=torch.bfloat16, gpu_memory_utilization=0.9, bitwise=bitwise))
+    params = [SamplingParams(max_tokens=RESPONSE - 4 * i, temperature=temperature, seed=i, ignore_eos=True)
+              for i in range(NUM_PROMPTS)]
+    samples = generate(engine, prompt_batch(), params, RESPONSE, pad_token_id=0)
+    assert engine.runner.graphs is not None, "the decode did not run under CUDA graphs"
+    del engine
+    torch.cuda.empty_cache()
+    return samples
+
+
+def _differences(path, samples, bitwise: bool, temperature: float) -> list[torch.Tensor]:
+    trainer = ModelEngine(ModelConfig.from_pretrained(path), Layout.single("cuda"),
+                          EngineOptions(dtype=torch.bfloat16, fast=FastPaths(bitwise=bitwise)), hf_path=str(path))
+    mask = samples.tensors["response_mask"].bool()
+    rollout = samples.tensors["rollout_log_probs"].double()[mask]
+    out = []
+    for batching in (ForwardBatching(micro_batch_size=8, max_token_len=None),
+                     ForwardBatching(micro_batch_size=None, max_token_len=3000)):
+        log_probs, _ = compute_log_prob(trainer, samples, batching, temperature)
+        out.append(rollout - log_probs.double()[mask])
+    return out
+
+
+@pytest.mark.parametrize("family, shape, temperature", [("qwen2", MODEL, 1.0), ("qwen3_moe", MOE, 0.8)],
+                         ids=["dense", "moe"])
+def test_bitwise_rollout_logprobs_equal_the_trainers(tmp_path, family, shape, temperature):
+    path = make_checkpoint(tmp_path / family, family, shape)
+    samples = _rollout(path, bitwise=True, temperature=temperature)
+    mask = samples.tensors["response_mask"].bool()
+    assert int(mask.sum()) >= 7000
+    for d in _differences(path, samples, bitwise=True, temperature=temperature):
+        assert int((d != 0).sum()) == 0, f"{int((d != 0).sum())} of {d.numel()} tokens differ, max {d.abs().max()}"
+    control = _differences(path, _rollout(path, bitwise=False, temperature=temperature), False, temperature)
+    print(f"\n{family}: bitwise 0 of {int(mask.sum())} tokens differ; default kernels: "
+          + ", ".join(f"{int((d != 0).sum())} differ, mean |d| {d.abs().mean():.3g}" for d in control))
+    assert all(int((d != 0).sum()) > 0 for d in control)
