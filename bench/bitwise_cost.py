@@ -40,7 +40,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prompt", type=int, default=512)
     parser.add_argument("--response", type=int, default=256)
     parser.add_argument("--train-tokens", type=int, default=8192)
+    parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of each timed part")
     return parser.parse_args()
+
+
+def profiled(fn, label: str, enabled: bool):
+    """Run fn(); with `enabled` under the torch profiler, printing its ten costliest CUDA kernels."""
+    if not enabled:
+        return fn()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        result = fn()
+    print(f"--- {label}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=10), flush=True)
+    return result
 
 
 def rollout_tokens_per_second(path: Path, bitwise: bool, args: argparse.Namespace) -> float:
@@ -91,8 +102,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, family, shape in (("dense 0.5B", "qwen2", DENSE), ("MoE 32x top4", "qwen3_moe", MOE)):
             path = make_tiny_checkpoint(family, Path(tmp) / family, noise_std=0.05, **shape)
-            tps = {mode: rollout_tokens_per_second(path, mode, args) for mode in (False, True)}
-            step = {mode: train_step_seconds(path, mode, args.train_tokens) for mode in (False, True)}
+            tps = {mode: profiled(lambda: rollout_tokens_per_second(path, mode, args), f"{name} rollout bitwise={mode}",
+                                  args.profile) for mode in (False, True)}
+            step = {mode: profiled(lambda: train_step_seconds(path, mode, args.train_tokens),
+                                   f"{name} train bitwise={mode}", args.profile) for mode in (False, True)}
             print(f"{name}: rollout {tps[False]:.0f} -> {tps[True]:.0f} tok/s (bitwise {tps[False] / tps[True]:.3f}x "
                   f"slower); train fwd+bwd {step[False] * 1e3:.1f} -> {step[True] * 1e3:.1f} ms "
                   f"({step[True] / step[False]:.3f}x)", flush=True)

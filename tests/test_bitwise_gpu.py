@@ -34,7 +34,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-2) -> bool:
 
 
 def test_matmul_rows_do_not_depend_on_the_batch():
-    from shardrl.parallel.bitwise_kernels import grouped_matmul, matmul
+    from shardrl.parallel.bitwise_kernels import LARGE_GEMM, SMALL_GEMM, grouped_matmul, matmul
 
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(777, 896, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -45,6 +45,8 @@ def test_matmul_rows_do_not_depend_on_the_batch():
     for rows in (slice(0, 1), slice(5, 6), slice(3, 70), slice(100, 777)):
         assert torch.equal(matmul(x[rows], w, b), full[rows])
     assert torch.equal(matmul(x, w[:896]), matmul(x, w)[:, :896])  # packed q/k/v vs q alone
+    # Decode-sized and large batches take different tiles; the K order, hence every bit, is the same.
+    assert torch.equal(matmul(x, w, b, config=SMALL_GEMM), matmul(x, w, b, config=LARGE_GEMM))
     experts = torch.randn(4, 512, 896, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
     for counts in ([777, 0, 0, 0], [1, 300, 0, 476], [200, 200, 200, 177]):
         out = grouped_matmul(x, experts, torch.tensor(counts, device="cuda"))

@@ -63,6 +63,7 @@ class SharedKeys:
     router_replay: str
     ref_router_replay: str
     record_routing: bool
+    bitwise: bool  # rollout.bitwise_logprobs: the rollout engine and the actor run batch-invariant kernels
 
     @property
     def use_reference_policy(self) -> bool:
@@ -80,7 +81,7 @@ def read_shared(config: PPOConfig) -> SharedKeys:
                    use_kl_loss=arr.actor.use_kl_loss, use_kl_in_reward=algo.use_kl_in_reward,
                       distillation=config.distillation.enabled, router_replay=arr.actor.router_replay.mode,
                       ref_router_replay=arr.ref.router_replay.mode,
-                      record_routing=rollout.enable_rollout_routing_replay)
+                      record_routing=rollout.enable_rollout_routing_replay, bitwise=rollout.bitwise_logprobs)
 
 
 @dataclass(frozen=True)

@@ -61,6 +61,7 @@ from shardrl.job.schema import (
     PPOConfig,
     RolloutCorrectionConfig,
 )
+from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.rewards.manager import JudgeScoring, OverlongShaping, RewardModelScoring
 from shardrl.rollout.runner import EngineConfig
@@ -83,7 +84,9 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
     actor = arr.actor
     optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
     model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
-                          shared.override_config, actor.load_weight)
+                          shared.override_config, actor.load_weight, bitwise=shared.bitwise)
+    if shared.bitwise:
+        _check_bitwise_layout(role.spec, actor.megatron.dtype, "actor_rollout_ref.actor.megatron")
     log_prob = role.batches.get("log_prob")
     mode = shared.router_replay
     if mode == "R3":
@@ -103,6 +106,22 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
         checkpoint=_checkpoint_options(actor.checkpoint),
         distillation=distillation_settings(config) if shared.distillation else None, router_replay=mode)
+
+
+_BITWISE = "actor_rollout_ref.rollout.bitwise_logprobs"
+
+
+def _check_bitwise_layout(spec: LayoutSpec, dtype: str, prefix: str) -> None:
+    """Bitwise mode needs every reduction inside one rank's kernels: no tensor (or expert tensor) parallel sums,
+    whose order the collective picks by message size, and a half-precision model (the kernels' dtype)."""
+    for size, key in ((spec.tp, "tensor_model_parallel_size"), (spec.etp, "expert_tensor_parallel_size"),
+                      (spec.cp, "context_parallel_size")):
+        if size > 1:
+            raise ConfigError(f"{prefix}.{key}", f"{size} with {_BITWISE}=true: partial sums across ranks are added "
+                                                 f"in an order the collective picks by size; use 1")
+    if dtype not in ("bfloat16", "float16"):
+        raise ConfigError(f"{prefix}.dtype", f"{dtype} with {_BITWISE}=true: the batch-invariant kernels are the "
+                                             f"half-precision GPU ones; use bfloat16")
 
 
 def _needs_rollout_routing(shared: SharedKeys, key: str) -> None:
@@ -176,7 +195,13 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
         max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching,
-        record_routing=shared.record_routing)
+        record_routing=shared.record_routing, bitwise=shared.bitwise)
+    if shared.bitwise:
+        _check_bitwise_layout(role.spec, rollout.dtype, "actor_rollout_ref.rollout")
+        if rollout.top_k > 0 or rollout.top_p < 1.0 or not rollout.do_sample:
+            raise ConfigError(_BITWISE, f"top_k={rollout.top_k}, top_p={rollout.top_p}, do_sample={rollout.do_sample}: "
+                                        f"the trainer scores the unfiltered distribution at the rollout temperature; "
+                                        f"use top_k=-1, top_p=1.0, do_sample=true")
     sync, val, length = rollout.weight_sync, rollout.val_kwargs, shared.response_length
     ignore_eos = rollout.ignore_eos
     return RolloutOptions(
@@ -379,13 +404,14 @@ def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> Op
 
 def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], gradient_checkpointing: bool,
                   optim: OptimOptions | None, override_config: dict[str, Any], load_weight: bool,
-                  value_head: bool = False) -> ModelOptions:
+                  value_head: bool = False, bitwise: bool = False) -> ModelOptions:
+    """`bitwise`: the role's model runs the batch-invariant kernels (the actor in bitwise mode)."""
     override = megatron.override_transformer_config
     engine = EngineOptions(
         sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(override, gradient_checkpointing),
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
         moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
-        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0))
+        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0), fast=FastPaths(bitwise=bitwise))
     # A frozen role (reference, teacher: no optimizer) has no gradients or optimizer state to offload: compat.py
     # refuses those keys for it.
     trains = optim is not None

@@ -171,10 +171,15 @@ def plan_job(config: PPOConfig) -> JobPlan:
     actor = actor_options(config, shared, roles["actor"])
     judge = judge_options(config, shared, roles["judge"]) if "judge" in roles else None
     trainer = config.trainer
-    return JobPlan(
+    device = resolve_device(trainer.device)
+    if shared.bitwise and device != "cuda":
+        raise ConfigError("actor_rollout_ref.rollout.bitwise_logprobs", f"trainer.device={trainer.device} resolves to "
+                                                                        f"{device}: bitwise mode's kernels are CUDA ones; "
+                                                                        f"run on GPUs or set it false")
+    plan = JobPlan(
         mode=mode,
         placement="detached" if detached else "colocated",
-        device=resolve_device(trainer.device),
+        device=device,
         trainer_ranks=trainer_ranks,
         rollout_ranks=rollout_ranks,
         step_prompts=step.prompts,
@@ -203,6 +208,12 @@ def plan_job(config: PPOConfig) -> JobPlan:
                                  dataclasses.asdict(config)),
         async_training=async_training,
     )
+    if shared.bitwise and plan.actor.model.engine.dtype != plan.rollout.engine.dtype:
+        raise ConfigError("actor_rollout_ref.rollout.dtype", f"{plan.rollout.engine.dtype} with the actor in "
+                                                             f"{plan.actor.model.engine.dtype}: bitwise mode needs the "
+                                                             f"rollout and the actor in one dtype")
+    return plan
+
 
 
 TRAIN_TABLES = ("tp", "cp", "dp", "pp", "dp_cp", "mp", "etp", "ep", "edp", "ep_etp", "embedding")

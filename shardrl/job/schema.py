@@ -274,6 +274,9 @@ class RolloutConfig:
     # verl's: the rollout engine records every token's MoE experts into the batch (`routed_experts`), for R3 to
     # replay; the old-logprob pass reports how often its own routing differs (`routing/rollout_mismatch`)
     enable_rollout_routing_replay: bool
+    # shardrl's (verl has no such key): batch-invariant kernels in the rollout engine and the actor, so the rollout's
+    # sampled-token log-probs equal the old-logprob pass's bit for bit (GPU, bf16/fp16, TP 1; docs/moe_routing.md)
+    bitwise_logprobs: bool
     log_prob_micro_batch_size: PosInt | None  # old-logprob pass of the actor (global, deprecated)
     log_prob_micro_batch_size_per_gpu: PosInt | None
     log_prob_use_dynamic_bsz: bool

@@ -4,10 +4,11 @@ prefill whole prompts, CUDA graphs, padding rows) and the trainer (packed micro 
 bits for the same token.
 
 What makes each one invariant:
-* GEMM (`matmul`): one fixed tile configuration for every shape and no split-K; an output element is the sum over
-  the K dimension in BLOCK_K steps from 0 upward, computed in the program that owns its tile, which depends on
-  nothing but its row and column. Rows of different experts (the grouped form, MoE) never share a tile's output.
-  The integer sizes are not specialised (`do_not_specialize`), so M = 1 compiles to the same code as M = 4096.
+* GEMM (`matmul`): no split-K; an output element is the sum over the K dimension in BLOCK_K steps from 0 upward,
+  computed in the program that owns its tile, which depends on nothing but its row and column (the tile shape
+  changes which elements a program computes, not how each is summed). Rows of different experts (the grouped form,
+  MoE) never share a tile's output. The batch size is not specialised (`do_not_specialize`), so M = 1 compiles to
+  the same code as M = 4096.
 * RMSNorm: one program per row, the whole row in one block.
 * Attention: one program per (query tile, head); every query walks its keys in BLOCK_N blocks from position 0 with
   one online-softmax update per block. A decode query (one row of a tile) and the same query inside a prefill or
@@ -22,13 +23,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-# One configuration for every call (changing it changes bits, never correctness).
-BLOCK_M, BLOCK_N, BLOCK_K, GEMM_WARPS, GEMM_STAGES = 64, 64, 64, 4, 4
+# GEMM tile configurations (BLOCK_M, BLOCK_N, warps, stages), all with BLOCK_K = 64: the K steps, hence every
+# element's order of additions, are the same in each, and on H200 their bits are equal (tests/test_bitwise_gpu.py
+# checks it); the small one serves decode-sized batches, the large one the rest.
+BLOCK_K = 64
+SMALL_GEMM, LARGE_GEMM = (64, 64, 4, 4), (128, 128, 8, 3)
 ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS = 16, 64, 4
-_SIZES = ["num_rows", "num_cols", "depth", "num_experts"]
 
 
-@triton.jit(do_not_specialize=_SIZES)
+@triton.jit(do_not_specialize=["num_rows"])
 def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
                    num_rows, num_cols, depth, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
                    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -37,7 +40,8 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, tile_row_ptr,
 
     Dense: tile t holds rows t*BLOCK_M.. of expert 0. Grouped: tile t holds rows tile_row[t].. of expert
     tile_expert[t] (up to that expert's end row); a tile past the last one (tile_expert == number of experts)
-    does nothing."""
+    does nothing. Rows and columns past the ends are read clamped (a row never affects another) and not stored;
+    only the batch size is left unspecialised (the model's sizes are the same in every call)."""
     tile = tl.program_id(0)
     if GROUPED:
         expert = tl.load(tile_expert_ptr + tile)
@@ -52,38 +56,46 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, tile_row_ptr,
     rows = first + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
-    row_ok = rows < end
-    col_ok = cols < num_cols
-    x_tile = x_ptr + rows.to(tl.int64)[:, None] * stride_xm + ks[None, :]
-    w_tile = w_ptr + expert.to(tl.int64) * stride_we + cols.to(tl.int64)[None, :] * stride_wn + ks[:, None]
+    x_tile = x_ptr + tl.minimum(rows, num_rows - 1).to(tl.int64)[:, None] * stride_xm + ks[None, :]
+    w_tile = (w_ptr + expert.to(tl.int64) * stride_we
+              + tl.minimum(cols, num_cols - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :])  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for start in range(0, depth, BLOCK_K):
         k_ok = start + ks < depth
-        a = tl.load(x_tile + start, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(w_tile + start, mask=k_ok[:, None] & col_ok[None, :], other=0.0)
-        acc = tl.dot(a, b, acc)
+        a = tl.load(x_tile, mask=k_ok[None, :], other=0.0)
+        b = tl.load(w_tile, mask=k_ok[None, :], other=0.0)
+        acc = tl.dot(a, tl.trans(b), acc)
+        x_tile += BLOCK_K
+        w_tile += BLOCK_K
+    col_ok = cols < num_cols
     if HAS_BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     out = y_ptr + rows.to(tl.int64)[:, None] * stride_ym + cols[None, :]
-    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows < end)[:, None] & col_ok[None, :])
 
 
 def _rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype."""
+def _gemm_config(num_rows: int) -> tuple[int, int, int, int]:
+    return SMALL_GEMM if num_rows <= SMALL_GEMM[0] else LARGE_GEMM
+
+
+def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
+           config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; `config` overrides the tile choice (tests)."""
     x, weight = _rows_contiguous(x), _rows_contiguous(weight)
     num_rows, depth = x.shape
     num_cols = weight.shape[0]
     y = x.new_empty(num_rows, num_cols)
     if num_rows and num_cols:
-        grid = (triton.cdiv(num_rows, BLOCK_M), triton.cdiv(num_cols, BLOCK_N))
+        block_m, block_n, warps, stages = config or _gemm_config(num_rows)
+        grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
         _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, x, x, x, num_rows, num_cols, depth,
                              0, x.stride(0), 0, weight.stride(0), y.stride(0), GROUPED=False,
-                             HAS_BIAS=bias is not None, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K,
-                             num_warps=GEMM_WARPS, num_stages=GEMM_STAGES)
+                             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                             num_warps=warps, num_stages=stages)
     return y
 
 
@@ -98,19 +110,20 @@ def grouped_matmul(x: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
     y = x.new_empty(num_rows, num_cols)
     if not num_rows or not num_cols:
         return y
-    max_tiles = triton.cdiv(num_rows, BLOCK_M) + num_experts
+    block_m, block_n, warps, stages = _gemm_config(num_rows)
+    max_tiles = triton.cdiv(num_rows, block_m) + num_experts
     expert_end = counts.cumsum(0)  # [E]
-    tiles = (counts + BLOCK_M - 1) // BLOCK_M  # [E]
+    tiles = (counts + block_m - 1) // block_m  # [E]
     tile_end = tiles.cumsum(0)
     tile_ids = torch.arange(max_tiles, device=x.device)
     tile_expert = torch.searchsorted(tile_end, tile_ids, right=True)  # [max_tiles]; E: no tile
     expert = tile_expert.clamp(max=num_experts - 1)
-    tile_row = expert_end[expert] - counts[expert] + (tile_ids - (tile_end[expert] - tiles[expert])) * BLOCK_M
-    grid = (max_tiles, triton.cdiv(num_cols, BLOCK_N))
+    tile_row = expert_end[expert] - counts[expert] + (tile_ids - (tile_end[expert] - tiles[expert])) * block_m
+    grid = (max_tiles, triton.cdiv(num_cols, block_n))
     _matmul_kernel[grid](x, weights, weights, y, tile_expert, tile_row, expert_end, num_rows, num_cols, depth,
                          num_experts, x.stride(0), weights.stride(0), weights.stride(1), y.stride(0), GROUPED=True,
-                         HAS_BIAS=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, num_warps=GEMM_WARPS,
-                         num_stages=GEMM_STAGES)
+                         HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps,
+                         num_stages=stages)
     return y
 
 
