@@ -6,7 +6,8 @@ of the task's vocabulary (32 experts, top 4), the same seeds, rollout and traine
 to 256 tokens (EOS ignored: the task's answers are a few tokens, too few to show a mismatch); the R3 run adds
 `actor.router_replay.mode=R3` and `rollout.enable_rollout_routing_replay=true`; the other one records the rollout's
 routing too (`enable_rollout_routing_replay` alone), so both report how often the trainer's own routing differs.
-Prints each step's numbers and the mean ratio R3 / off of the k3 mismatch.
+Prints each step's numbers and the mean ratio R3 / off of the k3 mismatch. `--modes off R3 bitwise` adds a third
+run in bitwise mode (`rollout.bitwise_logprobs=true`, replay off): its mismatch must read exactly 0 at every step.
 
     python bench/r3_grpo.py [--steps 8]          # on the GPU
     python bench/r3_grpo.py --device cpu --steps 3 --response 16   # fp32 on CPU: the two runs must agree
@@ -31,9 +32,13 @@ METRICS = ("rollout_corr/mismatch_k3_kl", "rollout_corr/mismatch_kl", "routing/r
            "actor/pg_loss", "actor/grad_norm")
 
 
-def job(root: Path, task: dict, model: Path, steps: int, replay: bool, device: str, seed: int,
+MODES = {"off": [], "R3": ["actor_rollout_ref.actor.router_replay.mode=R3"],
+         "bitwise": ["actor_rollout_ref.rollout.bitwise_logprobs=true"]}
+
+
+def job(root: Path, task: dict, model: Path, steps: int, mode: str, device: str, seed: int,
         response: int) -> list[dict]:
-    run = root / f"{'r3' if replay else 'off'}-{seed}"
+    run = root / f"{mode}-{seed}"
     overrides = [f"actor_rollout_ref.model.path={model}", f"data.tokenizer={task['model']}",
                  f"data.train_files={task['train_files']}", "trainer.test_freq=-1", "trainer.val_before_train=false",
                  f"trainer.total_training_steps={steps}", f"trainer.device={device}", "trainer.n_gpus_per_node=1",
@@ -42,12 +47,11 @@ def job(root: Path, task: dict, model: Path, steps: int, replay: bool, device: s
                  "actor_rollout_ref.rollout.ignore_eos=true", f"trainer.seed={seed}"]
     if device == "cuda":
         overrides += ["actor_rollout_ref.actor.megatron.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"]
-    if replay:
-        overrides.append("actor_rollout_ref.actor.router_replay.mode=R3")
+    overrides += MODES[mode]
     cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", *overrides, "--config-name=ppo_trainer"]
     done = subprocess.run(cmd, capture_output=True, text=True)
     if done.returncode:
-        raise SystemExit(f"{'R3' if replay else 'off'} run failed:\n{done.stderr[-3000:]}")
+        raise SystemExit(f"{mode} run failed:\n{done.stderr[-3000:]}")
     return [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -57,6 +61,7 @@ def main() -> None:
     parser.add_argument("--device", default="cuda", help="cpu: an fp32 smoke test")
     parser.add_argument("--response", type=int, default=256, help="tokens generated per response")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0], help="trainer.seed of each pair of runs")
+    parser.add_argument("--modes", nargs="+", choices=sorted(MODES), default=["off", "R3"])
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -65,8 +70,8 @@ def main() -> None:
         model = make_tiny_checkpoint("qwen3_moe", root / "moe", seed=1, noise_std=0.05, vocab_size=config["vocab_size"],
                                      eos_token_id=config["eos_token_id"], pad_token_id=0, bos_token_id=None, **SHAPE)
         for seed in args.seeds:
-            runs = {name: job(root, task, model, args.steps, replay, args.device, seed, args.response)
-                    for name, replay in (("off", False), ("R3", True))}
+            runs = {mode: job(root, task, model, args.steps, mode, args.device, seed, args.response)
+                    for mode in args.modes}
             report(runs, seed)
 
 
@@ -76,8 +81,9 @@ def report(runs: dict[str, list[dict]], seed: int) -> None:
     for rows in zip(*runs.values()):
         print(f"{rows[0]['step']:4} | " + " | ".join(f"{r.get(m, float('nan')):.3g}" for r in rows for m in METRICS))
     means = {name: sum(r[METRICS[0]] for r in rows) / len(rows) for name, rows in runs.items()}
-    ratio = means["R3"] / means["off"] if means["off"] else float("nan")
-    print(f"mean k3 mismatch: off {means['off']:.4g}, R3 {means['R3']:.4g}, ratio R3/off {ratio:.3f}")
+    print("mean k3 mismatch: " + ", ".join(f"{name} {mean:.4g}" for name, mean in means.items()))
+    if means.get("off") and "R3" in means:
+        print(f"ratio R3/off {means['R3'] / means['off']:.3f}")
 
 
 if __name__ == "__main__":
