@@ -146,11 +146,10 @@ def test_bitwise_gradients_match_the_default_kernels(tmp_path, family, shape):
         logprobs, _ = model.compute_logprobs(model(ids, positions, cu_seqlens), ids.roll(-1))
         logprobs.mean().backward()
         grads.append({name: p.grad for name, p in model.named_parameters()})
-    # A near-tie may route a token to another expert in one mode (bf16 rounding): experts are compared together.
-    experts = [name for name in grads[0] if name.split(".")[-1] in ("w_gate", "w_up", "w_down")]
-    for name, grad in grads[0].items():
-        if name not in experts:
+    if family == "qwen2":
+        for name, grad in grads[0].items():
             assert _close(grads[1][name], grad, 5e-2), name
-    if experts:
-        assert _close(torch.cat([grads[1][n].flatten() for n in experts]),
-                      torch.cat([grads[0][n].flatten() for n in experts]), 5e-2)
+    else:  # a near-tie may route a token to another expert in one mode (bf16 rounding), which moves every gradient
+        names = list(grads[0])
+        assert _close(torch.cat([grads[1][n].flatten() for n in names]),
+                      torch.cat([grads[0][n].flatten() for n in names]), 5e-2)
