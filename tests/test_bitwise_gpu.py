@@ -153,3 +153,43 @@ def test_bitwise_gradients_match_the_default_kernels(tmp_path, family, shape):
         names = list(grads[0])
         assert _close(torch.cat([grads[1][n].flatten() for n in names]),
                       torch.cat([grads[0][n].flatten() for n in names]), 5e-2)
+
+
+def test_bitwise_multi_turn_continuations_equal_the_trainer(tmp_path):
+    """Second turns prefilled against their cached first turns (several continuations in one prefill batch) and
+    decoded on: every second-turn token's logprob is the trainer's over the whole sequence, bit for bit."""
+    from shardrl.models.hf_bridge import load_hf_weights
+    from shardrl.models.transformer import Transformer
+
+    path = make_checkpoint(tmp_path / "qwen2")
+    engine = Engine.from_pretrained(path, Layout.single("cuda"), EngineConfig(
+        max_num_seqs=8, max_num_batched_tokens=4096, max_model_len=1024, dtype=torch.bfloat16,
+        gpu_memory_utilization=0.5, bitwise=True))
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(1, 1000, (int(n),), generator=g).tolist() for n in (17, 64, 130, 5)]
+    first = [SamplingParams(max_tokens=40 + 7 * i, seed=i, ignore_eos=True) for i in range(4)]
+    ids = [engine.submit(p, params, f"a{i}", keep_cache=True)[0] for i, (p, params) in enumerate(zip(prompts, first))]
+    turn1 = {out.request_id: out for out in engine.stream()}
+    environment = [torch.randint(1, 1000, (int(n),), generator=g).tolist() for n in (3, 50, 9, 70)]
+    seconds = []
+    for i, rid in enumerate(ids):
+        out = turn1[rid]
+        prompt = out.prompt_ids + out.token_ids + environment[i]
+        seconds.append(engine.submit(prompt, SamplingParams(max_tokens=60, seed=10 + i, ignore_eos=True), f"b{i}",
+                                     continues=rid)[0])
+    turn2 = {out.request_id: out for out in engine.stream()}
+    assert engine.stats.cached_prefill_tokens > 0
+    config = ModelConfig.from_pretrained(path)
+    model = Transformer(config, Layout.single("cuda"), dtype=torch.bfloat16, fast=FastPaths(bitwise=True))
+    load_hf_weights(model, path)
+    sequences = [turn2[rid].prompt_ids + turn2[rid].token_ids for rid in seconds]
+    flat = torch.tensor([t for s in sequences for t in s], device="cuda")
+    positions = torch.tensor([p for s in sequences for p in range(len(s))], device="cuda")
+    cu = torch.tensor([0, *(len(s) for s in sequences)], device="cuda").cumsum(0).int()
+    with torch.no_grad():
+        trainer, _ = model.compute_logprobs(model(flat, positions, cu), flat.roll(-1))
+    for b, rid in enumerate(seconds):
+        out = turn2[rid]
+        start = int(cu[b]) + len(out.prompt_ids) - 1
+        expected = trainer[start:start + len(out.token_ids)].double()
+        assert torch.equal(torch.tensor(out.logprobs, dtype=torch.float64, device="cuda"), expected), rid

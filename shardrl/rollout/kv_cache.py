@@ -18,6 +18,8 @@ its slot between turns and prefills only its new tokens, which attend to the cac
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -156,7 +158,7 @@ class CachedPrefixAttention:
         self.flash = uses_split_kv_decode(cache.device, cache.dtype)
         self.bitwise = bitwise and self.flash
         if self.bitwise:  # per sequence: first query row, query count, first position, first cache row
-            first_rows = [sum(new_lengths[:b]) for b in range(len(new_lengths))]
+            first_rows = [0, *itertools.accumulate(new_lengths)][:-1]
             host = torch.tensor([first_rows, new_lengths, starts, [s * cache.max_len for s in seq_slots]],
                                 dtype=torch.int32)
             self.q_start, self.q_len, self.q_pos, self.k_start = host.to(device, non_blocking=True)
