@@ -10,8 +10,8 @@ What makes each one invariant:
   MoE) never share a tile's output. The batch size is not specialised (`do_not_specialize`), so M = 1 compiles to
   the same code as M = 4096.
 * RMSNorm: one program per row, the whole row in one block.
-* Attention: one program per (query tile, head); every query walks its keys in BLOCK_N blocks from position 0 with
-  one online-softmax update per block. A decode query (one row of a tile) and the same query inside a prefill or
+* Attention: one program per (tile, KV head), a tile's rows being (query, head of the group) pairs; every row walks
+  its keys in BLOCK_N blocks from position 0 with one online-softmax update per block. A decode query (one row of a tile) and the same query inside a prefill or
   training tile see the same blocks in the same order; blocks past a row's own position add exactly 0 (p = 0,
   rescale 1), so how far its tile's last row reaches does not change its bits.
 """
@@ -155,23 +155,25 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_start_ptr, q_len_ptr, q_pos_
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr):
-    """Program (sequence, query tile, query head): queries i of the tile sit at positions q_pos + i and attend to
-    keys 0..q_pos + i of the sequence's key store (rows k_start.. of k and v)."""
-    seq, tile, head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    """Program (sequence, tile, KV head): tile row r is query r // GROUP of the sequence in query head
+    kv_head * GROUP + r % GROUP (the heads sharing the KV head read its keys once); query i sits at position
+    q_pos + i and attends to keys 0..q_pos + i of the sequence's key store (rows k_start.. of k and v)."""
+    seq, tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
-    if tile * BLOCK_M >= q_len:
+    if tile * BLOCK_M >= q_len * GROUP:
         return
     q_start = tl.load(q_start_ptr + seq).to(tl.int64)
     q_pos = tl.load(q_pos_ptr + seq)
     k_start = tl.load(k_start_ptr + seq).to(tl.int64)
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    row_ok = rows < q_len
-    positions = q_pos + rows
+    queries = rows // GROUP
+    heads = kv_head * GROUP + rows % GROUP
+    row_ok = queries < q_len
+    positions = q_pos + queries
     dims = tl.arange(0, HEAD_DIM)
-    q = tl.load(q_ptr + (q_start + rows)[:, None] * stride_qt + head * stride_qh + dims[None, :],
-                mask=row_ok[:, None], other=0.0)
-    kv_head = head // GROUP
-    last = q_pos + tl.minimum(tile * BLOCK_M + BLOCK_M, q_len) - 1  # the tile's furthest position
+    q_rows = (q_start + queries)[:, None] * stride_qt + heads[:, None] * stride_qh + dims[None, :]
+    q = tl.load(q_ptr + q_rows, mask=row_ok[:, None], other=0.0)
+    last = q_pos + tl.minimum((tile * BLOCK_M + BLOCK_M - 1) // GROUP, q_len - 1)  # the tile's furthest position
     running_max = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     total = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, HEAD_DIM), dtype=tl.float32)
@@ -191,8 +193,8 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_start_ptr, q_len_ptr, q_pos_
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         running_max = new_max
     out = acc / total[:, None]
-    tl.store(o_ptr + (q_start + rows)[:, None] * stride_ot + head * stride_oh + dims[None, :],
-             out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
+    o_rows = (q_start + queries)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
+    tl.store(o_ptr + o_rows, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: Tensor, q_pos: Tensor,
@@ -208,10 +210,11 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: T
     num_seqs = q_len.shape[0]
     if not num_seqs or not q.shape[0]:
         return out
-    grid = (num_seqs, triton.cdiv(max_q_len, ATTN_BLOCK_M), num_heads)
+    group = num_heads // keys.shape[1]
+    grid = (num_seqs, triton.cdiv(max_q_len * group, ATTN_BLOCK_M), keys.shape[1])
     _attention_kernel[grid](q, keys, values, out, q_start, q_len, q_pos, k_start,
                             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
                             values.stride(1), out.stride(0), out.stride(1), scale * 1.4426950408889634,
-                            GROUP=num_heads // keys.shape[1], HEAD_DIM=head_dim, BLOCK_M=ATTN_BLOCK_M,
+                            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=ATTN_BLOCK_M,
                             BLOCK_N=ATTN_BLOCK_N, num_warps=ATTN_WARPS)
     return out
