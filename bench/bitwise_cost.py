@@ -3,9 +3,10 @@ ones (`FastPaths.bitwise`, `EngineConfig.bitwise`), each measured in this proces
 
 Shapes (random bf16 weights): a Qwen2-0.5B-like dense model and a Qwen3-MoE-like one (32 experts, top 4). Rollout:
 `--prompts` prompts of 64..`--prompt` tokens, `--response` new tokens each (CUDA-graph decode). Trainer step: one
-micro batch of `--train-tokens` packed tokens (sequences of 512), forward + log-probs + backward (the optimizer is the
-same in both modes and left out, so the ratio is an upper bound on a whole step's). The two modes alternate for
-`--rounds` rounds and each reports its best round (one H200's throughput drifted by up to 1.4x between calls).
+micro batch of `--train-tokens` packed tokens (sequences of 512), forward + log-probs + backward into the trainer's
+fp32 gradient buffers (`GradBuffers`; the optimizer is the same in both modes and left out, so the ratio is an upper
+bound on a whole step's). The two modes alternate for `--rounds` rounds and each reports its best round (one H200's
+throughput drifted by up to 1.4x between calls).
 
     python bench/bitwise_cost.py
 """
@@ -24,6 +25,7 @@ from shardrl.models.fast_paths import FastPaths
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.models.transformer import Transformer
+from shardrl.parallel.data import GradBuffers
 from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.rollout.request import SamplingParams
@@ -43,6 +45,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-tokens", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of each timed part")
+    parser.add_argument("--models", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
+    parser.add_argument("--parts", nargs="+", choices=["rollout", "train"], default=["rollout", "train"])
     return parser.parse_args()
 
 
@@ -52,7 +56,7 @@ def profiled(fn, label: str, enabled: bool):
         return fn()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         result = fn()
-    print(f"--- {label}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=10), flush=True)
+    print(f"--- {label}\n" + prof.key_averages().table(sort_by="cuda_time_total", row_limit=16), flush=True)
     return result
 
 
@@ -80,11 +84,13 @@ def train_step_seconds(path: Path, bitwise: bool, tokens: int) -> float:
     config = ModelConfig.from_pretrained(path)
     model = Transformer(config, Layout.single("cuda"), dtype=torch.bfloat16, fast=FastPaths(bitwise=bitwise))
     load_hf_weights(model, path)
+    grads = GradBuffers(model.parameters(), Layout.single("cuda"))  # as the trainer: fp32 main_grad accumulation
     ids = torch.randint(1, config.vocab_size, (tokens,), device="cuda")
     positions = torch.arange(tokens, device="cuda") % 512
     cu_seqlens = torch.arange(0, tokens + 1, 512, device="cuda", dtype=torch.int32)
 
     def step() -> None:
+        grads.zero()
         hidden = model(ids, positions, cu_seqlens)
         logprobs, _ = model.compute_logprobs(hidden, ids.roll(-1))
         logprobs.mean().backward()
@@ -101,19 +107,25 @@ def train_step_seconds(path: Path, bitwise: bool, tokens: int) -> float:
 
 def main() -> None:
     args = parse_args()
+    models = {"dense": ("dense 0.5B", "qwen2", DENSE), "moe": ("MoE 32x top4", "qwen3_moe", MOE)}
     with tempfile.TemporaryDirectory() as tmp:
-        for name, family, shape in (("dense 0.5B", "qwen2", DENSE), ("MoE 32x top4", "qwen3_moe", MOE)):
+        for name, family, shape in (models[m] for m in args.models):
             path = make_tiny_checkpoint(family, Path(tmp) / family, noise_std=0.05, **shape)
-            tps, step = {False: 0.0, True: 0.0}, {False: float("inf"), True: float("inf")}
+            tps, step = {False: [], True: []}, {False: [], True: []}
             for _ in range(args.rounds):
                 for mode in (False, True):
-                    tps[mode] = max(tps[mode], profiled(lambda: rollout_tokens_per_second(path, mode, args),
-                                                        f"{name} rollout bitwise={mode}", args.profile))
-                    step[mode] = min(step[mode], profiled(lambda: train_step_seconds(path, mode, args.train_tokens),
-                                                          f"{name} train bitwise={mode}", args.profile))
-            print(f"{name}: rollout {tps[False]:.0f} -> {tps[True]:.0f} tok/s (bitwise {tps[False] / tps[True]:.3f}x "
-                  f"slower); train fwd+bwd {step[False] * 1e3:.1f} -> {step[True] * 1e3:.1f} ms "
-                  f"({step[True] / step[False]:.3f}x)", flush=True)
+                    if "rollout" in args.parts:
+                        tps[mode].append(profiled(lambda: rollout_tokens_per_second(path, mode, args),
+                                                  f"{name} rollout bitwise={mode}", args.profile))
+                    if "train" in args.parts:
+                        step[mode].append(profiled(lambda: train_step_seconds(path, mode, args.train_tokens),
+                                                   f"{name} train bitwise={mode}", args.profile))
+            if tps[False]:
+                fast, slow = max(tps[False]), max(tps[True])
+                print(f"{name}: rollout {fast:.0f} -> {slow:.0f} tok/s (bitwise {fast / slow:.3f}x slower)", flush=True)
+            if step[False]:
+                fast, slow = min(step[False]), min(step[True])
+                print(f"{name}: train fwd+bwd {fast * 1e3:.1f} -> {slow * 1e3:.1f} ms ({slow / fast:.3f}x)", flush=True)
 
 
 if __name__ == "__main__":

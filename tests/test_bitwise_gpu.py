@@ -34,7 +34,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-2) -> bool:
 
 
 def test_matmul_rows_do_not_depend_on_the_batch():
-    from shardrl.parallel.bitwise_kernels import LARGE_GEMM, SMALL_GEMM, grouped_matmul, matmul
+    from shardrl.parallel.bitwise_kernels import GEMM_CONFIGS, expert_tiles, grouped_matmul, matmul
 
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(777, 896, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -42,18 +42,21 @@ def test_matmul_rows_do_not_depend_on_the_batch():
     b = torch.randn(1152, device="cuda", generator=g, dtype=torch.bfloat16)
     full = matmul(x, w, b)
     assert _close(full, F.linear(x, w, b))
-    for rows in (slice(0, 1), slice(5, 6), slice(3, 70), slice(100, 777)):
+    for rows in (slice(0, 1), slice(5, 6), slice(3, 19), slice(3, 70), slice(100, 300), slice(100, 777)):
         assert torch.equal(matmul(x[rows], w, b), full[rows])
     assert torch.equal(matmul(x, w[:896]), matmul(x, w)[:, :896])  # packed q/k/v vs q alone
-    # Decode-sized and large batches take different tiles; the K order, hence every bit, is the same.
-    assert torch.equal(matmul(x, w, b, config=SMALL_GEMM), matmul(x, w, b, config=LARGE_GEMM))
+    # Batches of different sizes take different tiles; the K order, hence every bit, is the same in each.
+    for config in GEMM_CONFIGS:
+        assert torch.equal(matmul(x, w, b, config=config), full), config
     experts = torch.randn(4, 512, 896, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
-    for counts in ([777, 0, 0, 0], [1, 300, 0, 476], [200, 200, 200, 177]):
-        out = grouped_matmul(x, experts, torch.tensor(counts, device="cuda"))
-        start = 0
-        for e, n in enumerate(counts):
-            assert torch.equal(out[start:start + n], matmul(x[start:start + n], experts[e])), (counts, e)
-            start += n
+    for counts in ([777, 0, 0, 0], [1, 300, 0, 476], [200, 200, 200, 177], [0, 0, 0, 777]):
+        counts = torch.tensor(counts, device="cuda")
+        for block_m in (None, 16, 64, 128):  # the tile height follows the rows per expert
+            out = grouped_matmul(x, experts, expert_tiles(counts, x.shape[0], block_m))
+            start = 0
+            for e, n in enumerate(counts.tolist()):
+                assert torch.equal(out[start:start + n], matmul(x[start:start + n], experts[e])), (counts, e)
+                start += n
 
 
 def test_rms_norm_and_attention_rows_do_not_depend_on_the_batch():
@@ -75,8 +78,15 @@ def test_rms_norm_and_attention_rows_do_not_depend_on_the_batch():
     v = torch.randn(total, 2, 64, device="cuda", generator=g, dtype=torch.bfloat16)
     starts = cu[:-1]
     lens = cu[1:] - starts
-    packed = bitwise_attention(q, k, v, starts, lens, torch.zeros_like(starts), starts, max(lengths), 0.125)
+    lse = torch.empty(8, total, device="cuda")
+    packed = bitwise_attention(q, k, v, starts, lens, torch.zeros_like(starts), starts, max(lengths), 0.125, lse)
     assert _close(packed, reference_attention(q, k, v, cu, 0.125))
+    # The log-sum-exp it stores for flash attention's backward: [heads, T], natural log of the scaled scores.
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float().repeat_interleave(4, 1)) * 0.125
+    token = torch.arange(total, device="cuda")
+    segment = torch.searchsorted(cu[1:], token.int(), right=True)
+    visible = (segment[:, None] == segment[None, :]) & (token[None, :] <= token[:, None])
+    assert torch.allclose(lse, scores.masked_fill(~visible, float("-inf")).logsumexp(-1), atol=1e-3)
     # Every query alone, as a decode step reads it: one query at its position against its sequence's keys.
     seq = torch.repeat_interleave(torch.arange(len(lengths), device="cuda"), lens.long())
     pos = (torch.arange(total, device="cuda") - cu[seq.long()]).int()

@@ -58,13 +58,13 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: f
 
 
 def bitwise_attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: Tensor, q_pos: Tensor,
-                      k_start: Tensor, max_q_len: int, scale: float) -> Tensor:
+                      k_start: Tensor, max_q_len: int, scale: float, lse: Tensor | None = None) -> Tensor:
     """The batch-invariant attention kernel (`bitwise_kernels.attention`: packed queries against key stores, the
     training batch's own k and v or the engine's cache) for every caller in bitwise mode, so a query's bits do not
     depend on whether it is decoded, prefilled or trained."""
     from shardrl.parallel.bitwise_kernels import attention  # Triton: CUDA installs only
 
-    return attention(q, keys, values, q_start, q_len, q_pos, k_start, max_q_len, scale)
+    return attention(q, keys, values, q_start, q_len, q_pos, k_start, max_q_len, scale, lse)
 
 
 class _FlashVarlen(torch.autograd.Function):
@@ -96,26 +96,26 @@ def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tens
 
 
 class _BitwiseAttention(torch.autograd.Function):
-    """Forward: the batch-invariant kernel over the packed sequences (`bitwise_attention`). Backward: flash
-    attention's, from its own forward rerun (a gradient of the same function up to rounding; backward bits need not
-    match the rollout's). Costs one more attention forward per layer and micro batch than `_FlashVarlen`."""
+    """Forward: the batch-invariant kernel over the packed sequences (`bitwise_attention`), which also stores each
+    row's log-sum-exp in flash attention's layout. Backward: flash attention's, from that output and log-sum-exp
+    (a gradient of the same function up to rounding; backward bits need not match the rollout's)."""
 
     @staticmethod
     def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
         starts = cu_seqlens[:-1]
+        lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)  # [nq, T], as flash's varlen forward's
         out = bitwise_attention(q, k, v, starts, cu_seqlens[1:] - starts, torch.zeros_like(starts), starts,
-                                max_seqlen, scale)
-        ctx.save_for_backward(q, k, v, cu_seqlens)
+                                max_seqlen, scale, lse)
+        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
         ctx.max_seqlen, ctx.scale = max_seqlen, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, cu_seqlens = ctx.saved_tensors
-        flash_out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, ctx.max_seqlen, ctx.max_seqlen, 0.0, True, False, scale=ctx.scale)
-        return *_flash_backward(grad_out, q, k, v, flash_out, lse, cu_seqlens, rng_state, unused, ctx.max_seqlen,
-                                ctx.scale), None, None, None
+        q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
+        no_dropout_rng = torch.empty((), dtype=torch.int64)  # what flash's forward returns without dropout
+        return *_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, no_dropout_rng, no_dropout_rng,
+                                ctx.max_seqlen, ctx.scale), None, None, None
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:

@@ -42,22 +42,30 @@ class RMSNorm(nn.Module):
 
 
 class _BitwiseRMSNorm(torch.autograd.Function):
-    """Forward: the batch-invariant kernel (one program per row). Backward: autograd through `rms_norm` recomputed
-    (the same function up to rounding; backward bits need not match anything)."""
+    """Forward: the batch-invariant kernel (one program per row), which also keeps each row's reciprocal RMS.
+    Backward: torch's fused RMSNorm backward from it, as the default path's autograd runs it (the same function up
+    to rounding; backward bits need not match anything), in a few launches: training is host-bound at these sizes."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
         from shardrl.parallel.bitwise_kernels import rms_norm as invariant_rms_norm  # Triton: CUDA installs only
 
-        ctx.save_for_backward(x, weight)
-        ctx.eps = eps
-        return invariant_rms_norm(x, weight, eps)
+        rstd = x.new_empty(x.numel() // x.shape[-1], 1, dtype=torch.float32)
+        out = invariant_rms_norm(x, weight, eps, rstd)
+        ctx.save_for_backward(x, weight, rstd)
+        return out
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weight = ctx.saved_tensors
-        with torch.enable_grad():
-            inputs = [t.detach().requires_grad_(wanted) for t, wanted in zip((x, weight), ctx.needs_input_grad)]
-            wanted = [t for t in inputs if t.requires_grad]
-            grads = iter(torch.autograd.grad(rms_norm(*inputs, ctx.eps), wanted, grad) if wanted else ())
-        return *(next(grads) if t.requires_grad else None for t in inputs), None
+        x, weight, rstd = ctx.saved_tensors
+        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+        wants_x, wants_weight, _ = ctx.needs_input_grad
+        grad_weight = None
+        if wants_weight:  # y = w * normed, normed rounded to x's dtype as in the forward
+            grad_weight = (grad_rows * (rows.float() * rstd).to(x.dtype)).sum(0)
+        grad_x = None
+        if wants_x:
+            grad_x, _ = torch.ops.aten._fused_rms_norm_backward(grad_rows * weight, rows, [x.shape[-1]], rstd, None,
+                                                                [True, False])
+            grad_x = grad_x.view(x.shape)
+        return grad_x, grad_weight, None

@@ -18,6 +18,9 @@ What makes each one invariant:
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -25,34 +28,43 @@ from torch import Tensor
 
 # GEMM tile configurations (BLOCK_M, BLOCK_N, warps, stages), all with BLOCK_K = 64: the K steps, hence every
 # element's order of additions, are the same in each, and on H200 their bits are equal (tests/test_bitwise_gpu.py
-# checks it); the small one serves decode-sized batches, the large one the rest.
+# checks every pair; bench/bitwise_kernels.py every model shape). Largest tile first; `_gemm_config` takes the first
+# that keeps the GPU busy, so decode-sized batches get narrow tiles (no split-K to spread them otherwise).
 BLOCK_K = 64
-SMALL_GEMM, LARGE_GEMM = (64, 64, 4, 4), (128, 128, 8, 3)
-ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS = 16, 64, 4
+GEMM_CONFIGS = ((128, 128, 8, 3), (64, 128, 4, 4), (64, 64, 4, 4), (64, 32, 4, 4), (64, 16, 4, 4),
+                (16, 64, 4, 4), (16, 32, 4, 4))
+MIN_PROGRAMS = 64  # fewer tiles than this leave H200's 132 SMs idle (bench/bitwise_kernels.py: best tile per shape)
+# One tile height for every attention call: decode, prefill and training tiles must lay a query's row out alike
+# (other heights change the reduction order of the softmax sums: bench/bitwise_kernels.py prints DIFFER), and 64
+# rows are the fastest for prefill and within 3% of the fastest for decode there.
+ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS = 64, 64, 4
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, tile_row_ptr, expert_end_ptr,
+def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, first_row_ptr, expert_end_ptr,
                    num_rows, num_cols, depth, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
                    GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """Program (row tile, column tile): y[rows, cols] = x[rows] @ w[e][cols]^T (+ bias), fp32 accumulation.
 
-    Dense: tile t holds rows t*BLOCK_M.. of expert 0. Grouped: tile t holds rows tile_row[t].. of expert
-    tile_expert[t] (up to that expert's end row); a tile past the last one (tile_expert == number of experts)
-    does nothing. Rows and columns past the ends are read clamped (a row never affects another) and not stored;
-    only the batch size is left unspecialised (the model's sizes are the same in every call)."""
+    Dense: tile t holds rows t*BLOCK_M.. of expert 0. Grouped: tile t holds rows first_row[t].. of expert
+    tile_expert[t] (up to that expert's end row); a tile past the last one (tile_expert >= the number of experts)
+    runs no K steps and stores nothing (no early return, which would keep the K loop from being pipelined). Rows
+    and columns past the ends are read clamped (a row never affects another) and not stored; only the batch size
+    is left unspecialised (the model's sizes are the same in every call)."""
     tile = tl.program_id(0)
     if GROUPED:
         expert = tl.load(tile_expert_ptr + tile)
-        if expert >= num_experts:
-            return
-        first = tl.load(tile_row_ptr + tile)
-        end = tl.load(expert_end_ptr + expert)
+        live = expert < num_experts
+        expert = tl.minimum(expert, num_experts - 1)
+        first = tl.load(first_row_ptr + tile)
+        end = tl.where(live, tl.load(expert_end_ptr + expert), 0)
+        steps_end = tl.where(live, depth, 0)
     else:
         expert = 0
         first = tile * BLOCK_M
         end = num_rows
+        steps_end = depth
     rows = first + tl.arange(0, BLOCK_M)
     cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
@@ -60,7 +72,7 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, tile_row_ptr,
     w_tile = (w_ptr + expert.to(tl.int64) * stride_we
               + tl.minimum(cols, num_cols - 1).to(tl.int64)[:, None] * stride_wn + ks[None, :])  # [BLOCK_N, BLOCK_K]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for start in range(0, depth, BLOCK_K):
+    for start in range(0, steps_end, BLOCK_K):
         k_ok = start + ks < depth
         a = tl.load(x_tile, mask=k_ok[None, :], other=0.0)
         b = tl.load(w_tile, mask=k_ok[None, :], other=0.0)
@@ -78,8 +90,19 @@ def _rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def _gemm_config(num_rows: int) -> tuple[int, int, int, int]:
-    return SMALL_GEMM if num_rows <= SMALL_GEMM[0] else LARGE_GEMM
+def _block_m(num_rows: int) -> int:
+    """Tile height of a dense GEMM: a decode step's few rows fill a 16-row tile, a larger batch 64 or 128."""
+    return 16 if num_rows <= 16 else 64 if num_rows <= 64 else 128
+
+
+def _gemm_config(row_tiles: Callable[[int], int], num_cols: int, heights: tuple[int, ...]) -> tuple[int, int, int, int]:
+    """The largest configuration of a tile height in `heights` whose grid (`row_tiles(block_m)` x column tiles)
+    reaches MIN_PROGRAMS, else the smallest of them."""
+    allowed = [c for c in GEMM_CONFIGS if c[0] in heights]
+    for config in allowed:
+        if row_tiles(config[0]) * triton.cdiv(num_cols, config[1]) >= MIN_PROGRAMS:
+            return config
+    return allowed[-1]
 
 
 def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
@@ -90,7 +113,9 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     num_cols = weight.shape[0]
     y = x.new_empty(num_rows, num_cols)
     if num_rows and num_cols:
-        block_m, block_n, warps, stages = config or _gemm_config(num_rows)
+        heights = (128, 64) if num_rows > 64 else (_block_m(num_rows),)
+        block_m, block_n, warps, stages = config or _gemm_config(lambda m: triton.cdiv(num_rows, m), num_cols,
+                                                                 heights)
         grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
         _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, x, x, x, num_rows, num_cols, depth,
                              0, x.stride(0), 0, weight.stride(0), y.stride(0), GROUPED=False,
@@ -99,10 +124,59 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     return y
 
 
-def grouped_matmul(x: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
-    """x [R, K] (rows of expert 0, then expert 1, ...), weights [E, N, K], counts [E] rows per expert ->
-    [R, N], row r through its expert's weight. The tile map is built on the device (no host read: CUDA graphs and
-    no sync), for the most tiles any split of R rows over E experts needs."""
+@dataclass(frozen=True)
+class ExpertTiles:
+    """The row tiles of a grouped GEMM (`expert_tiles`): tile t holds rows first_row[t].. of expert expert[t], up
+    to expert_end of it; expert[t] >= the number of experts marks a tile past the last. One map serves every GEMM
+    over the same rows (an expert FFN's three)."""
+
+    expert: Tensor  # [max_tiles] int32
+    first_row: Tensor  # [max_tiles] int32
+    expert_end: Tensor  # [E] int32: one past each expert's last row
+    block_m: int
+
+
+@triton.jit
+def _expert_tiles_kernel(counts_ptr, expert_ptr, first_row_ptr, expert_end_ptr, num_experts, max_tiles,
+                         BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One program: each expert's rows cut into BLOCK_M tiles, numbered expert by expert."""
+    experts = tl.arange(0, EXPERTS)
+    present = experts < num_experts
+    counts = tl.load(counts_ptr + experts, mask=present, other=0).to(tl.int32)
+    ends = tl.cumsum(counts, 0)
+    tiles = (counts + BLOCK_M - 1) // BLOCK_M
+    tile_ends = tl.cumsum(tiles, 0)
+    row_minus_tile = ends - counts - (tile_ends - tiles) * BLOCK_M  # first row - first tile * BLOCK_M, per expert
+    tl.store(expert_end_ptr + experts, ends, mask=present)
+    for start in range(0, max_tiles, BLOCK_T):
+        t = start + tl.arange(0, BLOCK_T)
+        expert = tl.sum((tile_ends[None, :] <= t[:, None]).to(tl.int32), axis=1)  # EXPERTS past the last tile
+        mine = experts[None, :] == expert[:, None]
+        first = tl.sum(tl.where(mine, row_minus_tile[None, :], 0), axis=1) + t * BLOCK_M
+        tl.store(expert_ptr + t, expert, mask=t < max_tiles)
+        tl.store(first_row_ptr + t, first, mask=t < max_tiles)
+
+
+def expert_tiles(counts: Tensor, num_rows: int, block_m: int | None = None) -> ExpertTiles:
+    """The tile map of `num_rows` rows grouped by expert, counts [E] rows per expert, built on the device by one
+    kernel (no host read: CUDA graphs and no sync) for the most tiles any split of the rows needs. The tile height
+    follows the mean rows per expert (`block_m` overrides it: bench)."""
+    num_experts = counts.shape[0]
+    per_expert = num_rows / num_experts
+    block_m = block_m or (16 if per_expert <= 32 else 64 if per_expert <= 128 else 128)
+    max_tiles = triton.cdiv(num_rows, block_m) + num_experts
+    expert = torch.empty(max_tiles, dtype=torch.int32, device=counts.device)
+    first_row = torch.empty_like(expert)
+    expert_end = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
+    _expert_tiles_kernel[(1,)](counts, expert, first_row, expert_end, num_experts, max_tiles, BLOCK_M=block_m,
+                               EXPERTS=triton.next_power_of_2(num_experts), BLOCK_T=64)
+    return ExpertTiles(expert, first_row, expert_end, block_m)
+
+
+def grouped_matmul(x: Tensor, weights: Tensor, tiles: ExpertTiles,
+                   config: tuple[int, int, int, int] | None = None) -> Tensor:
+    """x [R, K] (rows of expert 0, then expert 1, ...), weights [E, N, K], `tiles` the map of those rows
+    (`expert_tiles`) -> [R, N], row r through its expert's weight."""
     x = _rows_contiguous(x)
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     num_rows, depth = x.shape
@@ -110,54 +184,56 @@ def grouped_matmul(x: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
     y = x.new_empty(num_rows, num_cols)
     if not num_rows or not num_cols:
         return y
-    block_m, block_n, warps, stages = _gemm_config(num_rows)
-    max_tiles = triton.cdiv(num_rows, block_m) + num_experts
-    expert_end = counts.cumsum(0)  # [E]
-    tiles = (counts + block_m - 1) // block_m  # [E]
-    tile_end = tiles.cumsum(0)
-    tile_ids = torch.arange(max_tiles, device=x.device)
-    tile_expert = torch.searchsorted(tile_end, tile_ids, right=True)  # [max_tiles]; E: no tile
-    expert = tile_expert.clamp(max=num_experts - 1)
-    tile_row = expert_end[expert] - counts[expert] + (tile_ids - (tile_end[expert] - tiles[expert])) * block_m
+    max_tiles = tiles.expert.shape[0]
+    block_m, block_n, warps, stages = config or _gemm_config(lambda m: max_tiles, num_cols, (tiles.block_m,))
     grid = (max_tiles, triton.cdiv(num_cols, block_n))
-    _matmul_kernel[grid](x, weights, weights, y, tile_expert, tile_row, expert_end, num_rows, num_cols, depth,
-                         num_experts, x.stride(0), weights.stride(0), weights.stride(1), y.stride(0), GROUPED=True,
-                         HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=warps,
-                         num_stages=stages)
+    _matmul_kernel[grid](x, weights, weights, y, tiles.expert, tiles.first_row, tiles.expert_end, num_rows,
+                         num_cols, depth, num_experts, x.stride(0), weights.stride(0), weights.stride(1), y.stride(0),
+                         GROUPED=True, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
+                         num_warps=warps, num_stages=stages)
     return y
 
 
 @triton.jit(do_not_specialize=["num_cols"])
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, num_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr):
-    """Program row: y = w * (x / sqrt(mean(x^2) + eps) rounded to x's dtype), HF's order of roundings."""
+def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, num_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr,
+                     STORE_RSTD: tl.constexpr):
+    """Program row: y = w * (x / sqrt(mean(x^2) + eps) rounded to x's dtype), HF's order of roundings;
+    `STORE_RSTD`: also 1 / sqrt(mean(x^2) + eps) in fp32 (the fused backward takes it)."""
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     inside = cols < num_cols
     x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
     inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / num_cols + eps)
+    if STORE_RSTD:
+        tl.store(rstd_ptr + row, inv)
     normed = (x * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
     w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
     tl.store(y_ptr + row * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=inside)
 
 
-def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """x [..., H] -> the same shape, normalised per row of H."""
+def rms_norm(x: Tensor, weight: Tensor, eps: float, rstd: Tensor | None = None) -> Tensor:
+    """x [..., H] -> the same shape, normalised per row of H; `rstd` [rows, 1] fp32: filled with each row's
+    reciprocal RMS (training)."""
     rows = _rows_contiguous(x).reshape(-1, x.shape[-1])
     y = torch.empty_like(rows)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, rows.shape[1], rows.stride(0), y.stride(0), eps,
-                                           BLOCK=triton.next_power_of_2(rows.shape[1]), num_warps=4)
+        _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, rstd if rstd is not None else y, rows.shape[1],
+                                           rows.stride(0), y.stride(0), eps,
+                                           BLOCK=triton.next_power_of_2(rows.shape[1]), STORE_RSTD=rstd is not None,
+                                           num_warps=4)
     return y.view(x.shape)
 
 
 @triton.jit
-def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
+def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
-                      scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr):
+                      stride_lse_h, scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, STORE_LSE: tl.constexpr):
     """Program (sequence, tile, KV head): tile row r is query r // GROUP of the sequence in query head
     kv_head * GROUP + r % GROUP (the heads sharing the KV head read its keys once); query i sits at position
-    q_pos + i and attends to keys 0..q_pos + i of the sequence's key store (rows k_start.. of k and v)."""
+    q_pos + i and attends to keys 0..q_pos + i of the sequence's key store (rows k_start.. of k and v).
+    `STORE_LSE`: also the natural log-sum-exp of each row's scaled scores, at lse[head, q_start + i] (flash
+    attention's backward takes it, so training need not rerun a forward for it)."""
     seq, tile, kv_head = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_len = tl.load(q_len_ptr + seq)
     if tile * BLOCK_M >= q_len * GROUP:
@@ -193,28 +269,35 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, q_start_ptr, q_len_ptr, q_pos_
         acc = acc * rescale[:, None] + tl.dot(p.to(v.dtype), v)
         running_max = new_max
     out = acc / total[:, None]
+    if STORE_LSE:
+        lse = (running_max + tl.log2(total)) * 0.6931471805599453
+        tl.store(lse_ptr + heads.to(tl.int64) * stride_lse_h + q_start + queries, lse, mask=row_ok)
     o_rows = (q_start + queries)[:, None] * stride_ot + heads[:, None] * stride_oh + dims[None, :]
     tl.store(o_ptr + o_rows, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 def attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: Tensor, q_pos: Tensor,
-              k_start: Tensor, max_q_len: int, scale: float) -> Tensor:
+              k_start: Tensor, max_q_len: int, scale: float, lse: Tensor | None = None,
+              block_m: int | None = None) -> Tensor:
     """Causal attention of packed queries q [T, nq, D] against key/value stores [R, nkv, D] (row stride free).
 
     Sequence b's queries are rows q_start[b].. (q_len[b] of them) at positions q_pos[b].., and its keys and
     values at positions 0.. are rows k_start[b].. of the stores (int32 [N] each, on the device). `max_q_len`
     bounds q_len (the grid). Training and fresh prefill: the stores are the packed k and v themselves; the engine's
-    cache: a slot's rows."""
+    cache: a slot's rows. `lse` [nq, T] fp32: filled with each query row's log-sum-exp (training). `block_m`
+    overrides the tile height (tests, bench)."""
     num_heads, head_dim = q.shape[1], q.shape[2]
     out = torch.empty_like(q)
     num_seqs = q_len.shape[0]
     if not num_seqs or not q.shape[0]:
         return out
     group = num_heads // keys.shape[1]
-    grid = (num_seqs, triton.cdiv(max_q_len * group, ATTN_BLOCK_M), keys.shape[1])
-    _attention_kernel[grid](q, keys, values, out, q_start, q_len, q_pos, k_start,
+    block_m = block_m or ATTN_BLOCK_M
+    grid = (num_seqs, triton.cdiv(max_q_len * group, block_m), keys.shape[1])
+    _attention_kernel[grid](q, keys, values, out, lse if lse is not None else out, q_start, q_len, q_pos, k_start,
                             q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
-                            values.stride(1), out.stride(0), out.stride(1), scale * 1.4426950408889634,
-                            GROUP=group, HEAD_DIM=head_dim, BLOCK_M=ATTN_BLOCK_M,
-                            BLOCK_N=ATTN_BLOCK_N, num_warps=ATTN_WARPS)
+                            values.stride(1), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+                            scale * 1.4426950408889634, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                            BLOCK_N=ATTN_BLOCK_N, STORE_LSE=lse is not None,
+                            num_warps=ATTN_WARPS if block_m <= 64 else 2 * ATTN_WARPS)
     return out

@@ -24,9 +24,12 @@ def expert_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: 
     batch-invariant grouped GEMM forward (`_BitwiseGrouped`). Returns [N, H].
     """
     if bitwise and x.is_cuda:
-        gate = _BitwiseGrouped.apply(x, w_gate, counts)
-        up = _BitwiseGrouped.apply(x, w_up, counts)
-        return _BitwiseGrouped.apply(gated_silu(gate, up), w_down, counts)
+        from shardrl.parallel.bitwise_kernels import expert_tiles  # Triton: CUDA installs only
+
+        tiles = expert_tiles(counts, x.shape[0])  # one tile map for the three GEMMs
+        gate = _BitwiseGrouped.apply(x, w_gate, tiles)
+        up = _BitwiseGrouped.apply(x, w_up, tiles)
+        return _BitwiseGrouped.apply(gated_silu(gate, up), w_down, tiles)
     if grouped is None:
         grouped = can_use_grouped_mm(x, w_gate, w_down)
     if grouped:
@@ -76,22 +79,21 @@ class _ContiguousGrad(torch.autograd.Function):
 
 
 class _BitwiseGrouped(torch.autograd.Function):
-    """y = x_e @ w[e]^T per expert's rows. Forward: the batch-invariant grouped GEMM (`bitwise_kernels`), whose
-    row bits do not depend on how many rows any expert got. Backward: torch's grouped GEMMs (the two products of
-    `grouped_mm`'s own backward, with no host read)."""
+    """y = x_e @ w[e]^T per expert's rows. Forward: the batch-invariant grouped GEMM (`bitwise_kernels`) over a tile
+    map of the rows, whose row bits do not depend on how many rows any expert got. Backward: torch's grouped GEMMs
+    (the two products of `grouped_mm`'s own backward, at the map's expert ends: no host read)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weights: Tensor, counts: Tensor) -> Tensor:
+    def forward(ctx, x: Tensor, weights: Tensor, tiles) -> Tensor:
         from shardrl.parallel.bitwise_kernels import grouped_matmul  # Triton: CUDA installs only
 
-        ctx.save_for_backward(x, weights, counts)
-        return grouped_matmul(x, weights, counts)
+        ctx.save_for_backward(x, weights, tiles.expert_end)
+        return grouped_matmul(x, weights, tiles)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
-        x, weights, counts = ctx.saved_tensors
+        x, weights, offsets = ctx.saved_tensors
         grad = grad.contiguous()
-        offsets = counts.cumsum(0).to(torch.int32)
         wants_x, wants_weights, _ = ctx.needs_input_grad
         grad_x = F.grouped_mm(grad, weights, offs=offsets) if wants_x else None  # [N, in]
         grad_weights = None
