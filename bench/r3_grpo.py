@@ -6,6 +6,9 @@ of the task's vocabulary (32 experts, top 4), the same seeds, rollout and traine
 to 256 tokens (EOS ignored: the task's answers are a few tokens, too few to show a mismatch); the R3 run adds
 `actor.router_replay.mode=R3` and `rollout.enable_rollout_routing_replay=true`; the other one records the rollout's
 routing too (`enable_rollout_routing_replay` alone), so both report how often the trainer's own routing differs.
+The R3 run also sets `router_replay.measure_unreplayed=true`: each step's old-logprob pass runs once more routing
+itself, so the mismatch with and without replay are compared on the same weights and samples (the two runs train
+apart after step 1).
 Prints each step's numbers and the mean ratio R3 / off of the k3 mismatch. `--modes off R3 bitwise` adds a third
 run in bitwise mode (`rollout.bitwise_logprobs=true`, replay off): its mismatch must read exactly 0 at every step.
 
@@ -28,11 +31,13 @@ from shardrl.models.tiny import make_tiny_checkpoint
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, num_attention_heads=4,
              num_key_value_heads=2, head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=128,
              norm_topk_prob=True)
-METRICS = ("rollout_corr/mismatch_k3_kl", "rollout_corr/mismatch_kl", "routing/rollout_mismatch", "actor/entropy",
-           "actor/pg_loss", "actor/grad_norm")
+METRICS = ("rollout_corr/mismatch_k3_kl", "rollout_corr/unreplayed/mismatch_k3_kl", "rollout_corr/mismatch_kl",
+           "routing/rollout_mismatch", "actor/entropy", "actor/pg_loss", "actor/grad_norm")
+UNREPLAYED = "rollout_corr/unreplayed/mismatch_k3_kl"
 
 
-MODES = {"off": [], "R3": ["actor_rollout_ref.actor.router_replay.mode=R3"],
+MODES = {"off": [], "R3": ["actor_rollout_ref.actor.router_replay.mode=R3",
+                           "actor_rollout_ref.actor.router_replay.measure_unreplayed=true"],
          "bitwise": ["actor_rollout_ref.rollout.bitwise_logprobs=true"]}
 
 
@@ -77,13 +82,19 @@ def main() -> None:
 
 def report(runs: dict[str, list[dict]], seed: int) -> None:
     print(f"trainer.seed={seed}")
-    print("step | " + " | ".join(f"{name} {m.split('/')[-1]}" for name in runs for m in METRICS))
+    print("step | " + " | ".join(f"{name} {m.removeprefix('rollout_corr/').split('/', 1)[-1] if 'unreplayed' not in m else 'unreplayed_k3'}"
+                                 for name in runs for m in METRICS))
     for rows in zip(*runs.values()):
         print(f"{rows[0]['step']:4} | " + " | ".join(f"{r.get(m, float('nan')):.3g}" for r in rows for m in METRICS))
     means = {name: sum(r[METRICS[0]] for r in rows) / len(rows) for name, rows in runs.items()}
     print("mean k3 mismatch: " + ", ".join(f"{name} {mean:.4g}" for name, mean in means.items()))
     if means.get("off") and "R3" in means:
         print(f"ratio R3/off {means['R3'] / means['off']:.3f}")
+    if "R3" in runs:  # like for like: the R3 run's old-logprob pass with and without replay, same weights and samples
+        pairs = [(r[METRICS[0]], r[UNREPLAYED]) for r in runs["R3"]]
+        below = sum(replayed < unreplayed for replayed, unreplayed in pairs)
+        print(f"R3 run, same batches: replayed k3 below unreplayed at {below} of {len(pairs)} steps; mean "
+              f"{sum(p[0] for p in pairs) / len(pairs):.4g} vs {sum(p[1] for p in pairs) / len(pairs):.4g}")
 
 
 if __name__ == "__main__":

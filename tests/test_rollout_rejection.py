@@ -111,3 +111,17 @@ def test_default_job_runs_bypass_reinforce_with_verl_flags(tmp_path):
     # The REINFORCE loss ran (no clipping metrics) and trained on the behaviour logprobs (no old-log-prob pass).
     assert all("actor/pg_clipfrac" not in r and "actor/ppo_kl" in r and r["actor/grad_norm"] > 0 for r in rows)
     assert all("timing_s/old_log_prob" not in r for r in rows)
+
+
+def test_r3s_unreplayed_log_probs_report_the_mismatch_replay_removed():
+    # measure_unreplayed's pass (routing itself) beside the replayed one: the step reports both against the rollout,
+    # k1 = mean(rollout - other) and k3 = mean(exp(d) - d - 1) with d = other - rollout, over the sampled tokens.
+    batch = scored_batch([[0.1, 0.0, 0.0], [0.0, 0.0, 0.0]], [[1, 1, 0], [1, 1, 1]], [1.0, 0.0])
+    d = torch.tensor([[0.3, -0.2, 9.0], [0.0, 0.1, 0.0]])  # the third token of row 0 is padding
+    batch.tensors["unreplayed_log_probs"] = batch.tensors["rollout_log_probs"] + d
+    metrics = train_inputs(batch)
+    kept = [0.3, -0.2, 0.0, 0.1, 0.0]
+    assert metrics["rollout_corr/unreplayed/mismatch_kl"] == pytest.approx(-sum(kept) / 5, rel=1e-5)
+    assert metrics["rollout_corr/unreplayed/mismatch_k3_kl"] == pytest.approx(
+        sum(math.exp(x) - x - 1 for x in kept) / 5, rel=1e-5)  # fp32 log-probs
+    assert metrics["rollout_corr/mismatch_k3_kl"] == pytest.approx((math.exp(0.1) - 0.1 - 1) / 5, rel=1e-5)

@@ -123,6 +123,13 @@ R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollou
      "actor_rollout_ref.rollout.enable_rollout_routing_replay"),
     (["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.router_replay.record_file=/r.pt"],
      "actor_rollout_ref.actor.router_replay.record_file"),
+    # The counterfactual of replay: nothing to compare without R3, nothing to run without the old-logprob pass.
+    (["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.router_replay.measure_unreplayed=true"],
+     "actor_rollout_ref.actor.router_replay.measure_unreplayed"),
+    ([*R3, "actor_rollout_ref.actor.router_replay.measure_unreplayed=true", "algorithm.rollout_correction.bypass_mode=true"],
+     "actor_rollout_ref.actor.router_replay.measure_unreplayed"),
+    ([*R3, "actor_rollout_ref.ref.router_replay.measure_unreplayed=true", "actor_rollout_ref.actor.use_kl_loss=true"],
+     "actor_rollout_ref.ref.router_replay.measure_unreplayed"),
 ])
 def test_router_replay_settings_shardrl_cannot_honour_are_refused(overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -204,16 +211,24 @@ def test_an_r3_job_replays_the_rollouts_routing_in_every_pass(tmp_path, config_n
     batches) to the old-logprob pass and the update, which replay it. Sync at lr=0: the trainer holds the rollout's
     weights, so its own routing equals the rollout's at every (token, layer) pair only if every token's row is its
     own (one token off, most pairs differ), and the update's ratio is exactly 1. Fully async: the rollout runs
-    behind the trainer, whose own routing drifts from the rollout's; the replay overrides those choices."""
+    behind the trainer, whose own routing drifts from the rollout's; the replay overrides those choices.
+    `measure_unreplayed` runs the old-logprob pass once more routing itself: with nothing to override (sync) its
+    mismatch is the replayed pass's; where replay overrode choices (async) the two passes' log-probs differ."""
     from async_jobs import run_job
 
     task = [a for a in moe_builtin_task(tmp_path) if "router_replay" not in a]
-    rows, _ = run_job(tmp_path / "run", config_name, *task, *R3, *extra)
+    rows, _ = run_job(tmp_path / "run", config_name, *task, *R3, *extra,
+                      "actor_rollout_ref.actor.router_replay.measure_unreplayed=true")
     assert all("routing/rollout_mismatch" in r and "actor/router_replay/overridden" in r for r in rows), rows
+    replayed = [r["rollout_corr/mismatch_k3_kl"] for r in rows]
+    unreplayed = [r["rollout_corr/unreplayed/mismatch_k3_kl"] for r in rows]
     if config_name == "ppo_trainer":
         assert [r["step"] for r in rows] == [1, 2]
         assert all(r["routing/rollout_mismatch"] == 0 and r["actor/router_replay/overridden"] == 0
                    and abs(r["actor/ppo_kl"]) < 1e-6 for r in rows), rows
+        assert unreplayed == pytest.approx(replayed, abs=1e-9)
     else:
         assert rows[0]["routing/rollout_mismatch"] == 0  # generated with the trainer's first weights
         assert max(r["actor/router_replay/overridden"] for r in rows) > 0.01, rows
+        overridden = [i for i, r in enumerate(rows) if r["routing/rollout_mismatch"] > 0]
+        assert any(unreplayed[i] != replayed[i] for i in overridden), (replayed, unreplayed)

@@ -19,7 +19,7 @@ from shardrl.algos.kl import (
     kl_estimate,
     make_kl_controller,
 )
-from shardrl.algos.off_policy import OffPolicyCorrection, rollout_correction, truncated_is_weights
+from shardrl.algos.off_policy import OffPolicyCorrection, mismatch_metrics, rollout_correction, truncated_is_weights
 from shardrl.algos.policy_loss import (
     POLICY_LOSS_MODES,
     ClipRange,
@@ -60,6 +60,7 @@ __all__ = [
     "make_kl_controller",
     "ppo_clip_loss",
     "register_adv_estimator",
+    "mismatch_metrics",
     "rollout_correction",
     "sapo_loss",
     "scaled_token_mean",

@@ -76,7 +76,7 @@ def rollout_correction(
     anchor = _anchor(old_log_prob, rollout_log_prob, rollout_is, decoupled, rejection, rollout_is_batch_normalize)
     metrics: dict[str, torch.Tensor] = {}
     if old_log_prob is not None and rollout_log_prob is not None:
-        metrics.update(_mismatch_metrics(old_log_prob, rollout_log_prob, response_mask))
+        metrics.update(mismatch_metrics(old_log_prob, rollout_log_prob, response_mask))
     weights = torch.ones_like(anchor)
     if rollout_is is not None:
         weights, is_metrics = truncated_is_weights(
@@ -180,7 +180,7 @@ def normalize_is_weights(
     return torch.where(valid, weights / mean, 1.0), mean
 
 
-def _mismatch_metrics(
+def mismatch_metrics(
     old_log_prob: torch.Tensor, rollout_log_prob: torch.Tensor, response_mask: torch.Tensor
 ) -> dict[str, torch.Tensor]:
     """k1 and k3 estimates of KL(behaviour || old) on the sampled tokens: how far the rollout is off-policy."""

@@ -99,13 +99,20 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         raise ConfigError("actor_rollout_ref.actor.router_replay.mode", "R2 replays the routing of the old-logprob "
                                                                         "pass, which this job skips (PPO anchors on "
                                                                         "the rollout's log-probs); use disabled")
+    measure_unreplayed = actor.router_replay.measure_unreplayed
+    if measure_unreplayed and (mode != "R3" or log_prob is None):
+        raise ConfigError("actor_rollout_ref.actor.router_replay.measure_unreplayed", "it compares the old-logprob "
+                          "pass's R3 replay with its own routing, so it needs router_replay.mode=R3 and an old-logprob "
+                          "pass (without replay, rollout_corr/mismatch_kl already measures routing itself); leave it "
+                          "false")
     return ActorOptions(
         seed=actor.megatron.seed, model=model,
         update=_update_options(role.batches["update"], actor.ppo_epochs, actor.shuffle, shared.seed),
         loss=policy_loss_options(config, shared.decoupled, shared.use_kl_loss, shared.response_length),
         log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
         checkpoint=_checkpoint_options(actor.checkpoint),
-        distillation=distillation_settings(config) if shared.distillation else None, router_replay=mode)
+        distillation=distillation_settings(config) if shared.distillation else None, router_replay=mode,
+        measure_unreplayed=measure_unreplayed)
 
 
 _BITWISE = "actor_rollout_ref.rollout.bitwise_logprobs"
@@ -162,6 +169,10 @@ def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOpt
         if shared.router_replay == "R2":
             raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "R3 replays the rollout's routing, but under "
                               "the actor's R2 the batch carries the old-logprob pass's; use R3 for both, or disabled")
+    if config.actor_rollout_ref.ref.router_replay.measure_unreplayed:
+        raise ConfigError("actor_rollout_ref.ref.router_replay.measure_unreplayed", "only the actor's old-logprob "
+                          "pass measures the mismatch replay removes (actor_rollout_ref.actor.router_replay."
+                          "measure_unreplayed); leave it false")
     return RefOptions(model, role.batches["log_prob"].forward(), replay_rollout_routing=mode == "R3")
 
 

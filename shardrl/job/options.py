@@ -158,6 +158,9 @@ class ActorOptions:
     # MoE routing replay (verl's actor.router_replay.mode): R2, the old-logprob pass records each token's experts
     # and the update replays them; R3, the old-logprob pass and the update replay the rollout engine's.
     router_replay: Literal["disabled", "R2", "R3"] = "disabled"
+    # R3 only: the old-logprob pass runs once more with every MoE layer routing itself, so the batch carries the
+    # log-probs replay replaced (`unreplayed_log_probs`) and the step reports their mismatch with the rollout's.
+    measure_unreplayed: bool = False
 
 
 @dataclass(frozen=True)

@@ -128,6 +128,8 @@ class RouterReplayConfig:
     mode: Literal["disabled", "R2", "R3"]
     record_file: str | None
     replay_file: str | None
+    # shardrl's (actor, R3): the old-logprob pass also runs routing itself, for the mismatch replay removed
+    measure_unreplayed: bool
 
 
 @dataclass(frozen=True)

@@ -13,12 +13,12 @@ import torch
 
 from shardrl.agents.trajectory import Source
 from shardrl.algos import (AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, gdpo_reward_components,
-                           rollout_correction)
+                           mismatch_metrics, rollout_correction)
 from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.rewards.manager import SampleScores, compute_token_level_scores
 from shardrl.job.options import AlgorithmOptions, LoopOptions, RewardOptions
-from shardrl.workers.engine import ROUTING_MISMATCH
+from shardrl.workers.engine import ROUTING_MISMATCH, UNREPLAYED_LOG_PROBS
 
 # Which validation samples `trainer.log_val_generations` shows: a fixed seed, so every validation of every run shows
 # the answers to the same prompts and they can be compared.
@@ -127,6 +127,9 @@ def apply_rewards_and_correction(batch: Batch, algo: AlgorithmOptions,
     if rc.rollout_is is not None and rc.decoupled:
         t["is_weights"] = correction.is_weights
     metrics |= {f"rollout_corr/{k}": float(v) for k, v in correction.metrics.items()}
+    if UNREPLAYED_LOG_PROBS in t.keys():  # R3's counterfactual: the same batch's mismatch had it routed itself
+        unreplayed = mismatch_metrics(t[UNREPLAYED_LOG_PROBS], t["rollout_log_probs"], t["response_mask"])
+        metrics |= {f"rollout_corr/unreplayed/{k}": float(v) for k, v in unreplayed.items()}
     if algo.kl_in_reward is not None:
         rewards, kl_metrics = apply_kl_penalty(t["token_level_scores"], t["old_log_probs"], t["ref_log_probs"],
                                                t["response_mask"], kl_ctrl.value, algo.kl_in_reward.estimator)

@@ -37,6 +37,7 @@ from shardrl.parallel.layout import GroupRegistry
 from shardrl.workers.engine import (
     ROUTED_EXPERTS,
     ROUTING_MISMATCH,
+    UNREPLAYED_LOG_PROBS,
     MicroBatch,
     ModelEngine,
     Routing,
@@ -151,6 +152,9 @@ class ActorRefWorker:
         with self._actor_resident():
             out = log_prob_pass(self.actor, batch, o.log_prob, o.temperature,
                                 old_log_prob_routing(o.router_replay, batch, self.actor))
+            if o.measure_unreplayed:  # the same batch and weights, every MoE layer routing itself
+                out[UNREPLAYED_LOG_PROBS] = log_prob_pass(self.actor, batch, o.log_prob, o.temperature,
+                                                          None)["log_probs"]
         out["old_log_probs"] = out.pop("log_probs")
         return Batch(out)
 

@@ -42,6 +42,9 @@ ROUTED_EXPERTS = "routed_experts"  # [B, S, L, k]: per token of input_ids, the e
 # [B, 2] per row, summed over its tokens and MoE layers: (pairs where the pass's own top-k differed from the batch's
 # `routed_experts`, pairs compared); a replayed pass's first column counts the tokens whose choice replay overrode.
 ROUTING_MISMATCH = "routing_mismatch"
+# [B, R] the old-logprob pass's log-probs with every MoE layer routing itself, beside the R3-replayed ones
+# (`router_replay.measure_unreplayed`): the mismatch with the rollout that replay removed, on the same batch.
+UNREPLAYED_LOG_PROBS = "unreplayed_log_probs"
 OVERRIDDEN_PAIRS, COMPARED_PAIRS = "router_replay/overridden_pairs", "router_replay/compared_pairs"
 
 @dataclass
