@@ -58,7 +58,8 @@ def report(label: str, baseline_ms: float, chosen_ms: float, results: dict, outp
     first = next(iter(outputs.values()))
     equal = all(torch.equal(out, first) for out in outputs.values())
     best = min(results, key=results.get)
-    ranked = " ".join(f"{c[0]}x{c[1]}w{c[2]}:{results[c] / baseline_ms:.2f}" for c in sorted(results, key=results.get)[:4])
+    fastest = sorted(results, key=results.get)[:4]
+    ranked = " ".join(f"{c[0]}x{c[1]}w{c[2]}:{results[c] / baseline_ms:.2f}" for c in fastest)
     print(f"{label:34s} default {baseline_ms * 1e3:8.1f} us  chosen {chosen_ms / baseline_ms:5.2f}x  best {best} "
           f"{results[best] / baseline_ms:5.2f}x  {'equal' if equal else 'DIFFER'}  [{ranked}]", flush=True)
 

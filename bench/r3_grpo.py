@@ -82,7 +82,7 @@ def main() -> None:
 
 def report(runs: dict[str, list[dict]], seed: int) -> None:
     print(f"trainer.seed={seed}")
-    print("step | " + " | ".join(f"{name} {m.removeprefix('rollout_corr/').split('/', 1)[-1] if 'unreplayed' not in m else 'unreplayed_k3'}"
+    print("step | " + " | ".join(f"{name} {'unreplayed_k3' if m == UNREPLAYED else m.split('/')[-1]}"
                                  for name in runs for m in METRICS))
     for rows in zip(*runs.values()):
         print(f"{rows[0]['step']:4} | " + " | ".join(f"{r.get(m, float('nan')):.3g}" for r in rows for m in METRICS))

@@ -126,7 +126,8 @@ R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollou
     # The counterfactual of replay: nothing to compare without R3, nothing to run without the old-logprob pass.
     (["actor_rollout_ref.actor.router_replay.mode=R2", "actor_rollout_ref.actor.router_replay.measure_unreplayed=true"],
      "actor_rollout_ref.actor.router_replay.measure_unreplayed"),
-    ([*R3, "actor_rollout_ref.actor.router_replay.measure_unreplayed=true", "algorithm.rollout_correction.bypass_mode=true"],
+    ([*R3, "actor_rollout_ref.actor.router_replay.measure_unreplayed=true",
+      "algorithm.rollout_correction.bypass_mode=true"],
      "actor_rollout_ref.actor.router_replay.measure_unreplayed"),
     ([*R3, "actor_rollout_ref.ref.router_replay.measure_unreplayed=true", "actor_rollout_ref.actor.use_kl_loss=true"],
      "actor_rollout_ref.ref.router_replay.measure_unreplayed"),

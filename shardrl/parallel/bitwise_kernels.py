@@ -1,19 +1,20 @@
-"""Batch-invariant Triton kernels (bitwise mode, `bitwise.py`): every output element is computed by the same
+"""Batch-invariant Triton kernels (bitwise mode, `FastPaths.bitwise`): every output element is computed by the same
 instructions in the same order whatever else is in the batch, so the rollout engine (decode one token at a time,
 prefill whole prompts, CUDA graphs, padding rows) and the trainer (packed micro batches of any size) get the same
 bits for the same token.
 
 What makes each one invariant:
 * GEMM (`matmul`): no split-K; an output element is the sum over the K dimension in BLOCK_K steps from 0 upward,
-  computed in the program that owns its tile, which depends on nothing but its row and column (the tile shape
-  changes which elements a program computes, not how each is summed). Rows of different experts (the grouped form,
-  MoE) never share a tile's output. The batch size is not specialised (`do_not_specialize`), so M = 1 compiles to
-  the same code as M = 4096.
+  computed in the program that owns its tile, which depends on nothing but its row and column (the tile shape,
+  chosen per batch size, changes which elements a program computes, not how each is summed). Rows of different
+  experts (the grouped form, MoE) never share a tile's output. The batch size is not specialised
+  (`do_not_specialize`), so M = 1 compiles to the same code as M = 4096.
 * RMSNorm: one program per row, the whole row in one block.
-* Attention: one program per (tile, KV head), a tile's rows being (query, head of the group) pairs; every row walks
-  its keys in BLOCK_N blocks from position 0 with one online-softmax update per block. A decode query (one row of a tile) and the same query inside a prefill or
-  training tile see the same blocks in the same order; blocks past a row's own position add exactly 0 (p = 0,
-  rescale 1), so how far its tile's last row reaches does not change its bits.
+* Attention: one program per (tile, KV head), a tile's rows being (query, head of the group) pairs, one tile height
+  for every call; every row walks its keys in BLOCK_N blocks from position 0 with one online-softmax update per
+  block. A decode query (the first rows of a tile) and the same query inside a prefill or training tile see the same
+  blocks in the same order; blocks past a row's own position add exactly 0 (p = 0, rescale 1), so how far its
+  tile's last row reaches does not change its bits.
 """
 
 from __future__ import annotations
