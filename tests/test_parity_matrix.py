@@ -18,6 +18,8 @@ from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.layout_spec import LayoutSpec
+from shardrl.parallel.lora import LoRASettings
+from shardrl.parallel.spec import get_spec
 from shardrl.workers.actor import compute_log_prob, policy_loss_fn
 from shardrl.job.options import EngineOptions, ForwardBatching, OptimOptions, PolicyLossOptions
 from shardrl.workers.engine import ModelEngine, all_reduce_sum, make_micro_batches
@@ -63,18 +65,18 @@ def _exported(engine: ModelEngine) -> dict[str, torch.Tensor]:
 
 def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_batch_size: int,
                     dtype: torch.dtype = torch.float32, device: str | None = None,
-                    registry: GroupRegistry | None = None) -> dict | None:
-    """Logprobs, 3 losses, step-0 gradients and final parameters on `sizes`' layout (HF names, full tensors).
-    `dtype`/`device`/`registry` serve the GPU matrix (tests/test_parity_matrix_gpu.py): bf16 models, a single-GPU
-    reference, several layouts in one process."""
+                    registry: GroupRegistry | None = None, lora: LoRASettings | None = None) -> dict | None:
+    """Logprobs, 3 losses, step-0 gradients (of the trained parameters) and final parameters on `sizes`' layout (HF
+    names, full tensors). `dtype`/`device`/`registry` serve the GPU matrix (tests/test_parity_matrix_gpu.py): bf16
+    models, a single-GPU reference, several layouts in one process; `lora` trains adapters (tests/test_lora.py)."""
     spec = LayoutSpec(world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
                       **sizes)
     layout = Layout.create(spec, device=device, registry=registry)
     # eps=1e-3: some gradients are exactly zero in exact arithmetic (k_proj.bias: softmax ignores a per-query
     # constant) and only reduction-order noise in practice; Adam with a tiny eps would blow that noise up to +-lr.
     optim = OptimOptions(lr=1e-2, eps=1e-3, weight_decay=0.1, clip_grad=0.5, distributed=distributed_optimizer)
-    engine = ModelEngine(ModelConfig.from_pretrained(ckpt), layout, EngineOptions(dtype=dtype, optim=optim),
-                         hf_path=ckpt)
+    engine = ModelEngine(ModelConfig.from_pretrained(ckpt), layout,
+                         EngineOptions(dtype=dtype, optim=optim, lora=lora), hf_path=ckpt)
     dp, dp_rank = layout.dp_size, layout.dp_rank
     batch = make_batch()
     share = batch.take(list(range(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)))
@@ -83,7 +85,12 @@ def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_b
     micro_batches, _ = make_micro_batches(share, KEYS, layout.device, micro_batch_size, None)
     counts = all_reduce_sum(sum(loss_counts(mb.data["response_mask"]) for mb in micro_batches), layout)
     scale = LossScale(counts[0].item(), counts[1].item(), RESPONSE)
-    params = [p for chunk in engine.chunks for p in chunk.parameters()]
+    params = [p for chunk in engine.chunks for p in chunk.parameters() if p.requires_grad]
+    trained = {name for p in params for name in get_spec(p).hf_names()}
+    if torch.distributed.is_initialized():  # every stage's and expert rank's trained tensors
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, trained)
+        trained = set().union(*everyone)
     losses = []
     for step in range(3):
         outputs = engine.run(micro_batches, policy_loss_fn(LOSS, scale, 1.0), forward_only=False)
@@ -91,7 +98,7 @@ def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_b
         if step == 0 and not distributed_optimizer:
             engine.optimizer.grads.finalize()
             with grads_as_data(params):
-                grads = _exported(engine)
+                grads = {name: g for name, g in _exported(engine).items() if name in trained}
         engine.step()
     result = dict(losses=losses, log_probs=log_probs, dp_rank=dp_rank,
                   grads=None if distributed_optimizer else grads, params=_exported(engine))

@@ -28,6 +28,7 @@ from shardrl.job.schema import (
 )
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout_spec import LayoutSpec
+from shardrl.parallel.lora import LoRASettings
 from shardrl.rewards.manager import JudgeScoring, OverlongShaping, RewardModelScoring
 from shardrl.rollout.request import SamplingParams
 from shardrl.rollout.runner import EngineConfig
@@ -64,6 +65,7 @@ class EngineOptions:
     moe_z_loss_coef: float = 0.0
     optim: OptimOptions | None = None  # None: inference only (reference policy)
     fast: FastPaths = dataclasses.field(default_factory=FastPaths)  # TP overlap, compiled elementwise kernels
+    lora: LoRASettings | None = None  # adapters on the targeted linears, the base frozen (`parallel.lora`)
 
 
 @dataclass(frozen=True)

@@ -242,9 +242,20 @@ class ColumnParallelLinear(nn.Module):
         split = dict(dim=0, num_shards=num_shards, index=shard_index(layout, num_shards), group="tp")
         self.weight = sharded_param(ShardSpec(f"{name}.weight", (out_size, in_size), **split), layout, dtype)
         self.bias = sharded_param(ShardSpec(f"{name}.bias", (out_size,), **split), layout, dtype) if bias else None
+        self.lora: nn.Module | None = None  # a LoRA adapter (`parallel.lora.attach_lora`): adds s * B (A x)
 
     def forward(self, x: Tensor) -> Tensor:
-        return linear(x, self.weight, self.bias, self.bitwise)
+        return with_adapter(self, x, linear(x, self.weight, self.bias, self.bitwise))
+
+
+def with_adapter(module: ColumnParallelLinear | RowParallelLinear, x: Tensor, y: Tensor) -> Tensor:
+    """y plus the module's LoRA adapter applied to its input x, where it has an enabled one."""
+    adapter = module.lora
+    return y if adapter is None or not adapter.enabled else y + adapter(x)
+
+
+def has_adapter(module: ColumnParallelLinear | RowParallelLinear) -> bool:
+    return module.lora is not None and module.lora.enabled
 
 
 def pack_adjacent(linears: Sequence[ColumnParallelLinear], device: torch.device) -> None:
@@ -296,7 +307,8 @@ def apply_columns(x: Tensor, linears: Sequence[ColumnParallelLinear]) -> list[Te
         bias = None if unbiased or any(b is None for b in biases) else _packed(biases)
         if weight is not None and (unbiased or bias is not None):
             out = _linear_forward(x, weight, bias, linears[0].bitwise)  # [T, sum of out_i/n]
-            return list(out.split([linear.weight.shape[0] for linear in linears], dim=-1))
+            outs = out.split([linear.weight.shape[0] for linear in linears], dim=-1)
+            return [with_adapter(linear, x, y) for linear, y in zip(linears, outs)]
     return [linear(x) for linear in linears]
 
 
@@ -318,9 +330,10 @@ class RowParallelLinear(nn.Module):
         self.bias = sharded_param(ShardSpec(
             f"{name}.bias", (out_size,), sum_grad_over_tp=sequence_parallel and tp > 1),
             layout, dtype) if bias else None
+        self.lora: nn.Module | None = None  # a LoRA adapter: its B (A_r x_r) joins the partial sum before the reduce
 
     def forward(self, x: Tensor) -> Tensor:
-        y = linear(x, self.weight, bitwise=self.bitwise)
+        y = with_adapter(self, x, linear(x, self.weight, bitwise=self.bitwise))
         y = exit_tp(y, self.group, self.sequence_parallel)  # [T or T/tp, out]
         return y if self.bias is None else y + self.bias
 

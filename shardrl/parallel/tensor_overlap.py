@@ -30,6 +30,7 @@ from shardrl.parallel.tensor import (
     all_gather_tokens,
     apply_columns,
     enter_tp,
+    has_adapter,
     group_rank,
     group_size,
     reduce_scatter_tokens,
@@ -57,10 +58,11 @@ def column_parallel(x: Tensor, linears: Sequence[ColumnParallelLinear], group: G
                     num_tokens: int, overlap: bool) -> list[Tensor]:
     """Enter the TP region with x [T, H] (or this rank's SP chunk) and apply every linear: [T, out_i/tp] each.
 
-    Without a group, with `overlap` off or without autograd this is `enter_tp` followed by the linears (one GEMM
-    for all of them when an inference engine packed them, see `apply_columns`).
+    Without a group, with `overlap` off, without autograd or with a LoRA adapter on any linear (the overlapped
+    backward knows the base weights only) this is `enter_tp` followed by the linears (one GEMM for all of them when
+    an inference engine packed them, see `apply_columns`).
     """
-    if group is None or not overlap or not torch.is_grad_enabled():
+    if group is None or not overlap or not torch.is_grad_enabled() or any(map(has_adapter, linears)):
         full = enter_tp(x, group, sequence_parallel, num_tokens)  # [T, H]
         return apply_columns(full, linears)
     has_bias = tuple(linear.bias is not None for linear in linears)
@@ -69,8 +71,9 @@ def column_parallel(x: Tensor, linears: Sequence[ColumnParallelLinear], group: G
 
 
 def row_parallel(x: Tensor, linear: RowParallelLinear, chunks: int) -> Tensor:
-    """`linear(x)` for x [T, in/tp], with the forward collective pipelined over `chunks` token pieces."""
-    if linear.group is None or chunks == 1:
+    """`linear(x)` for x [T, in/tp], with the forward collective pipelined over `chunks` token pieces (not with a
+    LoRA adapter: it joins the partial sum before the one reduce)."""
+    if linear.group is None or chunks == 1 or has_adapter(linear):
         return linear(x)
     y = _RowParallelChunked.apply(x, linear.weight, linear.group, linear.sequence_parallel, chunks)
     return y if linear.bias is None else y + linear.bias

@@ -24,6 +24,7 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
+from shardrl.parallel.lora import attach_lora
 from shardrl.parallel.offload import HostBuffers
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
@@ -84,11 +85,14 @@ class ModelEngine:
             load_hf_weights(self.chunks, hf_path, optional=optional_weights)
         if weights_loader is not None:
             weights_loader(self.chunks)
+        if options.lora is not None:  # before the optimizer: it and the gradient buffers then hold adapters only
+            for chunk in self.chunks:
+                attach_lora(chunk, options.lora, layout)
         self.optimizer: AdamW | None = None
         self.scheduler: LRScheduler | None = None
         if options.optim is not None:
             o = options.optim
-            params = [p for chunk in self.chunks for p in chunk.parameters()]
+            params = [p for chunk in self.chunks for p in chunk.parameters() if p.requires_grad]
             self.optimizer = AdamW(params, layout, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay,
                                    clip_grad=o.clip_grad, distributed=o.distributed)
             if o.total_steps is None:

@@ -1,0 +1,245 @@
+"""LoRA adapters (`shardrl.parallel.lora`) against PEFT on transformers: with the same A and B, the log-probs and every
+adapter's gradient equal PEFT's, at one process and at TP2 (sequence parallelism off and on; Qwen2's odd vocabulary
+padded over TP), and PP2's log-probs too; the base weights get no gradient and adapters switched off give the base
+model. A and B are drawn whole from their names, so every layout starts from the same adapters."""
+
+import zlib
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+from torch.testing import assert_close
+
+from shardrl.models.config import ModelConfig
+from shardrl.models.hf_bridge import load_hf_weights
+from shardrl.models.tiny import make_tiny_checkpoint, packed_batch
+from shardrl.models.transformer import Transformer
+from shardrl.parallel.launch import run_distributed
+from shardrl.parallel.layout import Layout
+from shardrl.parallel.layout_spec import LayoutSpec
+from shardrl.parallel.lora import LoRASettings, adapters_disabled, attach_lora, lora_parameters
+from shardrl.parallel.spec import get_spec
+from shardrl.parallel.tensor import token_split_sizes
+from tests.test_parity_matrix import check_against_reference, train_on_layout
+
+SETTINGS = LoRASettings(rank=4, alpha=8.0, seed=7)
+LENGTHS = [6, 3, 8]
+VOCAB = 127  # odd: Qwen2's embedding and LM head are padded to 128 rows at TP2
+
+
+def full_b(name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    """A nonzero B for the adapter `name` (training starts from B = 0, which would hide a wrong B path)."""
+    generator = torch.Generator().manual_seed(zlib.crc32(name.encode()))
+    return torch.randn(shape, generator=generator) * 0.3
+
+
+def local_slice(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    spec = get_spec(param)
+    if spec.dim is None:
+        return full
+    start, stop = spec.slice_range()
+    return full.narrow(spec.dim, start, stop - start)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("lora")
+    return {family: make_tiny_checkpoint(family, root / family, vocab_size=VOCAB) for family in ("qwen2", "llama")}
+
+
+def peft_reference(path, adapters: dict[str, torch.Tensor], batch, targets) -> tuple[torch.Tensor, dict]:
+    """PEFT's LoRA on the transformers model with our A and B: per-token log-probs [T] of `targets` and the gradient
+    of their sum w.r.t. every adapter tensor (by our names)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    peft_model = get_peft_model(model, LoraConfig(r=SETTINGS.rank, lora_alpha=SETTINGS.alpha,
+                                                  target_modules="all-linear", lora_dropout=0.0))
+    params = dict(peft_model.named_parameters())
+    ours_to_peft = {name: "base_model.model." + name.replace(".weight", ".default.weight") for name in adapters}
+    assert sorted(ours_to_peft.values()) == sorted(n for n in params if ".lora_" in n)  # the same set of adapters
+    with torch.no_grad():
+        for name, value in adapters.items():
+            params[ours_to_peft[name]].copy_(value)
+    input_ids, _, cu_seqlens = batch
+    bounds = cu_seqlens.tolist()
+    logits = torch.cat([peft_model(input_ids[a:b].unsqueeze(0)).logits[0] for a, b in zip(bounds, bounds[1:])])
+    log_probs = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    log_probs.sum().backward()
+    return log_probs.detach(), {name: params[peft].grad for name, peft in ours_to_peft.items()}
+
+
+def our_pass(path, layout: Layout, sequence_parallel: bool, batch, targets):
+    """Our model with adapters (B set to `full_b`) on this rank: (log-probs [T] or None off the last stage, full
+    adapter gradients by name (TP-reduced and gathered; None at PP > 1), full A and B by name, base log-probs)."""
+    config = ModelConfig.from_pretrained(path)
+    per_stage = config.num_layers // layout.pp_size
+    first = layout.pp_rank * per_stage
+    model = Transformer(config, layout, range(first, first + per_stage), layout.is_first_stage,
+                        layout.is_last_stage, sequence_parallel=sequence_parallel)
+    load_hf_weights(model, path)
+    attach_lora(model, SETTINGS, layout)
+    with torch.no_grad():
+        for param in lora_parameters(model):
+            name = get_spec(param).hf_name
+            if ".lora_B." in name:
+                param.copy_(local_slice(full_b(name, get_spec(param).full_shape), param))
+    run = (lambda: _forward_logprobs(model, layout, batch, targets))
+    log_probs = run()
+    if layout.pp_size == 1:
+        log_probs.sum().backward()
+    with torch.no_grad(), adapters_disabled([model]):
+        base = run()
+    assert all(p.grad is None for p in model.parameters() if not p.requires_grad)
+    full_values, full_grads = {}, {}
+    for param in lora_parameters(model):
+        name = get_spec(param).hf_name
+        full_values[name] = _gather(param.detach(), param, layout)
+        if layout.pp_size == 1:
+            full_grads[name] = _gather(_reduced(param.grad, param, layout), param, layout)
+    return (None if log_probs is None else log_probs.detach(), full_grads, full_values,
+            None if base is None else base.detach())
+
+
+def _forward_logprobs(model: Transformer, layout: Layout, batch, targets) -> torch.Tensor | None:
+    input_ids, position_ids, cu_seqlens = batch
+    num_tokens = input_ids.shape[0]
+    x = input_ids
+    if not layout.is_first_stage:
+        local = token_split_sizes(num_tokens, layout.tp_size)[layout.tp_rank] if model.sequence_parallel else num_tokens
+        x = torch.empty(local, model.config.hidden_size)
+        dist.recv(x, src=layout.group_ranks["pp"][layout.pp_rank - 1])
+    hidden = model(x, position_ids, cu_seqlens)
+    if not layout.is_last_stage:
+        dist.send(hidden.detach().contiguous(), dst=layout.group_ranks["pp"][layout.pp_rank + 1])
+        return None
+    log_probs, _ = model.compute_logprobs(hidden, targets)
+    return log_probs
+
+
+def _reduced(grad: torch.Tensor, param: torch.Tensor, layout: Layout) -> torch.Tensor:
+    grad = grad.clone()
+    if get_spec(param).sum_grad_over_tp and layout.tp_group is not None:
+        dist.all_reduce(grad, group=layout.tp_group)
+    return grad
+
+
+def _gather(local: torch.Tensor, param: torch.Tensor, layout: Layout) -> torch.Tensor:
+    spec = get_spec(param)
+    if spec.dim is None or spec.num_shards == 1:
+        return local
+    pieces = [torch.empty_like(local) for _ in range(layout.tp_size)]
+    dist.all_gather(pieces, local.contiguous(), group=layout.tp_group)
+    return torch.cat(pieces, dim=spec.dim)
+
+
+def _batch():
+    batch = packed_batch(LENGTHS, vocab_size=VOCAB)
+    targets = torch.randint(0, VOCAB, (sum(LENGTHS),), generator=torch.Generator().manual_seed(3))
+    return batch, targets
+
+
+def test_adapters_equal_peft_at_one_process_and_switch_off_to_the_base_model(checkpoints):
+    batch, targets = _batch()
+    for family, path in checkpoints.items():
+        log_probs, grads, values, base = our_pass(path, Layout.single("cpu"), False, batch, targets)
+        expected, expected_grads = peft_reference(path, values, batch, targets)
+        assert_close(log_probs, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{family}: {m}")
+        assert not torch.allclose(base, expected, atol=1e-3)  # B != 0: the adapters change the model
+        for name, grad in expected_grads.items():
+            assert_close(grads[name], grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{family} {name}: {m}")
+        # Switched off, the adapters leave the base model: transformers' own log-probs.
+        from shardrl.models.tiny import hf_logits
+
+        hf = hf_logits(path, batch[0], batch[2]).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+        assert_close(base, hf, atol=1e-5, rtol=1e-5)
+
+
+def _run_layouts(checkpoints, batch, targets):
+    from shardrl.parallel.layout import GroupRegistry
+
+    registry = GroupRegistry()
+    out = []
+    for name, sizes, sequence_parallel in (("tp2", dict(tp=2), False), ("tp2+sp", dict(tp=2), True),
+                                           ("pp2", dict(pp=2), False)):
+        layout = Layout.create(LayoutSpec(world_size=2, **sizes), registry=registry)
+        for family, path in checkpoints.items():
+            out.append((name, family, our_pass(path, layout, sequence_parallel, batch, targets)))
+    return out
+
+
+def test_adapters_at_tp2_sp_and_pp2_equal_peft(checkpoints):
+    batch, targets = _batch()
+    ranks = run_distributed(2, _run_layouts, checkpoints, batch, targets)
+    references, initial = {}, {}
+    for (name, family, (log_probs, grads, values, _)), (_, _, (other_lp, _, other_values, _)) in zip(ranks[1],
+                                                                                                    ranks[0]):
+        if family not in references:  # tp2 runs first: every adapter, gathered whole
+            initial[family] = values
+            references[family] = peft_reference(checkpoints[family], values, batch, targets)
+        # The adapters a layout starts from do not depend on it (PP2: each stage holds its layers' own).
+        merged = {**other_values, **values}
+        assert sorted(merged) == sorted(initial[family])
+        assert all(torch.equal(merged[k], initial[family][k]) for k in merged), (name, family)
+        expected, expected_grads = references[family]
+        # TP ranks both hold the log-probs; at PP2 the last stage (rank 1) does.
+        assert_close(log_probs, expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{name} {family}: {m}")
+        if name.startswith("tp"):
+            assert_close(other_lp, expected, atol=1e-5, rtol=1e-5)
+            for param, grad in expected_grads.items():
+                assert_close(grads[param], grad, atol=1e-5, rtol=1e-4, msg=lambda m: f"{name} {family} {param}: {m}")
+
+
+# Training through the actor path (packing, pipeline schedule, PPO loss, gradient finalisation, clipped AdamW), 3
+# steps: every layout gives the 1-process run's losses, adapter gradients and parameters; the MoE model's adapters sit
+# on its attention (expert adapters are not built yet).
+DENSE_LORA = LoRASettings(rank=4, alpha=8.0, seed=3)
+MOE_LORA = LoRASettings(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=3)
+LORA_LAYOUTS = [  # (model kind, world, sizes, distributed optimizer, micro batch size)
+    ("dense", 2, dict(tp=2), False, 2),
+    ("dense", 2, dict(pp=2), False, 1),
+    pytest.param("dense", 2, dict(pp=2, vpp=2), False, 1, marks=pytest.mark.slow),
+    pytest.param("dense", 2, {}, True, 2, marks=pytest.mark.slow),
+    pytest.param("moe", 2, dict(ep=2), False, 2, marks=pytest.mark.slow),
+    pytest.param("dense", 4, dict(tp=2, pp=2), False, 1, marks=pytest.mark.slow),
+]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory) -> dict[str, tuple[str, dict]]:
+    """Per model kind: the checkpoint and its 1-process LoRA training run."""
+    root = tmp_path_factory.mktemp("lora_train")
+    out = {}
+    for kind, family in (("dense", "qwen2"), ("moe", "qwen3_moe")):
+        path = str(make_tiny_checkpoint(family, root / kind, num_hidden_layers=4))
+        out[kind] = path, train_on_layout(path, {}, False, 2, lora=_settings(kind))
+    return out
+
+
+def _settings(kind: str) -> LoRASettings:
+    return DENSE_LORA if kind == "dense" else MOE_LORA
+
+
+def test_lora_training_changes_the_adapters_only(trained):
+    for kind, (path, reference) in trained.items():
+        assert reference["grads"] and all(".lora_" in name for name in reference["grads"]), kind
+        original = load_file(f"{path}/model.safetensors")
+        base = {name: p for name, p in reference["params"].items() if ".lora_" not in name}
+        assert sorted(base) == sorted(original) and all(torch.equal(base[k], original[k]) for k in original), kind
+        assert all(not torch.equal(p, torch.zeros_like(p)) for n, p in reference["params"].items() if ".lora_B." in n)
+
+
+def _lora_layout_id(kind, world, sizes, distributed_optimizer, _micro) -> str:
+    return "-".join([kind, *(f"{d}{n}" for d, n in sizes.items()), f"w{world}",
+                     *(["distopt"] if distributed_optimizer else [])])
+
+
+@pytest.mark.parametrize("kind, world, sizes, distributed_optimizer, micro", LORA_LAYOUTS,
+                         ids=[_lora_layout_id(*(p.values if hasattr(p, "values") else p)) for p in LORA_LAYOUTS])
+def test_lora_training_at_each_layout_matches_one_process(trained, kind, world, sizes, distributed_optimizer, micro):
+    path, reference = trained[kind]
+    results = run_distributed(world, train_on_layout, path, sizes, distributed_optimizer, micro, None, None, None,
+                              _settings(kind))
+    check_against_reference(results, reference, distributed_optimizer)
