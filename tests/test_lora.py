@@ -3,6 +3,7 @@ adapter's gradient equal PEFT's, at one process and at TP2 (sequence parallelism
 padded over TP), and PP2's log-probs too; the base weights get no gradient and adapters switched off give the base
 model. A and B are drawn whole from their names, so every layout starts from the same adapters."""
 
+import json
 import zlib
 
 import pytest
@@ -243,3 +244,44 @@ def test_lora_training_at_each_layout_matches_one_process(trained, kind, world, 
     results = run_distributed(world, train_on_layout, path, sizes, distributed_optimizer, micro, None, None, None,
                               _settings(kind))
     check_against_reference(results, reference, distributed_optimizer)
+
+
+def hf_response_log_probs(model, batch) -> torch.Tensor:
+    """[B, R] log-probs of each row's response tokens under a transformers model, each row run on its own."""
+    from tests.test_parity_matrix import PROMPT
+
+    t = batch.tensors
+    out = torch.zeros_like(t["response_mask"])
+    with torch.no_grad():
+        for row, (ids, attention) in enumerate(zip(t["input_ids"], t["attention_mask"].bool())):
+            tokens = ids[attention]
+            prompt = int(attention[:PROMPT].sum())
+            log_probs = model(tokens[None]).logits[0].log_softmax(-1)
+            n = len(tokens) - prompt
+            out[row, :n] = log_probs[prompt - 1:len(tokens) - 1].gather(-1, tokens[prompt:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("sizes", [dict(tp=2), pytest.param(dict(pp=2), marks=pytest.mark.slow)],
+                         ids=["tp2", "pp2"])
+def test_trained_adapters_export_as_peft_and_merged_models_transformers_load(trained, tmp_path, sizes):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.test_parity_matrix import make_batch
+
+    path, _ = trained["dense"]
+    results = run_distributed(2, train_on_layout, path, sizes, False, 1, None, None, None, DENSE_LORA, tmp_path)
+    ours = next(r for r in results if r is not None)["final_log_probs"]
+    batch = make_batch()
+    mask = batch.tensors["response_mask"].bool()
+    config = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["lora_alpha"] == 8.0 and config["target_modules"] == sorted(
+        ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"])
+    peft_model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32),
+                                           tmp_path / "peft")
+    assert_close(hf_response_log_probs(peft_model, batch)[mask], ours[mask], atol=1e-4, rtol=1e-4)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", dtype=torch.float32)
+    assert_close(hf_response_log_probs(merged, batch)[mask], ours[mask], atol=1e-4, rtol=1e-4)
+    base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    assert not torch.allclose(hf_response_log_probs(base, batch)[mask], ours[mask], atol=1e-3)  # it trained

@@ -13,7 +13,7 @@ import torch
 from shardrl.algos import ClipRange, LossScale, loss_counts
 from shardrl.data.batch import Batch
 from shardrl.models.config import ModelConfig
-from shardrl.models.hf_bridge import export_hf_weights
+from shardrl.models.hf_bridge import export_hf_weights, save_hf_checkpoint, save_peft_adapter
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout
@@ -65,10 +65,13 @@ def _exported(engine: ModelEngine) -> dict[str, torch.Tensor]:
 
 def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_batch_size: int,
                     dtype: torch.dtype = torch.float32, device: str | None = None,
-                    registry: GroupRegistry | None = None, lora: LoRASettings | None = None) -> dict | None:
+                    registry: GroupRegistry | None = None, lora: LoRASettings | None = None,
+                    export_to: Path | None = None) -> dict | None:
     """Logprobs, 3 losses, step-0 gradients (of the trained parameters) and final parameters on `sizes`' layout (HF
     names, full tensors). `dtype`/`device`/`registry` serve the GPU matrix (tests/test_parity_matrix_gpu.py): bf16
-    models, a single-GPU reference, several layouts in one process; `lora` trains adapters (tests/test_lora.py)."""
+    models, a single-GPU reference, several layouts in one process; `lora` trains adapters (tests/test_lora.py),
+    and `export_to` then also gets the trained model's log-probs, its PEFT adapter (`peft/`) and merged HF model
+    (`merged/`)."""
     spec = LayoutSpec(world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
                       **sizes)
     layout = Layout.create(spec, device=device, registry=registry)
@@ -102,6 +105,10 @@ def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_b
         engine.step()
     result = dict(losses=losses, log_probs=log_probs, dp_rank=dp_rank,
                   grads=None if distributed_optimizer else grads, params=_exported(engine))
+    if export_to is not None:
+        result["final_log_probs"], _ = compute_log_prob(engine, share, ForwardBatching(micro_batch_size, None))
+        save_peft_adapter(engine.chunks, layout, export_to / "peft", base_model=ckpt)
+        save_hf_checkpoint(engine.chunks, layout, export_to / "merged")
     return result if layout.tp_rank == 0 and layout.pp_rank == 0 and layout.cp_size == 1 else None
 
 

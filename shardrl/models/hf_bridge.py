@@ -12,6 +12,7 @@ import json
 import zlib
 from collections.abc import Collection, Iterator, Sequence
 from pathlib import Path
+from typing import Literal
 
 import torch
 import torch.distributed as dist
@@ -22,6 +23,7 @@ from torch import Tensor, nn
 from shardrl.models.config import FAMILY_PREFIX
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
+from shardrl.parallel.lora import LoRA
 from shardrl.parallel.spec import ShardSpec, get_spec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -183,25 +185,48 @@ def _global_names(spec: ShardSpec, layout: Layout) -> list[str]:
 
 
 @torch.no_grad()
-def export_hf_weights(model: Model, layout: Layout) -> Iterator[tuple[str, Tensor]]:
+def export_hf_weights(model: Model, layout: Layout,
+                      adapters: Literal["separate", "merged", "only"] = "separate") -> Iterator[tuple[str, Tensor]]:
     """Yield `(hf_name, full tensor)` for the whole model, on every rank of the layout, in the same order.
 
     Collective over the layout: every rank must consume the iterator to the end. Pipeline stages take turns:
     the owning stage gathers each tensor over TP/ETP/EP, then broadcasts it over the PP group. Tensors are on
-    `layout.device` in the parameters' dtype.
+    `layout.device` in the parameters' dtype. LoRA adapters (`parallel.lora`): `separate` yields them beside the
+    base weights under PEFT's names (checkpoints, tests), `merged` folds each into its base weight (W + s * B A,
+    in fp32, then the weight's dtype: the trained model for transformers) and `only` yields the adapters alone (a
+    PEFT adapter's tensors).
     """
-    params = [p for p in _unique_params(model) if _exported(get_spec(p), layout)]
+    chunks = model if isinstance(model, Sequence) else [model]
+    adapter_of = {id(m.weight): m.lora for chunk in chunks for m in chunk.modules()
+                  if isinstance(getattr(m, "lora", None), LoRA)}  # base weight -> its adapter
+    adapter_params = {id(p) for adapter in adapter_of.values() for p in adapter.parameters()}
+
+    def wanted(param: nn.Parameter) -> bool:
+        if not _exported(get_spec(param), layout):
+            return False
+        return adapters == "separate" or (id(param) in adapter_params) == (adapters == "only")
+
+    params = [p for p in _unique_params(model) if wanted(p)]
     metas = [(_global_names(get_spec(p), layout), get_spec(p).full_shape, p.dtype) for p in params]
+
+    def gathered(param: nn.Parameter) -> Tensor:
+        tensor = _gather_full(param, layout)
+        adapter = adapter_of.get(id(param)) if adapters == "merged" else None
+        if adapter is not None:
+            delta = _gather_full(adapter.lora_B, layout)[0].float() @ _gather_full(adapter.lora_A, layout)[0].float()
+            tensor = (tensor.float() + adapter.scale * delta).to(tensor.dtype)
+        return tensor
+
     if layout.pp_size == 1:
         for param, (names, _, _) in zip(params, metas):
-            yield from zip(names, _gather_full(param, layout))
+            yield from zip(names, gathered(param))
         return
     stage_metas: list = [None] * layout.pp_size
     dist.all_gather_object(stage_metas, metas, group=layout.pp_group)
     for stage, stage_params in enumerate(stage_metas):
         for i, (names, shape, dtype) in enumerate(stage_params):
             if stage == layout.pp_rank:
-                full = _gather_full(params[i], layout).contiguous()
+                full = gathered(params[i]).contiguous()
             else:
                 full = torch.empty(len(names), *shape, dtype=dtype, device=layout.device)
             dist.broadcast(full, group=layout.pp_group, group_src=stage)
@@ -213,15 +238,16 @@ def save_hf_checkpoint(model: Model, layout: Layout, out_dir: str | Path, dtype:
     """Write `out_dir` as an HF checkpoint transformers can load (safetensors + config.json).
 
     Collective over the layout; the layout's first rank writes, holding at most one file's tensors in memory.
-    A value-head model is saved as `<Family>ForSequenceClassification` with one label. `dtype` converts the
-    tensors (default: as trained).
+    A value-head model is saved as `<Family>ForSequenceClassification` with one label; LoRA adapters are merged
+    into their weights (`save_peft_adapter` writes them on their own). `dtype` converts the tensors (default: as
+    trained).
     """
     chunks = list(model) if isinstance(model, Sequence) else [model]
     writer = layout.local_rank == 0
     out_dir = Path(out_dir)
     files: list[tuple[Path, list[str], int]] = []
     part: dict[str, Tensor] = {}
-    for name, tensor in export_hf_weights(chunks, layout):
+    for name, tensor in export_hf_weights(chunks, layout, adapters="merged"):
         if not writer:
             continue
         if part and sum(t.nbytes for t in part.values()) + tensor.nbytes > max_shard_bytes:
@@ -231,6 +257,41 @@ def save_hf_checkpoint(model: Model, layout: Layout, out_dir: str | Path, dtype:
     if writer:
         files.append(_write_part(part, out_dir, len(files)))
         _finish(files, out_dir, _hf_config(chunks[0]))
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT's saved adapters name tensors from the wrapped model
+
+
+def save_peft_adapter(model: Model, layout: Layout, out_dir: str | Path, base_model: str | None = None) -> None:
+    """Write `out_dir` as a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) of the model's
+    adapters, which `peft.PeftModel.from_pretrained` loads onto the base transformers model. Collective over the
+    layout; the layout's first rank writes. `base_model`: recorded as the adapter's base model path."""
+    chunks = list(model) if isinstance(model, Sequence) else [model]
+    adapted = [(get_spec(m.weight).hf_name, m.lora) for chunk in chunks for m in chunk.modules()
+               if isinstance(getattr(m, "lora", None), LoRA)]
+    local = {(name.removesuffix(".weight").rsplit(".", 1)[-1], lora.lora_A.shape[0], lora.scale)
+             for name, lora in adapted}
+    stages: list = [None] * layout.pp_size
+    if layout.pp_size > 1:  # every stage's adapted module names
+        dist.all_gather_object(stages, local, group=layout.pp_group)
+    else:
+        stages = [local]
+    found = set().union(*stages)
+    shapes = {(r, s) for _, r, s in found}
+    if len(shapes) != 1:
+        raise ValueError(f"save_peft_adapter: the model needs adapters of one rank and scale, found {sorted(found)}")
+    (rank, scale), = shapes
+    tensors = {PEFT_PREFIX + name: t.to("cpu", copy=True) for name, t in export_hf_weights(chunks, layout, "only")}
+    if layout.local_rank != 0:
+        return
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
+              "target_modules": sorted({m for m, _, _ in found}), "lora_dropout": 0.0, "bias": "none",
+              "fan_in_fan_out": False, "base_model_name_or_path": base_model, "inference_mode": True,
+              "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
+    (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _hf_config(stage: Transformer) -> dict:
