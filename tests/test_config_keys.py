@@ -44,6 +44,8 @@ VARIANTS = [
     ("ppo_trainer", ["reward_model.judge.enable=true", "reward_model.judge.model_path=/a/judge"]),
     ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),
     ("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"]),
+    ("ppo_trainer", ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.exclude_modules=[down_proj]",
+                     "actor_rollout_ref.actor.use_kl_loss=true"]),
 ]
 
 

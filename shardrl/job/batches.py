@@ -10,8 +10,9 @@ from typing import Any, Literal
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
-from shardrl.job.schema import Mode, PPOConfig
+from shardrl.job.schema import Mode, PolicyModelConfig, PPOConfig
 from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
+from shardrl.parallel.lora import ALL_LINEAR, LINEAR_NAMES, LoRASettings
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,7 @@ class SharedKeys:
     ref_router_replay: str
     record_routing: bool
     bitwise: bool  # rollout.bitwise_logprobs: the rollout engine and the actor run batch-invariant kernels
+    lora: LoRASettings | None  # model.lora_rank > 0: adapters on the actor and the rollout, the reference the base
 
     @property
     def use_reference_policy(self) -> bool:
@@ -81,7 +83,25 @@ def read_shared(config: PPOConfig) -> SharedKeys:
                    use_kl_loss=arr.actor.use_kl_loss, use_kl_in_reward=algo.use_kl_in_reward,
                       distillation=config.distillation.enabled, router_replay=arr.actor.router_replay.mode,
                       ref_router_replay=arr.ref.router_replay.mode,
-                      record_routing=rollout.enable_rollout_routing_replay, bitwise=rollout.bitwise_logprobs)
+                      record_routing=rollout.enable_rollout_routing_replay, bitwise=rollout.bitwise_logprobs,
+                      lora=lora_settings(arr.model, config.trainer.seed))
+
+
+def lora_settings(model: PolicyModelConfig, seed: int) -> LoRASettings | None:
+    """verl's LoRA keys; the names must be the projections shardrl's model families have."""
+    if model.lora_rank == 0:
+        return None
+    targets = model.target_modules
+    if isinstance(targets, str) and targets != ALL_LINEAR:
+        raise ConfigError("actor_rollout_ref.model.target_modules", f"{targets!r}: use all-linear or a list of "
+                          f"module names from {', '.join(LINEAR_NAMES)}")
+    for key, names in (("target_modules", [] if isinstance(targets, str) else targets),
+                       ("exclude_modules", model.exclude_modules or [])):
+        if unknown := sorted(set(names) - set(LINEAR_NAMES)):
+            raise ConfigError(f"actor_rollout_ref.model.{key}", f"{unknown} are not linears of shardrl's models; "
+                              f"name some of {', '.join(LINEAR_NAMES)}")
+    return LoRASettings(model.lora_rank, model.lora_alpha, targets if isinstance(targets, str) else tuple(targets),
+                        tuple(model.exclude_modules or ()), seed=seed)
 
 
 @dataclass(frozen=True)

@@ -63,6 +63,7 @@ from shardrl.job.schema import (
 )
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout_spec import LayoutSpec
+from shardrl.parallel.lora import LoRASettings
 from shardrl.rewards.manager import JudgeScoring, OverlongShaping, RewardModelScoring
 from shardrl.rollout.runner import EngineConfig
 
@@ -84,7 +85,10 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
     actor = arr.actor
     optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
     model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
-                          shared.override_config, actor.load_weight, bitwise=shared.bitwise)
+                          shared.override_config, actor.load_weight, bitwise=shared.bitwise, lora=shared.lora)
+    if shared.lora is not None and shared.bitwise:
+        raise ConfigError("actor_rollout_ref.model.lora_rank", "bitwise mode has no batch-invariant LoRA GEMMs yet; "
+                          "use lora_rank=0 or rollout.bitwise_logprobs=false")
     if shared.bitwise:
         _check_bitwise_layout(role.spec, actor.megatron.dtype, "actor_rollout_ref.actor.megatron")
     log_prob = role.batches.get("log_prob")
@@ -173,7 +177,8 @@ def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOpt
         raise ConfigError("actor_rollout_ref.ref.router_replay.measure_unreplayed", "only the actor's old-logprob "
                           "pass measures the mismatch replay removes (actor_rollout_ref.actor.router_replay."
                           "measure_unreplayed); leave it false")
-    return RefOptions(model, role.batches["log_prob"].forward(), replay_rollout_routing=mode == "R3")
+    return RefOptions(model, role.batches["log_prob"].forward(), replay_rollout_routing=mode == "R3",
+                      on_actor=shared.lora is not None)
 
 
 def reward_model_options(config: PPOConfig, role: RolePlan) -> RewardModelOptions:
@@ -206,7 +211,7 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
         max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching,
-        record_routing=shared.record_routing, bitwise=shared.bitwise)
+        record_routing=shared.record_routing, bitwise=shared.bitwise, lora=shared.lora)
     if shared.bitwise:
         _check_bitwise_layout(role.spec, rollout.dtype, "actor_rollout_ref.rollout")
         if rollout.top_k > 0 or rollout.top_p < 1.0 or not rollout.do_sample:
@@ -415,14 +420,16 @@ def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> Op
 
 def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], gradient_checkpointing: bool,
                   optim: OptimOptions | None, override_config: dict[str, Any], load_weight: bool,
-                  value_head: bool = False, bitwise: bool = False) -> ModelOptions:
-    """`bitwise`: the role's model runs the batch-invariant kernels (the actor in bitwise mode)."""
+                  value_head: bool = False, bitwise: bool = False, lora: LoRASettings | None = None) -> ModelOptions:
+    """`bitwise`: the role's model runs the batch-invariant kernels (the actor in bitwise mode); `lora`: it trains
+    adapters only (the actor with model.lora_rank > 0)."""
     override = megatron.override_transformer_config
     engine = EngineOptions(
         sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(override, gradient_checkpointing),
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
         moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
-        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0), fast=FastPaths(bitwise=bitwise))
+        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0), fast=FastPaths(bitwise=bitwise),
+        lora=lora)
     # A frozen role (reference, teacher: no optimizer) has no gradients or optimizer state to offload: compat.py
     # refuses those keys for it.
     trains = optim is not None

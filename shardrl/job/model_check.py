@@ -12,6 +12,7 @@ from shardrl.job.errors import ConfigError
 from shardrl.job.schema import PPOConfig
 from shardrl.models.config import OverrideError, apply_overrides
 from shardrl.parallel.layout_spec import LayoutSpec
+from shardrl.parallel.lora import LoRASettings
 
 EXPERT_COUNT_FIELDS = ("num_experts", "num_local_experts", "n_routed_experts")  # Qwen-MoE, Mixtral, DeepSeek
 
@@ -53,8 +54,9 @@ def read_hf_config(path: str | None, overrides: dict[str, Any], key: str) -> tup
         raise ConfigError(f"{group}.override_config.{err.field}", str(err).partition(": ")[2] or str(err)) from None
 
 
-def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:
-    """Check every planned role against its model's config.json; returns one note per role for the printout."""
+def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASettings | None = None) -> list[str]:
+    """Check every planned role against its model's config.json (`lora`: the actor's adapters, `SharedKeys.lora`);
+    returns one note per role for the printout."""
     actor, critic = config.actor_rollout_ref.model, config.critic.model
     teacher, rm, judge = config.distillation.teacher_model, config.reward_model.model, config.reward_model.judge
     sources = (("actor_rollout_ref.model.path", actor.path, actor.override_config, ("actor", "ref", "rollout")),
@@ -76,7 +78,17 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec]) -> list[str]:
         notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
         if "actor" in names and not any(hf.get(f) for f in EXPERT_COUNT_FIELDS):
             _refuse_routing_on_dense(config, source)
+        elif "actor" in names and lora is not None:
+            _refuse_expert_lora(lora, source)
     return notes
+
+
+def _refuse_expert_lora(lora: LoRASettings, source: str) -> None:
+    """LoRA on an MoE model: its MLP projections are experts, which have no adapters yet."""
+    if mlp := [name for name in ("gate_proj", "up_proj", "down_proj") if lora.targets(name)]:
+        raise ConfigError("actor_rollout_ref.model.target_modules", f"{source} is an MoE model, whose {mlp} are "
+                          f"experts: adapters on experts are not built yet; name its attention projections "
+                          f"(q_proj, k_proj, v_proj, o_proj)")
 
 
 def _refuse_routing_on_dense(config: PPOConfig, source: str) -> None:

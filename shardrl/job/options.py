@@ -170,6 +170,9 @@ class RefOptions:
     model: ModelOptions
     log_prob: ForwardBatching
     replay_rollout_routing: bool = False  # ref.router_replay.mode=R3: the reference pass replays the rollout's
+    # LoRA (model.lora_rank > 0): the reference is the actor's base model, its adapters switched off for the pass,
+    # on the actor's engine (no second copy of the weights; `model` then describes the actor's).
+    on_actor: bool = False
 
 
 @dataclass(frozen=True)

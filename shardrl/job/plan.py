@@ -142,6 +142,10 @@ def plan_job(config: PPOConfig) -> JobPlan:
     skipped = {}
     if shared.use_reference_policy:
         roles["ref"] = train_role(config, shared, "ref", "actor_rollout_ref.ref.megatron", trainer_ranks, step)
+        if shared.lora is not None and roles["ref"].spec != roles["actor"].spec:
+            raise ConfigError("actor_rollout_ref.ref.megatron", f"with LoRA the reference is the actor's base model "
+                              f"on the actor's engine (adapters off), laid out as the actor ({roles['actor'].spec}); "
+                              f"leave the reference's parallel sizes as the actor's")
     else:
         skipped["ref"] = "actor.use_kl_loss and algorithm.use_kl_in_reward are both false"
     if shared.distillation:
@@ -187,7 +191,7 @@ def plan_job(config: PPOConfig) -> JobPlan:
         mini_batches_per_step=step.mini_batches,
         roles=roles,
         skipped=skipped,
-        model_notes=check_model(config, {name: role.spec for name, role in roles.items()}),
+        model_notes=check_model(config, {name: role.spec for name, role in roles.items()}, shared.lora),
         dry_run=trainer.dry_run,
         model_path=config.actor_rollout_ref.model.path,
         critic_model_path=config.critic.model.path,
@@ -212,6 +216,9 @@ def plan_job(config: PPOConfig) -> JobPlan:
         raise ConfigError("actor_rollout_ref.rollout.dtype", f"{plan.rollout.engine.dtype} with the actor in "
                                                              f"{plan.actor.model.engine.dtype}: bitwise mode needs the "
                                                              f"rollout and the actor in one dtype")
+    if plan.ref is not None and plan.ref.on_actor and plan.ref.model.engine.dtype != plan.actor.model.engine.dtype:
+        raise ConfigError("actor_rollout_ref.ref.megatron.dtype", f"with LoRA the reference is the actor's base "
+                          f"model on the actor's engine, in {plan.actor.model.engine.dtype}; leave it as the actor's")
     return plan
 
 

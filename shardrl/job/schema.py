@@ -105,6 +105,17 @@ class ModelSourceConfig:
 
 
 @dataclass(frozen=True)
+class PolicyModelConfig(ModelSourceConfig):
+    """The policy's model (`actor_rollout_ref.model`) with verl's LoRA keys: lora_rank 0 trains every weight; > 0
+    trains adapters of that rank on `target_modules` (names or all-linear) less `exclude_modules`."""
+
+    lora_rank: NonNegInt
+    lora_alpha: PosFloat
+    target_modules: str | list[str]
+    exclude_modules: list[str] | None
+
+
+@dataclass(frozen=True)
 class PolicyLossConfig:
     """verl's `actor.policy_loss` group: which clipped surrogate the actor minimises (see shardrl.algos.policy_loss).
 
@@ -303,7 +314,7 @@ class ActorRolloutRefConfig:
     """verl's `actor_rollout_ref` group: the policy model and its three roles."""
 
     hybrid_engine: bool  # actor and rollout share processes (sync mode)
-    model: ModelSourceConfig
+    model: PolicyModelConfig
     actor: ActorConfig
     ref: RefConfig
     rollout: RolloutConfig

@@ -94,11 +94,14 @@ def load_hf_weights(model: Model, source: str | Path | HFCheckpointReader, optio
     """Fill every parameter of `model` with its slice of the HF checkpoint at `source`.
 
     `optional`: HF names that may be absent (e.g. `score.weight` when a critic starts from a causal LM); those are
-    initialised N(0, init_std), identically on every rank. Experts are read by their global ids.
+    initialised N(0, init_std), identically on every rank. Experts are read by their global ids. LoRA adapters
+    are not tensors of a base model: they keep their initial values.
     """
     reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
     absent = {name for name in optional if name not in reader}
-    for param in _unique_params(model):
+    chunks = model if isinstance(model, Sequence) else [model]
+    adapters = {id(p) for chunk in chunks for m in chunk.modules() if isinstance(m, LoRA) for p in m.parameters()}
+    for param in (p for p in _unique_params(model) if id(p) not in adapters):
         spec = get_spec(param)
         start, stop = spec.slice_range() or (0, 0)
         for i, name in enumerate(spec.hf_names()):

@@ -33,6 +33,8 @@ from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
 from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear, linear
 
 ALL_LINEAR = "all-linear"
+# The linears of shardrl's model families (`models.attention`, `models.mlp`): what `target_modules` can name.
+LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,7 @@ from shardrl.models.transformer import Transformer
 from shardrl.parallel.expert import attached
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.routing import RoutingTable, expert_id_dtype, unknown_expert
+from shardrl.parallel.lora import LoRASettings, attach_lora
 from shardrl.parallel.tensor import pack_adjacent
 from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket, row_buckets
@@ -70,6 +71,9 @@ class EngineConfig:
     # Batch-invariant kernels (`FastPaths.bitwise`) in every forward and the trainer's logprob maths in sampling, so
     # a token's reported logprob is bit for bit the trainer's in bitwise mode (`rollout.bitwise_logprobs`).
     bitwise: bool = False
+    # LoRA adapters on the targeted linears, as the actor's (`model.lora_rank`): the engine applies them in its
+    # forward (runtime LoRA), and weight sync writes them beside the base weights.
+    lora: LoRASettings | None = None
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
 
@@ -85,8 +89,10 @@ class EngineConfig:
 class ModelRunner:
     def __init__(self, model_config: ModelConfig, layout: Layout, config: EngineConfig) -> None:
         self.model_config, self.layout, self.config, self.device = model_config, layout, config, layout.device
-        self.model = Transformer(model_config, layout, dtype=config.dtype,
-                                 fast=FastPaths(bitwise=config.bitwise)).eval().requires_grad_(False)
+        self.model = Transformer(model_config, layout, dtype=config.dtype, fast=FastPaths(bitwise=config.bitwise))
+        if config.lora is not None:  # before any load: checkpoint loads leave adapters alone, syncs fill them
+            attach_lora(self.model, config.lora, layout)
+        self.model.eval().requires_grad_(False)
         # Routing replay (R3): the MoE layers' ids and top-k when the runner records routing, else None.
         self.routing_layers = sorted(model_config.moe.layers) if config.record_routing else None
         self._pack_projections()

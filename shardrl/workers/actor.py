@@ -12,6 +12,7 @@ process share) and builds all its layouts from it; without one it makes its own,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 
@@ -31,9 +32,10 @@ from shardrl.job.options import (
     UpdateOptions,
 )
 from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
-from shardrl.models.hf_bridge import save_hf_checkpoint
+from shardrl.models.hf_bridge import save_hf_checkpoint, save_peft_adapter
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import GroupRegistry
+from shardrl.parallel.lora import adapters_disabled
 from shardrl.workers.engine import (
     ROUTED_EXPERTS,
     ROUTING_MISMATCH,
@@ -137,7 +139,8 @@ class ActorRefWorker:
         self.options, self.ref_options, self.teacher_options, self.model_path = actor, ref, teacher, model_path
         self.registry = GroupRegistry() if registry is None else registry  # actor, ref and rollout layouts share it
         self.actor = build_engine(actor.model, model_path, self.registry)
-        self.ref = build_engine(ref.model, model_path, self.registry) if ref is not None else None
+        # With LoRA the reference is the actor's own base (`RefOptions.on_actor`): no second engine.
+        self.ref = build_engine(ref.model, model_path, self.registry) if ref is not None and not ref.on_actor else None
         self.teacher = (build_engine(teacher.model, teacher.model_path, self.registry) if teacher is not None
                         else None)
 
@@ -160,10 +163,13 @@ class ActorRefWorker:
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        """`ref_log_probs`; with ref R3 every MoE layer replays the rollout's routing."""
+        """`ref_log_probs`; with ref R3 every MoE layer replays the rollout's routing; with LoRA the actor's engine
+        runs the pass with its adapters switched off (the base model)."""
         r = self.ref_options
-        with resident(self.ref, r.model):
-            out = log_prob_pass(self.ref, batch, r.log_prob, self.options.temperature,
+        engine = self.actor if r.on_actor else self.ref
+        base = adapters_disabled(engine.chunks) if r.on_actor else contextlib.nullcontext()
+        with resident(engine, self.options.model if r.on_actor else r.model), base:
+            out = log_prob_pass(engine, batch, r.log_prob, self.options.temperature,
                                 "replay" if r.replay_rollout_routing else None)
         return Batch({"ref_log_probs": out["log_probs"]})
 
@@ -202,6 +208,11 @@ class ActorRefWorker:
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def save_hf(self, out_dir: str) -> None:
-        """The actor as an HF checkpoint transformers loads (collective; the layout's first rank writes)."""
+        """The actor as an HF checkpoint transformers loads (collective; the layout's first rank writes). With LoRA
+        the checkpoint holds the merged weights and `lora_adapter/` the adapters alone, as PEFT loads them onto the
+        base model."""
         with self._actor_resident():
             save_hf_checkpoint(self.actor.chunks, self.actor.layout, out_dir)
+            if self.options.model.engine.lora is not None:
+                save_peft_adapter(self.actor.chunks, self.actor.layout, Path(out_dir) / "lora_adapter",
+                                  base_model=self.model_path)

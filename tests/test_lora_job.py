@@ -1,0 +1,78 @@
+"""verl's LoRA keys through the job: they reach the actor and the rollout engine, the reference becomes the actor's
+base model, what shardrl cannot honour is refused before workers start, and the default job runs with adapters:
+the rollout samples with the trainer's adapters (mismatch 0), the reference pass is the base model (KL exactly 0
+while the adapters are still 0, then > 0), and the export holds the merged model and a PEFT adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from shardrl.job.errors import ConfigError
+from shardrl.job.load import compose
+from shardrl.job.plan import plan_job
+from shardrl.models.tiny import make_tiny_checkpoint
+from tests.test_default_job import run_job
+
+LORA = ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.lora_alpha=16"]
+
+
+def test_lora_keys_reach_the_actor_and_the_rollout_and_the_reference_runs_on_the_actor():
+    plan = plan_job(compose("ppo_trainer", [*LORA, "actor_rollout_ref.model.exclude_modules=[down_proj]",
+                                            "actor_rollout_ref.actor.use_kl_loss=true"]))
+    lora = plan.actor.model.engine.lora
+    assert (lora.rank, lora.scale, lora.target_modules, lora.exclude_modules) == (8, 2.0, "all-linear", ("down_proj",))
+    assert plan.rollout.engine.lora == lora and plan.ref.on_actor
+    full = plan_job(compose("ppo_trainer", ["actor_rollout_ref.actor.use_kl_loss=true"]))
+    assert full.actor.model.engine.lora is None and full.rollout.engine.lora is None and not full.ref.on_actor
+
+
+@pytest.mark.parametrize("overrides, key", [
+    (["actor_rollout_ref.model.target_modules=q_proj"], "actor_rollout_ref.model.target_modules"),
+    (["actor_rollout_ref.model.target_modules=[q_proj,qkv]"], "actor_rollout_ref.model.target_modules"),
+    (["actor_rollout_ref.model.exclude_modules=[lm_head]"], "actor_rollout_ref.model.exclude_modules"),
+    (["actor_rollout_ref.actor.use_kl_loss=true", "trainer.n_gpus_per_node=2",
+      "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2",
+      "actor_rollout_ref.ref.megatron.tensor_model_parallel_size=1"], "actor_rollout_ref.ref.megatron"),
+    (["actor_rollout_ref.actor.use_kl_loss=true", "actor_rollout_ref.ref.megatron.dtype=bfloat16"],
+     "actor_rollout_ref.ref.megatron.dtype"),
+    (["trainer.device=cuda", "actor_rollout_ref.rollout.bitwise_logprobs=true",
+      "actor_rollout_ref.actor.megatron.dtype=bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16"],
+     "actor_rollout_ref.model.lora_rank"),
+])
+def test_what_lora_cannot_honour_is_refused_before_workers_start(overrides, key):
+    with pytest.raises(ConfigError) as err:
+        plan_job(compose("ppo_trainer", LORA + overrides))
+    assert err.value.key == key
+
+
+def test_lora_on_an_moe_models_experts_is_refused_but_its_attention_is_fine(tmp_path):
+    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "moe")
+    with pytest.raises(ConfigError) as err:
+        plan_job(compose("ppo_trainer", [*LORA, f"actor_rollout_ref.model.path={path}"]))
+    assert err.value.key == "actor_rollout_ref.model.target_modules" and "experts" in err.value.reason
+    attention = "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"
+    assert plan_job(compose("ppo_trainer", [*LORA, f"actor_rollout_ref.model.path={path}", attention])).actor
+
+
+def test_the_default_job_trains_adapters_samples_with_them_and_keeps_the_base_as_reference(tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    rows = run_job(tmp_path, *LORA, "actor_rollout_ref.actor.optim.lr=1e-2", "actor_rollout_ref.actor.use_kl_loss=true",
+                   "data.train_batch_size=16", "actor_rollout_ref.actor.ppo_mini_batch_size=16",  # one update a step
+                   "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    # The rollout applies the synced adapters: its log-probs are the trainer's (B moves from 0 after step 1).
+    assert all(abs(r["rollout_corr/mismatch_kl"]) < 1e-5 for r in rows), rows
+    # The reference is the base model: identical to the policy at step 1 (one update, computed before it), apart
+    # after it.
+    assert rows[0]["actor/kl_loss"] == 0 and all(r["actor/kl_loss"] > 0 for r in rows[1:]), rows
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "builtin_task" / "model")
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_export")
+    adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "builtin_task" / "model"),
+                                        tmp_path / "hf_export" / "lora_adapter")
+    ids = torch.arange(2, 12)[None]
+    with torch.no_grad():
+        assert torch.allclose(merged(ids).logits, adapted(ids).logits, atol=1e-5)
+        assert not torch.allclose(merged(ids).logits, base(ids).logits, atol=1e-4)
