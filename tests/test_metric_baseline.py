@@ -9,10 +9,11 @@ A deliberate maths change updates the baseline in the same commit, and the commi
 review its diff like code.
 
 The bits hold for one torch build on one kind of CPU (every CPU rank runs one thread, so the core count does not
-matter, but the vector ISA picks torch's kernels): the file records both, and a failure names them beside this
-machine's. On another build or ISA (an AVX2 machine against an AVX512 baseline) the kernels round differently, so
-numbers are compared up to that rounding instead (relative 1e-4, absolute 1e-7: float32 rounding carried through four
-steps, far below what a changed formula moves); counts, steps and keys still exactly.
+matter, but the vector ISA and the processor model pick torch's kernels): the file records all three, and a failure
+names them beside this machine's. On another build, ISA or processor (an AVX2 machine against an AVX512 baseline, an
+AMD EPYC against an Intel one) the kernels round differently, so numbers are compared up to that rounding instead
+(relative 1e-4, absolute 1e-7: float32 rounding carried through four steps, far below what a changed formula moves);
+counts, steps and keys still exactly.
 """
 
 import json
@@ -50,7 +51,17 @@ def run_default_job(run_dir: Path) -> list[dict]:
 
 
 def made_with() -> dict[str, str]:
-    return {"torch": torch.__version__, "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}"}
+    return {"torch": torch.__version__, "cpu": f"{platform.machine()} {torch.backends.cpu.get_cpu_capability()}",
+            "cpu_model": cpu_model()}
+
+
+def cpu_model() -> str:
+    """The processor's name: CPUs of one vector ISA still pick different kernels by vendor and model (an AMD EPYC
+    and an Intel Xeon, both AVX512, round the same job differently)."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.exists() else []
+    names = [line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else platform.processor() or "unknown"
 
 
 def bits(value):
