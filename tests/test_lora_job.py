@@ -1,12 +1,14 @@
 """verl's LoRA keys through the job: they reach the actor and the rollout engine, the reference becomes the actor's
 base model, what shardrl cannot honour is refused before workers start, and the default job runs with adapters:
-the rollout samples with the trainer's adapters (mismatch 0), the reference pass is the base model (KL exactly 0
-while the adapters are still 0, then > 0), and the export holds the merged model and a PEFT adapter."""
+the rollout samples with the trainer's adapters (mismatch 0), weight sync moves the adapters alone after its first
+sync, the reference pass is the base model (KL exactly 0 while the adapters are still 0, then > 0), and the export
+holds the merged model and a PEFT adapter."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.load import compose
@@ -68,6 +70,11 @@ def test_the_default_job_trains_adapters_samples_with_them_and_keeps_the_base_as
     # The reference is the base model: identical to the policy at step 1 (one update, computed before it), apart
     # after it.
     assert rows[0]["actor/kl_loss"] == 0 and all(r["actor/kl_loss"] > 0 for r in rows[1:]), rows
+    # Weight sync moves every tensor once, when the job starts, then the adapters alone (the base is frozen): a
+    # step's sync moves their bytes, in the rollout's dtype (fp32 here), as the exported adapter holds them.
+    adapter_bytes = sum(t.numel() * 4 for t in load_file(tmp_path / "hf_export" / "lora_adapter" /
+                                                         "adapter_model.safetensors").values())
+    assert all(r["sync/bytes"] == adapter_bytes for r in rows), [(r["sync/bytes"], adapter_bytes) for r in rows]
     base = AutoModelForCausalLM.from_pretrained(tmp_path / "builtin_task" / "model")
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_export")
     adapted = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "builtin_task" / "model"),

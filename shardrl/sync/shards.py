@@ -8,10 +8,12 @@ in place: nothing is reloaded to the device.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterator, Sequence
 
 from torch import Tensor, nn
 
+from shardrl.parallel.lora import LoRA
 from shardrl.parallel.offload import HostBuffers
 from shardrl.parallel.spec import ShardSpec, get_spec
 from shardrl.sync.plan import Box, Slice
@@ -61,6 +63,9 @@ class Shards:
         self.host = host
         chunks = model if isinstance(model, Sequence) else [model]
         unique = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
+        # LoRA adapters (`parallel.lora`): with the base frozen, what a sync after the first one has to move.
+        self.adapters = {get_spec(p).hf_name for chunk in chunks for m in chunk.modules() if isinstance(m, LoRA)
+                         for p in m.parameters()}
         self.params: dict[str, nn.Parameter] = {}
         for param in unique:
             spec = get_spec(param)
@@ -69,6 +74,13 @@ class Shards:
             if spec.hf_name in self.params:
                 raise ValueError(f"{spec.hf_name}: two parameters of this rank claim the same HF tensor")
             self.params[spec.hf_name] = param
+
+    def adapters_only(self) -> Shards:
+        """The same shards less everything but the LoRA adapters (what a sync of a LoRA model moves after its
+        first)."""
+        subset = copy.copy(self)
+        subset.params = {name: p for name, p in self.params.items() if name in self.adapters}
+        return subset
 
     def slices(self) -> list[Slice]:
         out = []

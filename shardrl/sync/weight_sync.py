@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from shardrl.parallel.layout import Layout
-from shardrl.sync.plan import Slice, SyncPlan, plan_transfers
+from shardrl.sync.plan import SyncPlan, plan_transfers
 from shardrl.sync.shards import Shards
 from shardrl.sync.transport import Transport
 
@@ -51,20 +51,31 @@ class WeightSync:
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, bucket_bytes: int,
                  verify: Verify = "checksum", source: Shards | None = None, target: Shards | None = None) -> None:
         """`source`: this rank's trainer shards (None on rollout-only ranks); `target`: its rollout shards (None on
-        trainer-only ranks). `bucket_bytes`: the most buffer memory a transfer direction uses, double-buffered."""
+        trainer-only ranks). `bucket_bytes`: the most buffer memory a transfer direction uses, double-buffered.
+
+        With LoRA adapters in the model the first sync moves every tensor and later ones the adapters alone (the
+        base weights are frozen, so the rollout's copy stays right): a second plan over the adapters' slices."""
         self.device, self.verify, self.source, self.target = torch.device(device), verify, source, target
-        mine: tuple[list[Slice] | None, list[Slice] | None] = (source.slices() if source else None,
-                                                                target.slices() if target else None)
+        adapters = (source.adapters_only() if source else None, target.adapters_only() if target else None)
+        mine = tuple(shards.slices() if shards else None for shards in (source, target, *adapters))
         ranks, every = _gather(group, mine)
         self.rank = ranks[0] if group is None else dist.get_rank()
-        holdings = {r: held for r, (held, _) in zip(ranks, every) if held is not None}
-        needs = {r: needed for r, (_, needed) in zip(ranks, every) if needed is not None}
-        self.plan: SyncPlan = plan_transfers(holdings, needs, bucket_bytes)
-        self.transport = Transport(self.plan.for_rank(self.rank), group, self.device, source, target)
+
+        def transport(held_at: int, sending: Shards | None, receiving: Shards | None) -> tuple[SyncPlan, Transport]:
+            holdings = {r: item[held_at] for r, item in zip(ranks, every) if item[held_at] is not None}
+            needs = {r: item[held_at + 1] for r, item in zip(ranks, every) if item[held_at + 1] is not None}
+            plan = plan_transfers(holdings, needs, bucket_bytes)
+            return plan, Transport(plan.for_rank(self.rank), group, self.device, sending, receiving)
+
+        self.plan, self.transport = transport(0, source, target)
+        has_adapters = any(item[2] or item[3] for item in every)
+        self.adapter_plan, self.adapter_transport = transport(2, *adapters) if has_adapters else (None, None)
+        self.synced = False
 
     def sync(self) -> dict[str, float]:
-        """Move the current trainer weights into the rollout shards and verify them; returns this rank's metrics
-        (`sync/bytes`: bytes loaded into its rollout shards, or sent by a trainer-only rank)."""
+        """Move the current trainer weights into the rollout shards (after the first sync of a LoRA model: its
+        adapters) and verify them; returns this rank's metrics (`sync/bytes`: bytes loaded into its rollout shards,
+        or sent by a trainer-only rank)."""
         cuda = self.device.type == "cuda"
         if cuda:
             torch.cuda.synchronize(self.device)
@@ -73,9 +84,11 @@ class WeightSync:
         start = time.perf_counter()
         for padding in self.target.padding() if self.target else ():
             padding.zero_()
-        stats = self.transport.run()
+        transport = self.adapter_transport if self.synced and self.adapter_transport else self.transport
+        stats = transport.run()
         if self.verify == "full":
-            self.transport.run(compare=True)
+            transport.run(compare=True)
+        self.synced = True
         if cuda:
             torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
