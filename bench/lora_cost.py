@@ -96,7 +96,8 @@ def main() -> None:
               f"sync first {first[0] * 1e3:.1f} ms / {first[1] / 2**20:.1f} MiB, later {later[0] * 1e3:.2f} ms / "
               f"{later[1] / 2**20:.2f} MiB", flush=True)
     full, lora = runs.values()
-    print(f"LoRA / full: step {lora['step'] / full['step']:.3f}x, peak memory {lora['peak_gib'] / full['peak_gib']:.3f}x, "
+    print(f"LoRA / full: step {lora['step'] / full['step']:.3f}x, "
+          f"peak memory {lora['peak_gib'] / full['peak_gib']:.3f}x, "
           f"later sync {lora['syncs'][-1][0] / full['syncs'][-1][0]:.4f}x time, "
           f"{lora['syncs'][-1][1] / full['syncs'][-1][1]:.5f}x bytes", flush=True)
 

@@ -285,3 +285,56 @@ def test_trained_adapters_export_as_peft_and_merged_models_transformers_load(tra
     assert_close(hf_response_log_probs(merged, batch)[mask], ours[mask], atol=1e-4, rtol=1e-4)
     base = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
     assert not torch.allclose(hf_response_log_probs(base, batch)[mask], ours[mask], atol=1e-3)  # it trained
+
+
+@pytest.fixture(scope="module")
+def peft_adapter(checkpoints, tmp_path_factory) -> tuple[str, str]:
+    """A PEFT adapter (random A and B, three of the seven projections) saved for the Qwen2 checkpoint."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(5)
+    path = checkpoints["qwen2"]
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), LoraConfig(
+        r=4, lora_alpha=12, target_modules=["q_proj", "v_proj", "down_proj"], init_lora_weights=False))
+    out = tmp_path_factory.mktemp("peft") / "adapter"
+    model.save_pretrained(out)
+    return str(path), str(out)
+
+
+def _start_from_adapter(path: str, adapter: str, sizes: dict, batch, targets) -> torch.Tensor | None:
+    from shardrl.parallel.layout import GroupRegistry
+
+    layout = Layout.create(LayoutSpec(world_size=max(1, dist.get_world_size() if dist.is_initialized() else 1),
+                                      **sizes), registry=GroupRegistry())
+    config = ModelConfig.from_pretrained(path)
+    per_stage = config.num_layers // layout.pp_size
+    first = layout.pp_rank * per_stage
+    model = Transformer(config, layout, range(first, first + per_stage), layout.is_first_stage,
+                        layout.is_last_stage)
+    load_hf_weights(model, path)
+    attach_lora(model, LoRASettings(4, 12.0, ("q_proj", "v_proj", "down_proj"), initial=adapter), layout)
+    with torch.no_grad():
+        return _forward_logprobs(model, layout, batch, targets)
+
+
+def test_adapters_start_from_a_peft_adapter_at_one_process_tp2_and_pp2(peft_adapter):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    path, adapter = peft_adapter
+    batch, targets = _batch()
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter)
+    input_ids, _, cu_seqlens = batch
+    bounds = cu_seqlens.tolist()
+    with torch.no_grad():
+        logits = torch.cat([model(input_ids[a:b][None]).logits[0] for a, b in zip(bounds, bounds[1:])])
+    expected = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    from shardrl.models.tiny import hf_logits
+
+    base = hf_logits(path, batch[0], batch[2]).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    assert not torch.allclose(base, expected, atol=1e-3)  # the adapter changes the model
+    assert_close(_start_from_adapter(path, adapter, {}, batch, targets), expected, atol=1e-5, rtol=1e-5)
+    for sizes in (dict(tp=2), dict(pp=2)):
+        out = run_distributed(2, _start_from_adapter, path, adapter, sizes, batch, targets)
+        assert_close(out[1], expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{sizes}: {m}")

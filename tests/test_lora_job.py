@@ -83,3 +83,54 @@ def test_the_default_job_trains_adapters_samples_with_them_and_keeps_the_base_as
     with torch.no_grad():
         assert torch.allclose(merged(ids).logits, adapted(ids).logits, atol=1e-5)
         assert not torch.allclose(merged(ids).logits, base(ids).logits, atol=1e-4)
+
+
+def _adapter(directory, **config) -> str:
+    """A PEFT adapter directory with `config` in its adapter_config.json (tensors: none needed to plan)."""
+    import json
+
+    directory.mkdir(parents=True)
+    (directory / "adapter_config.json").write_text(json.dumps({
+        "peft_type": "LORA", "r": 4, "lora_alpha": 12, "target_modules": ["q_proj", "v_proj"], **config}))
+    (directory / "adapter_model.safetensors").write_bytes(b"")
+    return str(directory)
+
+
+def test_a_peft_adapter_to_start_from_sets_the_adapters_as_verl_does(tmp_path):
+    key = "actor_rollout_ref.model.lora_adapter_path"
+    plan = plan_job(compose("ppo_trainer", [f"{key}={_adapter(tmp_path / 'a')}"]))
+    lora = plan.actor.model.engine.lora
+    assert (lora.rank, lora.alpha, lora.target_modules, lora.initial) == (4, 12.0, ("q_proj", "v_proj"),
+                                                                          str(tmp_path / "a"))
+    for name, config, overrides, refused in (
+            ("missing", None, [], key), ("dora", dict(use_dora=True), [], key),
+            ("regex", dict(target_modules=".*proj"), [], key), ("bias", dict(bias="all"), [], key),
+            ("rank", {}, ["actor_rollout_ref.model.lora_rank=8"], "actor_rollout_ref.model.lora_rank")):
+        where = tmp_path / name if config is None else _adapter(tmp_path / name, **config)
+        with pytest.raises(ConfigError) as err:
+            plan_job(compose("ppo_trainer", [f"{key}={where}", *overrides]))
+        assert err.value.key == refused, name
+
+
+def test_the_default_job_starts_from_a_peft_adapter(tmp_path):
+    """At lr=0 the job's exported adapter is the one it started from, and the rollout samples with it too."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from shardrl.data import builtin_task
+
+    task = builtin_task.prepare(tmp_path / "task")
+    torch.manual_seed(0)
+    peft = get_peft_model(AutoModelForCausalLM.from_pretrained(task["model"]), LoraConfig(
+        r=4, lora_alpha=8, target_modules=["q_proj", "o_proj", "up_proj"], init_lora_weights=False))
+    peft.save_pretrained(tmp_path / "adapter")
+    run = tmp_path / "run"
+    rows = run_job(run, f"actor_rollout_ref.model.path={task['model']}", f"data.tokenizer={task['model']}",
+                   f"data.train_files={task['train_files']}",
+                   f"actor_rollout_ref.model.lora_adapter_path={tmp_path}/adapter",
+                   "actor_rollout_ref.actor.optim.lr=0", "trainer.total_training_steps=1",
+                   "trainer.val_before_train=false", "trainer.test_freq=-1")
+    assert abs(rows[0]["rollout_corr/mismatch_kl"]) < 1e-6
+    started = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    exported = load_file(run / "hf_export" / "lora_adapter" / "adapter_model.safetensors")
+    assert sorted(exported) == sorted(started) and all(torch.equal(exported[k], started[k]) for k in started)

@@ -4,15 +4,17 @@ and the keys several options need, read once (`SharedKeys`)."""
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Literal
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
 from shardrl.job.schema import Mode, PolicyModelConfig, PPOConfig
 from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
-from shardrl.parallel.lora import ALL_LINEAR, LINEAR_NAMES, LoRASettings
+from shardrl.parallel.lora import ALL_LINEAR, LINEAR_NAMES, PEFT_WEIGHTS, LoRASettings
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,10 @@ def read_shared(config: PPOConfig) -> SharedKeys:
 
 
 def lora_settings(model: PolicyModelConfig, seed: int) -> LoRASettings | None:
-    """verl's LoRA keys; the names must be the projections shardrl's model families have."""
+    """verl's LoRA keys; the names must be the projections shardrl's model families have. With
+    `lora_adapter_path`, as in verl, the PEFT adapter's own rank, alpha and targets hold."""
+    if model.lora_adapter_path is not None:
+        return _adapter_settings(model, seed)
     if model.lora_rank == 0:
         return None
     targets = model.target_modules
@@ -102,6 +107,39 @@ def lora_settings(model: PolicyModelConfig, seed: int) -> LoRASettings | None:
                               f"name some of {', '.join(LINEAR_NAMES)}")
     return LoRASettings(model.lora_rank, model.lora_alpha, targets if isinstance(targets, str) else tuple(targets),
                         tuple(model.exclude_modules or ()), seed=seed)
+
+
+# PEFT adapter settings shardrl's adapters have: each key's accepted values (the first is PEFT's default).
+PLAIN_LORA = {"use_dora": (False,), "use_rslora": (False,), "bias": ("none",), "modules_to_save": (None, []),
+              "fan_in_fan_out": (False,)}
+
+
+def _adapter_settings(model: PolicyModelConfig, seed: int) -> LoRASettings:
+    """The settings of the PEFT LoRA adapter at `lora_adapter_path` (its adapter_config.json), checked for what
+    shardrl's adapters are."""
+    key, path = "actor_rollout_ref.model.lora_adapter_path", Path(model.lora_adapter_path)
+    try:
+        adapter = json.loads((path / "adapter_config.json").read_text())
+    except (OSError, ValueError) as err:
+        raise ConfigError(key, f"{path}: no readable adapter_config.json ({type(err).__name__}); point it at a "
+                               f"PEFT LoRA adapter directory") from None
+    if adapter.get("peft_type") != "LORA" or not (path / PEFT_WEIGHTS).is_file():
+        raise ConfigError(key, f"{path}: not a PEFT LoRA adapter (peft_type {adapter.get('peft_type')!r}, "
+                               f"{PEFT_WEIGHTS} {'present' if (path / PEFT_WEIGHTS).is_file() else 'missing'})")
+    unsupported = [f"{flag}={adapter[flag]!r}" for flag, plain in PLAIN_LORA.items()
+                   if adapter.get(flag, plain[0]) not in plain]
+    targets = adapter.get("target_modules")
+    names = [] if targets == ALL_LINEAR else targets if isinstance(targets, list) else None
+    if names is None or sorted(set(names) - set(LINEAR_NAMES)):
+        unsupported.append(f"target_modules={targets!r}")
+    if unsupported:
+        raise ConfigError(key, f"{path}: {', '.join(unsupported)}: shardrl's adapters are plain LoRA on "
+                               f"{', '.join(LINEAR_NAMES)}")
+    if model.lora_rank not in (0, adapter["r"]):
+        raise ConfigError("actor_rollout_ref.model.lora_rank", f"{model.lora_rank}, but the adapter at {path} has "
+                                                              f"rank {adapter['r']}; set it to 0 or {adapter['r']}")
+    return LoRASettings(adapter["r"], float(adapter["lora_alpha"]), targets if names == [] else tuple(names),
+                        tuple(adapter.get("exclude_modules") or ()), seed=seed, initial=str(path))
 
 
 @dataclass(frozen=True)

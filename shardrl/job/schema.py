@@ -113,6 +113,7 @@ class PolicyModelConfig(ModelSourceConfig):
     lora_alpha: PosFloat
     target_modules: str | list[str]
     exclude_modules: list[str] | None
+    lora_adapter_path: str | None  # a PEFT LoRA adapter to start from (its rank, alpha and targets)
 
 
 @dataclass(frozen=True)

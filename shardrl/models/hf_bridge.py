@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from shardrl.models.config import FAMILY_PREFIX
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.lora import LoRA
+from shardrl.parallel.lora import PEFT_PREFIX, PEFT_WEIGHTS, LoRA
 from shardrl.parallel.spec import ShardSpec, get_spec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -262,9 +262,6 @@ def save_hf_checkpoint(model: Model, layout: Layout, out_dir: str | Path, dtype:
         _finish(files, out_dir, _hf_config(chunks[0]))
 
 
-PEFT_PREFIX = "base_model.model."  # PEFT's saved adapters name tensors from the wrapped model
-
-
 def save_peft_adapter(model: Model, layout: Layout, out_dir: str | Path, base_model: str | None = None) -> None:
     """Write `out_dir` as a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) of the model's
     adapters, which `peft.PeftModel.from_pretrained` loads onto the base transformers model. Collective over the
@@ -289,7 +286,7 @@ def save_peft_adapter(model: Model, layout: Layout, out_dir: str | Path, base_mo
         return
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out_dir / "adapter_model.safetensors", metadata={"format": "pt"})
+    save_file(tensors, out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
               "target_modules": sorted({m for m, _, _ in found}), "lora_dropout": 0.0, "bias": "none",
               "fan_in_fan_out": False, "base_model_name_or_path": base_model, "inference_mode": True,

@@ -24,6 +24,7 @@ import math
 import zlib
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from torch import Tensor, nn
@@ -40,13 +41,15 @@ LINEAR_NAMES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", 
 @dataclass(frozen=True)
 class LoRASettings:
     """verl's `model.lora_rank`, `lora_alpha`, `target_modules` (module names such as `q_proj`, or `all-linear`: every
-    attention and MLP projection) and `exclude_modules`; `seed` draws the initial A."""
+    attention and MLP projection) and `exclude_modules`; `seed` draws the initial A; `initial`: a PEFT adapter
+    directory (`model.lora_adapter_path`) whose tensors the adapters start from instead."""
 
     rank: int
     alpha: float
     target_modules: str | tuple[str, ...] = ALL_LINEAR
     exclude_modules: tuple[str, ...] = ()
     seed: int = 0
+    initial: str | None = None
 
     def __post_init__(self) -> None:
         if self.rank < 1:
@@ -123,10 +126,35 @@ def attach_lora(model: nn.Module, settings: LoRASettings, layout: Layout) -> lis
     wanted = () if settings.target_modules == ALL_LINEAR else settings.target_modules
     if unknown := sorted(set(wanted) - names):
         raise ValueError(f"LoRA target_modules {unknown}: the model has no such linear (it has {sorted(names)})")
+    if settings.initial is not None:
+        _load_peft_tensors(adapters, settings.initial)
     trainable = {id(p) for adapter in adapters for p in adapter.parameters()}
     for param in model.parameters():
         param.requires_grad_(id(param) in trainable)
     return adapters
+
+
+PEFT_PREFIX = "base_model.model."  # PEFT names a saved adapter's tensors from the model it wraps
+PEFT_WEIGHTS = "adapter_model.safetensors"
+
+
+@torch.no_grad()
+def _load_peft_tensors(adapters: Sequence[LoRA], directory: str) -> None:
+    """Fill each adapter's A and B with this rank's slice of the PEFT adapter's tensors."""
+    from safetensors import safe_open
+
+    with safe_open(str(Path(directory) / PEFT_WEIGHTS), "pt") as saved:
+        names = set(saved.keys())
+        for param in (p for adapter in adapters for p in (adapter.lora_A, adapter.lora_B)):
+            spec = get_spec(param)
+            key = PEFT_PREFIX + spec.hf_name
+            if key not in names:
+                raise ValueError(f"{directory}/{PEFT_WEIGHTS}: no tensor {key!r} for this model's adapter")
+            full = saved.get_tensor(key)
+            if tuple(full.shape) != spec.full_shape:
+                raise ValueError(f"{directory}/{PEFT_WEIGHTS}: {key!r} has shape {tuple(full.shape)}, the adapter "
+                                 f"{spec.full_shape}")
+            param.copy_(_slice(full, spec))
 
 
 def lora_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
