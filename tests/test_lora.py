@@ -338,3 +338,44 @@ def test_adapters_start_from_a_peft_adapter_at_one_process_tp2_and_pp2(peft_adap
     for sizes in (dict(tp=2), dict(pp=2)):
         out = run_distributed(2, _start_from_adapter, path, adapter, sizes, batch, targets)
         assert_close(out[1], expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{sizes}: {m}")
+
+
+def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path):
+    """2 steps, save, a fresh engine loads it (its base from the HF model) and takes a 3rd: bitwise the run of 3
+    straight steps. The checkpoint's model part is the adapters only."""
+    from shardrl.job.options import EngineOptions, OptimOptions, UpdateOptions
+    from shardrl.models.checkpoint import load_checkpoint, save_checkpoint, saved_model_tensors
+    from shardrl.models.hf_bridge import export_hf_weights
+    from shardrl.workers.actor import update_policy
+    from shardrl.workers.engine import ModelEngine
+    from tests.test_parity_matrix import BATCH, LOSS, make_batch
+
+    path = str(make_tiny_checkpoint("qwen2", tmp_path / "model", num_hidden_layers=2))
+    batch, update = make_batch(), UpdateOptions(mini_batch_size=BATCH // 2, micro_batch_size=2)
+
+    def engine() -> ModelEngine:
+        return ModelEngine(ModelConfig.from_pretrained(path), Layout.single("cpu"),
+                           EngineOptions(optim=OptimOptions(lr=1e-2, eps=1e-3, total_steps=10), lora=DENSE_LORA),
+                           hf_path=path)
+
+    def trained(e: ModelEngine, steps: int) -> dict[str, torch.Tensor]:
+        for _ in range(steps):
+            update_policy(e, batch, LOSS, update)
+        return {name: t.clone() for name, t in export_hf_weights(e.chunks, e.layout)}
+
+    straight = trained(engine(), 3)
+    first = engine()
+    trained(first, 2)
+    save_checkpoint(tmp_path / "ckpt", first.chunks, first.layout, optimizer=first.optimizer,
+                    scheduler=first.scheduler)
+    assert sorted(saved_model_tensors(tmp_path / "ckpt")) == sorted(n for n in straight if ".lora_" in n)
+    resumed = engine()
+    load_checkpoint(tmp_path / "ckpt", resumed.chunks, resumed.layout, optimizer=resumed.optimizer,
+                    scheduler=resumed.scheduler)
+    after = trained(resumed, 1)
+    assert sorted(after) == sorted(straight) and all(torch.equal(after[k], straight[k]) for k in straight)
+    from shardrl.models.convert import dist_to_hf
+    from shardrl.models.hf_bridge import CheckpointError
+
+    with pytest.raises(CheckpointError, match="LoRA adapters only"):  # no base in it to convert
+        dist_to_hf(tmp_path / "ckpt", tmp_path / "hf")

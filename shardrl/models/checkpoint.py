@@ -12,6 +12,8 @@ written with torch.distributed.checkpoint (DCP) and keyed by HF tensor names.
   owns (all of it, or its data-parallel chunk with the distributed optimizer). The range is cut into boxes of the
   local tensor, each a contiguous run of elements and so a view of the flat state, and shifted like the params.
 * Vocab padding rows are neither saved nor read (loading zeroes them and their optimizer state).
+* A model with LoRA adapters checkpoints the adapters alone (and their optimizer state): its base is frozen and
+  comes from `model.path` at every start (`checkpointed_params`).
 * Small objects (optimizer step count, scheduler, trainer state, each rank's RNG states) are pickled by DCP.
 * Atomic: all ranks write into ``.<name>.tmp`` next to the target; the first rank adds the side files (HF config,
   tokenizer, `META_FILE`), fsyncs and renames it into place. `mark_latest` then points ``<root>/latest`` at a step.
@@ -55,6 +57,7 @@ from shardrl.models.checkpoint_shards import (
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import CheckpointError, init_hf_weights
 from shardrl.parallel.layout import Layout
+from shardrl.parallel.lora import LoRA
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 
 META_FILE = "shardrl_checkpoint.json"
@@ -98,7 +101,7 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
             shutil.rmtree(tmp)
         tmp.mkdir(parents=True)
     _barrier(group)
-    params = unique_params(chunks)
+    params = checkpointed_params(chunks)
     state: dict[str, Any] = model_entries(params, layout, writing=True) if "model" in parts else {}
     if save_rng:
         state[f"rng/{layout.local_rank}"] = _rng_state()
@@ -119,6 +122,7 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     if coordinator:
         meta = dict(format_version=FORMAT_VERSION, world_size=layout.spec.world_size, layout=asdict(layout.spec),
                     distributed_optimizer=optimizer.grads.shard if save_optimizer else None,
+                    lora_adapters_only=len(params) < len(unique_params(chunks)),
                     contents=[*(["model"] if "model" in parts else []), *(["rng"] if save_rng else []), *objects])
         _write_side_files(tmp, meta, chunks[0].config.hf_config, hf_dir)
         _commit(tmp, path)
@@ -266,7 +270,7 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     load_scheduler = scheduler is not None and "extra" in parts
     load_rng = restore_rng and "extra" in parts
     path, group = Path(path), layout.group("world")
-    params = unique_params(chunks)
+    params = checkpointed_params(chunks)
     meta = _read_meta(path, chunks[0].config, load_optimizer, load_scheduler)
     state: dict[str, Any] = {key: entry for key, entry in model_entries(params, layout, writing=False).items()
                              if key[len(MODEL_PREFIX):] not in skip}
@@ -299,6 +303,14 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
     if load_rng:
         _set_rng_state(state[rng_key])
     return state.get("trainer")
+
+
+def checkpointed_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
+    """The parameters a checkpoint holds: all of them, or with LoRA adapters (`parallel.lora`) the adapters alone:
+    the frozen base is the model the run loads from `model.path` and never changes."""
+    params = unique_params(chunks)
+    adapters = {id(p) for chunk in chunks for m in chunk.modules() if isinstance(m, LoRA) for p in m.parameters()}
+    return [p for p in params if id(p) in adapters] if adapters else params
 
 
 def _parts(contents: Collection[str], key: str) -> set[str]:

@@ -12,6 +12,7 @@ directory or a training checkpoint and writes safetensors + config.json (+ token
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -19,6 +20,7 @@ from pathlib import Path
 import torch
 
 from shardrl.models.checkpoint import (
+    META_FILE,
     copy_hf_extra_files,
     load_model_from_dist,
     save_checkpoint,
@@ -58,6 +60,10 @@ def dist_to_hf(dist_dir: str | Path, out: str | Path, config_path: str | Path | 
     """Write the model of the distributed checkpoint at `dist_dir` as an HF checkpoint at `out`. `config_path`:
     a config.json (or a directory holding one) for checkpoints stored without it; `dtype` converts the tensors."""
     dist_dir = Path(dist_dir)
+    meta = dist_dir / META_FILE
+    if meta.is_file() and json.loads(meta.read_text()).get("lora_adapters_only"):
+        raise CheckpointError(f"{dist_dir}: holds LoRA adapters only (the base is the run's model.path); the run's "
+                              f"hf_export/ has the merged model and hf_export/lora_adapter/ the PEFT adapter")
     config = ModelConfig.from_pretrained(config_path or dist_dir)
     tensors = saved_model_tensors(dist_dir)
     saved_dtypes = {saved for _, saved in tensors.values()}
