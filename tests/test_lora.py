@@ -3,6 +3,7 @@ adapter's gradient equal PEFT's, at one process and at TP2 (sequence parallelism
 padded over TP), and PP2's log-probs too; the base weights get no gradient and adapters switched off give the base
 model. A and B are drawn whole from their names, so every layout starts from the same adapters."""
 
+import dataclasses
 import json
 import zlib
 
@@ -379,3 +380,45 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path
 
     with pytest.raises(CheckpointError, match="LoRA adapters only"):  # no base in it to convert
         dist_to_hf(tmp_path / "ckpt", tmp_path / "hf")
+
+
+def test_the_rollout_after_a_sync_generates_what_an_engine_of_the_merged_export_generates(checkpoints, tmp_path):
+    """An engine that starts from other base weights, synced from a LoRA actor (first sync: every tensor), then
+    synced again after the adapters moved (adapters only): each time it generates the tokens an engine built from
+    the merged HF export generates, greedy and sampled, with the same log-probs up to fp32 rounding (it applies the
+    adapters in its forward, the export has them folded in)."""
+    from shardrl.job.options import EngineOptions
+    from shardrl.models.hf_bridge import save_hf_checkpoint
+    from shardrl.parallel.layout import GroupRegistry
+    from shardrl.rollout.engine import Engine, EngineConfig
+    from shardrl.rollout.request import SamplingParams
+    from shardrl.sync.colocated import ColocatedSync
+    from shardrl.workers.engine import ModelEngine
+
+    path, other = checkpoints["qwen2"], make_tiny_checkpoint("qwen2", tmp_path / "other", seed=9, vocab_size=VOCAB)
+    registry = GroupRegistry()
+    layout = Layout.create(LayoutSpec(world_size=1), registry=registry)
+    actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(lora=SETTINGS), hf_path=path)
+    config = EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64)
+    engine = Engine.from_pretrained(other, Layout.create(LayoutSpec(world_size=1), registry=registry),
+                                    dataclasses.replace(config, lora=SETTINGS))
+    sync = ColocatedSync(actor.chunks, actor.layout, actor.host_buffers, engine, 8 << 10)
+    prompts = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9, 10, 2], [20, 21, 22]]
+    sampling = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
+                SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)]
+    for round_, scale in enumerate((1.0, -0.5)):
+        with torch.no_grad():
+            for param in lora_parameters(actor.chunks[0]):
+                name = get_spec(param).hf_name
+                if ".lora_B." in name:
+                    param.copy_(full_b(name, param.shape) * scale)
+        metrics = sync.sync()
+        if round_:
+            assert metrics["sync/bytes"] == sum(p.numel() * 4 for p in lora_parameters(engine.model))
+        save_hf_checkpoint(actor.chunks, actor.layout, tmp_path / f"merged{round_}")
+        reference = Engine.from_pretrained(tmp_path / f"merged{round_}", engine.layout, config)
+        for params in sampling:
+            ours, theirs = engine.generate(prompts, [params] * 3), reference.generate(prompts, [params] * 3)
+            assert [o.token_ids for o in ours] == [o.token_ids for o in theirs], (round_, params)
+            assert_close(torch.tensor([o.logprobs for o in ours]), torch.tensor([o.logprobs for o in theirs]),
+                         atol=1e-4, rtol=1e-4)
