@@ -147,3 +147,15 @@ def test_the_default_job_with_lora_learns(tmp_path):
                    "actor_rollout_ref.actor.optim.lr=3e-3", "trainer.total_training_steps=150", "trainer.test_freq=30")
     val = validation_rewards(rows)
     assert val[0][1] < 0.3 and max(v for _, v in val[-2:]) >= 0.9, val
+
+
+@pytest.mark.slow
+def test_a_fully_async_job_trains_adapters_on_a_detached_rollout_pool(tmp_path):
+    from async_jobs import run_job as run_async_job
+
+    rows, _ = run_async_job(tmp_path / "run", "fully_async_ppo_trainer", *LORA, "actor_rollout_ref.actor.optim.lr=1e-2",
+                            "actor_rollout_ref.actor.use_kl_loss=true", "trainer.total_training_steps=3",
+                            "trainer.val_before_train=false", "trainer.test_freq=-1")
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    assert rows[0]["actor/kl_loss"] == 0 and all(r["actor/kl_loss"] > 0 for r in rows[1:]), rows
+    assert (tmp_path / "run" / "hf_export" / "lora_adapter" / "adapter_model.safetensors").is_file()
