@@ -82,6 +82,7 @@ def test_default_job_learns_with_two_rank_actor(tmp_path, layout):
     assert val[0][1] < 0.3 and val[-1][1] >= 0.9, val
 
 
+@pytest.mark.slow  # 2-2.5 min; the default suite runs this agent through the endpoint in test_agent_job.py
 def test_an_openai_client_agent_trains_on_the_builtin_task(tmp_path):
     """examples/openai_agent (a plain `openai` client in a tool loop, in agent processes, through the endpoint) on the
     built-in digit-lookup task: the agent's own reward rises as the policy learns to call the tool (0.1) and copy

@@ -319,26 +319,36 @@ def _start_from_adapter(path: str, adapter: str, sizes: dict, batch, targets) ->
         return _forward_logprobs(model, layout, batch, targets)
 
 
-def test_adapters_start_from_a_peft_adapter_at_one_process_tp2_and_pp2(peft_adapter):
+def _peft_log_probs(path: str, adapter: str, batch, targets) -> torch.Tensor:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
-    path, adapter = peft_adapter
-    batch, targets = _batch()
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), adapter)
     input_ids, _, cu_seqlens = batch
     bounds = cu_seqlens.tolist()
     with torch.no_grad():
         logits = torch.cat([model(input_ids[a:b][None]).logits[0] for a, b in zip(bounds, bounds[1:])])
-    expected = logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+    return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
+
+
+def test_adapters_start_from_a_peft_adapter(peft_adapter):
+    path, adapter = peft_adapter
+    batch, targets = _batch()
+    expected = _peft_log_probs(path, adapter, batch, targets)
     from shardrl.models.tiny import hf_logits
 
     base = hf_logits(path, batch[0], batch[2]).log_softmax(-1).gather(-1, targets[:, None])[:, 0]
     assert not torch.allclose(base, expected, atol=1e-3)  # the adapter changes the model
     assert_close(_start_from_adapter(path, adapter, {}, batch, targets), expected, atol=1e-5, rtol=1e-5)
-    for sizes in (dict(tp=2), dict(pp=2)):
-        out = run_distributed(2, _start_from_adapter, path, adapter, sizes, batch, targets)
-        assert_close(out[1], expected, atol=1e-5, rtol=1e-5, msg=lambda m: f"{sizes}: {m}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sizes", [dict(tp=2), dict(pp=2)], ids=["tp2", "pp2"])
+def test_adapters_start_from_a_peft_adapter_at_tp2_and_pp2(peft_adapter, sizes):
+    path, adapter = peft_adapter
+    batch, targets = _batch()
+    out = run_distributed(2, _start_from_adapter, path, adapter, sizes, batch, targets)
+    assert_close(out[1], _peft_log_probs(path, adapter, batch, targets), atol=1e-5, rtol=1e-5)
 
 
 def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path):

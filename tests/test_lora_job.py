@@ -112,6 +112,7 @@ def test_a_peft_adapter_to_start_from_sets_the_adapters_as_verl_does(tmp_path):
         assert err.value.key == refused, name
 
 
+@pytest.mark.slow  # the plan and the model start from an adapter in the default suite
 def test_the_default_job_starts_from_a_peft_adapter(tmp_path):
     """At lr=0 the job's exported adapter is the one it started from, and the rollout samples with it too."""
     from peft import LoraConfig, get_peft_model
