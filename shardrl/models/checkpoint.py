@@ -57,7 +57,7 @@ from shardrl.models.checkpoint_shards import (
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import CheckpointError, init_hf_weights
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.lora import LoRA
+from shardrl.parallel.lora import lora_parameters
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 
 META_FILE = "shardrl_checkpoint.json"
@@ -309,7 +309,7 @@ def checkpointed_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
     """The parameters a checkpoint holds: all of them, or with LoRA adapters (`parallel.lora`) the adapters alone:
     the frozen base is the model the run loads from `model.path` and never changes."""
     params = unique_params(chunks)
-    adapters = {id(p) for chunk in chunks for m in chunk.modules() if isinstance(m, LoRA) for p in m.parameters()}
+    adapters = {id(p) for p in lora_parameters(chunks)}
     return [p for p in params if id(p) in adapters] if adapters else params
 
 

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 from shardrl.models.config import FAMILY_PREFIX
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.lora import PEFT_PREFIX, PEFT_WEIGHTS, LoRA
+from shardrl.parallel.lora import PEFT_PREFIX, PEFT_WEIGHTS, LoRA, lora_parameters
 from shardrl.parallel.spec import ShardSpec, get_spec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -99,8 +99,7 @@ def load_hf_weights(model: Model, source: str | Path | HFCheckpointReader, optio
     """
     reader = source if isinstance(source, HFCheckpointReader) else HFCheckpointReader(source)
     absent = {name for name in optional if name not in reader}
-    chunks = model if isinstance(model, Sequence) else [model]
-    adapters = {id(p) for chunk in chunks for m in chunk.modules() if isinstance(m, LoRA) for p in m.parameters()}
+    adapters = {id(p) for p in lora_parameters(model)}
     for param in (p for p in _unique_params(model) if id(p) not in adapters):
         spec = get_spec(param)
         start, stop = spec.slice_range() or (0, 0)
@@ -202,7 +201,7 @@ def export_hf_weights(model: Model, layout: Layout,
     chunks = model if isinstance(model, Sequence) else [model]
     adapter_of = {id(m.weight): m.lora for chunk in chunks for m in chunk.modules()
                   if isinstance(getattr(m, "lora", None), LoRA)}  # base weight -> its adapter
-    adapter_params = {id(p) for adapter in adapter_of.values() for p in adapter.parameters()}
+    adapter_params = {id(p) for p in lora_parameters(chunks)}
 
     def wanted(param: nn.Parameter) -> bool:
         if not _exported(get_spec(param), layout):

@@ -157,11 +157,12 @@ def _load_peft_tensors(adapters: Sequence[LoRA], directory: str) -> None:
             param.copy_(_slice(full, spec))
 
 
-def lora_parameters(model: nn.Module) -> Iterator[nn.Parameter]:
-    """The adapters' parameters, in module order."""
-    for module in model.modules():
-        if isinstance(module, LoRA):
-            yield from module.parameters()
+def lora_parameters(model: nn.Module | Sequence[nn.Module]) -> Iterator[nn.Parameter]:
+    """The adapters' parameters of a model (or its pipeline chunks), in module order."""
+    for chunk in model if isinstance(model, Sequence) else [model]:
+        for module in chunk.modules():
+            if isinstance(module, LoRA):
+                yield from module.parameters()
 
 
 @contextlib.contextmanager

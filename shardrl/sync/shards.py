@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 
 from torch import Tensor, nn
 
-from shardrl.parallel.lora import LoRA
+from shardrl.parallel.lora import lora_parameters
 from shardrl.parallel.offload import HostBuffers
 from shardrl.parallel.spec import ShardSpec, get_spec
 from shardrl.sync.plan import Box, Slice
@@ -64,8 +64,7 @@ class Shards:
         chunks = model if isinstance(model, Sequence) else [model]
         unique = {id(p): p for chunk in chunks for p in chunk.parameters()}.values()
         # LoRA adapters (`parallel.lora`): with the base frozen, what a sync after the first one has to move.
-        self.adapters = {get_spec(p).hf_name for chunk in chunks for m in chunk.modules() if isinstance(m, LoRA)
-                         for p in m.parameters()}
+        self.adapters = {get_spec(p).hf_name for p in lora_parameters(chunks)}
         self.params: dict[str, nn.Parameter] = {}
         for param in unique:
             spec = get_spec(param)
