@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from shardrl.parallel.expert import MoELayer
-from shardrl.parallel.grouped_gemm import can_use_grouped_mm, expert_ffn
+from shardrl.parallel.grouped_gemm import ExpertAdapters, can_use_grouped_mm, expert_ffn
 from shardrl.parallel.layout import Layout
 from test_expert import F_SIZE, H, K, NAMES, copy_into_hf, full_weights, hf_block, load_full
 from test_expert_parallel import check_layouts
@@ -59,6 +59,45 @@ def test_grouped_mm_backward_takes_a_broadcast_gradient():
     expected = [x_ref.grad] + [w_ref[k].grad for k in ("gate", "up", "down")]
     for g, ref in zip(grads, expected):
         assert _max_abs(g.float() - ref.float()) <= 2e-2 * max(_max_abs(ref.float()), 1.0)
+
+
+def _adapted_ffn_and_grads(x, counts, w, factors, grouped: bool, grad_out):
+    """Output and gradients (x, the three weights' none: frozen; every LoRA factor) of the adapted expert FFN."""
+    x = x.clone().requires_grad_()
+    tensors = {k: v.clone().requires_grad_() for k, v in factors.items()}
+    adapters = ExpertAdapters(2.0, tensors["gate_up_a"], (tensors["gate_b"], tensors["up_b"]), tensors["down_a"],
+                              tensors["down_b"])
+    out = expert_ffn(x, counts, w["gate"], w["up"], w["down"], grouped=grouped, adapters=adapters)
+    (out.float() * grad_out).sum().backward()
+    return [out.float(), x.grad.float()] + [tensors[k].grad.float() for k in sorted(tensors)]
+
+
+@needs_cuda
+def test_grouped_mm_with_expert_adapters_matches_the_loop_in_bf16():
+    """LoRA on the experts (gate/up sharing A, down) on the grouped path: the per-expert loop's output and factor
+    gradients within bf16 rounding of fp32; a rank that is no multiple of 8 is not grouped-aligned."""
+    device, rank, counts = torch.device("cuda"), 8, [5, 0, 17, 3]
+    g = torch.Generator().manual_seed(9)
+    hidden, ffn, experts = 64, 32, len(counts)
+    w32 = {k: v.to(device) for k, v in full_weights(7, hidden, ffn, experts).items()}
+    shapes = dict(gate_up_a=(rank, hidden), gate_b=(ffn, rank), up_b=(ffn, rank), down_a=(rank, ffn),
+                  down_b=(hidden, rank))
+    f32 = {k: (torch.randn(experts, *shape, generator=g) * 0.2).to(device) for k, shape in shapes.items()}
+    counts = torch.tensor(counts, device=device)
+    x32 = torch.randn(int(counts.sum()), hidden, device=device)
+    grad_out = torch.randn(int(counts.sum()), hidden, device=device)
+    w16, f16 = ({k: v.bfloat16() for k, v in d.items()} for d in (w32, f32))
+    probe = ExpertAdapters(2.0, f16["gate_up_a"], (f16["gate_b"], f16["up_b"]), f16["down_a"], f16["down_b"])
+    assert can_use_grouped_mm(x32.bfloat16(), w16["gate"], w16["down"], probe)
+    odd = ExpertAdapters(2.0, f16["gate_up_a"][:, :3], (), None, None)
+    assert not can_use_grouped_mm(x32.bfloat16(), w16["gate"], w16["down"], odd)
+    grouped = _adapted_ffn_and_grads(x32.bfloat16(), counts, w16, f16, True, grad_out)
+    exact = _adapted_ffn_and_grads(x32, counts, w32, f32, False, grad_out)
+    plain = expert_ffn(x32, counts, w32["gate"], w32["up"], w32["down"], grouped=False)
+    assert _max_abs(exact[0] - plain) > 0.1  # the adapters change the output
+    names = ["out", "dx", *sorted(shapes)]
+    for name, got, ref in zip(names, grouped, exact):
+        assert _max_abs(got - ref) <= 2e-2 * max(_max_abs(ref), 1.0), name
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")

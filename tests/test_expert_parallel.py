@@ -112,7 +112,7 @@ def test_four_rank_layouts_and_their_specs():
     assert [s["gate"].slice_range() for s in specs] == [(0, 4), (4, 8)] * 2
     assert [s["down"].slice_range() for s in specs] == [(0, 4), (4, 8)] * 2
     assert all(s["down"].dim == 1 and s["gate"].group == "etp" for s in specs)
-    assert all(s["router"].sum_grad_over_tp and s["router"].dim is None for s in specs)
+    assert all(s["router"].sum_grad_over_group and s["router"].dim is None for s in specs)
     assert specs[2]["up"].hf_names()[0] == "model.layers.0.mlp.experts.4.up_proj.weight"
 
 

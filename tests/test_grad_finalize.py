@@ -1,7 +1,7 @@
 """Gradient finalisation and the global grad norm over TP / DP / EP / PP layouts against a single-process reference.
 
 The toy model (also used by test_optimizer.py) has one parameter of every kind the specs describe: a sequence-
-parallel norm (sum_grad_over_tp), a TP-replicated norm and bias, column and row sharded weights, a KV-like weight
+parallel norm (sum_grad_over_group), a TP-replicated norm and bias, column and row sharded weights, a KV-like weight
 with fewer shards than TP ranks, experts, and a vocab-sharded embedding tied across two pipeline stages. Its
 collectives are written out here (all-gather / reduce-scatter / all-reduce with their autograd duals), its loss is
 a sum divided by the global token count, and the reference is plain torch on full tensors.
@@ -141,7 +141,7 @@ class ToyModel(nn.Module):
         specs = [ShardSpec("emb", (V, H), dim=0, num_shards=tp, index=rank, group="tp", tied_group=pp > 1)]
         self.first, self.last = layout.is_first_stage, layout.is_last_stage
         if self.first:
-            specs += [ShardSpec("sp_norm", (H,), sum_grad_over_tp=tp > 1), ShardSpec("norm", (H,), group="tp"),
+            specs += [ShardSpec("sp_norm", (H,), sum_grad_over_group=tp > 1), ShardSpec("norm", (H,), group="tp"),
                       ShardSpec("w1", (F, H), dim=0, num_shards=tp, index=rank, group="tp"),
                       ShardSpec("k", (kv_heads, H), dim=0, num_shards=kv_shards, index=rank // (tp // kv_shards),
                                 group="tp"),
@@ -312,8 +312,8 @@ def test_dropped_params_and_buffers_are_freed():
 
 def test_bad_specs_are_named():
     layout = Layout.single()
-    with pytest.raises(ValueError, match="w: sum_grad_over_tp is for replicated params"):
-        GradBuffers([set_spec(nn.Parameter(torch.zeros(2)), ShardSpec("w", (2,), dim=0, sum_grad_over_tp=True))],
+    with pytest.raises(ValueError, match="w: sum_grad_over_group is for replicated params"):
+        GradBuffers([set_spec(nn.Parameter(torch.zeros(2)), ShardSpec("w", (2,), dim=0, sum_grad_over_group=True))],
                     layout)
     with pytest.raises(ValueError, match="v: num_shards=2 does not divide group 'tp' of size 1"):
         GradBuffers([set_spec(nn.Parameter(torch.zeros(1)), ShardSpec("v", (2,), dim=0, num_shards=2))], layout)

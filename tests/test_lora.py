@@ -123,7 +123,7 @@ def _forward_logprobs(model: Transformer, layout: Layout, batch, targets) -> tor
 
 def _reduced(grad: torch.Tensor, param: torch.Tensor, layout: Layout) -> torch.Tensor:
     grad = grad.clone()
-    if get_spec(param).sum_grad_over_tp and layout.tp_group is not None:
+    if get_spec(param).sum_grad_over_group and layout.tp_group is not None:
         dist.all_reduce(grad, group=layout.tp_group)
     return grad
 
@@ -393,10 +393,15 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path
 
 
 def test_the_rollout_after_a_sync_generates_what_an_engine_of_the_merged_export_generates(checkpoints, tmp_path):
-    """An engine that starts from other base weights, synced from a LoRA actor (first sync: every tensor), then
-    synced again after the adapters moved (adapters only): each time it generates the tokens an engine built from
-    the merged HF export generates, greedy and sampled, with the same log-probs up to fp32 rounding (it applies the
-    adapters in its forward, the export has them folded in)."""
+    path, other = checkpoints["qwen2"], make_tiny_checkpoint("qwen2", tmp_path / "other", seed=9, vocab_size=VOCAB)
+    check_rollout_after_sync(path, other, SETTINGS, tmp_path)
+
+
+def check_rollout_after_sync(path: str, other: str, settings: LoRASettings, tmp_path) -> None:
+    """An engine that starts from other base weights (`other`), synced from a LoRA actor (first sync: every
+    tensor), then synced again after the adapters moved (adapters only): each time it generates the tokens an
+    engine built from the merged HF export generates, greedy and sampled, with the same log-probs up to fp32
+    rounding (it applies the adapters in its forward, the export has them folded in)."""
     from shardrl.job.options import EngineOptions
     from shardrl.models.hf_bridge import save_hf_checkpoint
     from shardrl.parallel.layout import GroupRegistry
@@ -405,13 +410,12 @@ def test_the_rollout_after_a_sync_generates_what_an_engine_of_the_merged_export_
     from shardrl.sync.colocated import ColocatedSync
     from shardrl.workers.engine import ModelEngine
 
-    path, other = checkpoints["qwen2"], make_tiny_checkpoint("qwen2", tmp_path / "other", seed=9, vocab_size=VOCAB)
     registry = GroupRegistry()
     layout = Layout.create(LayoutSpec(world_size=1), registry=registry)
-    actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(lora=SETTINGS), hf_path=path)
+    actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(lora=settings), hf_path=path)
     config = EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64)
     engine = Engine.from_pretrained(other, Layout.create(LayoutSpec(world_size=1), registry=registry),
-                                    dataclasses.replace(config, lora=SETTINGS))
+                                    dataclasses.replace(config, lora=settings))
     sync = ColocatedSync(actor.chunks, actor.layout, actor.host_buffers, engine, 8 << 10)
     prompts = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9, 10, 2], [20, 21, 22]]
     sampling = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),

@@ -48,13 +48,28 @@ def test_what_lora_cannot_honour_is_refused_before_workers_start(overrides, key)
     assert err.value.key == key
 
 
-def test_lora_on_an_moe_models_experts_is_refused_but_its_attention_is_fine(tmp_path):
-    path = make_tiny_checkpoint("qwen3_moe", tmp_path / "moe")
-    with pytest.raises(ConfigError) as err:
-        plan_job(compose("ppo_trainer", [*LORA, f"actor_rollout_ref.model.path={path}"]))
-    assert err.value.key == "actor_rollout_ref.model.target_modules" and "experts" in err.value.reason
-    attention = "actor_rollout_ref.model.target_modules=[q_proj,k_proj,v_proj,o_proj]"
-    assert plan_job(compose("ppo_trainer", [*LORA, f"actor_rollout_ref.model.path={path}", attention])).actor
+def test_expert_adapters_are_named_by_target_parameters_and_refused_where_they_reach_nothing(tmp_path):
+    moe = make_tiny_checkpoint("qwen3_moe", tmp_path / "moe")
+    shared = make_tiny_checkpoint("qwen2_moe", tmp_path / "shared")  # a shared expert: ordinary gate/up/down
+    experts = "actor_rollout_ref.model.target_parameters=[mlp.experts.gate_up_proj,mlp.experts.down_proj]"
+    plan = plan_job(compose("ppo_trainer", [*LORA, f"actor_rollout_ref.model.path={moe}", experts]))
+    assert plan.actor.model.engine.lora.target_parameters == ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+    assert plan.rollout.engine.lora == plan.actor.model.engine.lora
+    # all-linear is the linears (as in PEFT): the attention here, and the run says the experts got none.
+    attention_only = plan_job(compose("ppo_trainer", [*LORA, f"actor_rollout_ref.model.path={moe}"]))
+    assert attention_only.actor.model.engine.lora.target_parameters == ()
+    assert any("target_parameters" in note for note in attention_only.model_notes)
+    assert plan_job(compose("ppo_trainer", [*LORA, f"actor_rollout_ref.model.path={shared}",
+                                            "actor_rollout_ref.model.target_modules=[gate_proj]"])).actor
+    for overrides, key in (
+            ([f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.model.target_modules=[q_proj,gate_proj]"],
+             "actor_rollout_ref.model.target_modules"),  # no linear of that name: the experts are stacked
+            ([experts], "actor_rollout_ref.model.target_parameters"),  # the built-in model is dense
+            ([f"actor_rollout_ref.model.path={moe}", "actor_rollout_ref.model.target_parameters=[mlp.experts.w1]"],
+             "actor_rollout_ref.model.target_parameters")):
+        with pytest.raises(ConfigError) as err:
+            plan_job(compose("ppo_trainer", LORA + overrides))
+        assert err.value.key == key, overrides
 
 
 def test_the_default_job_trains_adapters_samples_with_them_and_keeps_the_base_as_reference(tmp_path):

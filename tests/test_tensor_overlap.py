@@ -117,7 +117,7 @@ def _model_step(config: ModelConfig, ckpt: Path, layout: Layout, batch: tuple, s
     grads = {}
     for param in model.parameters():
         spec, grad = get_spec(param), param.grad.clone()
-        if spec.sum_grad_over_tp:
+        if spec.sum_grad_over_group:
             dist.all_reduce(grad, group=layout.tp_group)
         grads[spec.hf_name] = grad
     return lp.detach(), grads

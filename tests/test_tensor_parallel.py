@@ -91,9 +91,9 @@ def _check_linears(layout: Layout, ckpt: Path, t: dict, sp: bool) -> None:
     for param, name in ((col.weight, "col.weight"), (col.bias, "col.bias"), (row.weight, "row.weight")):
         assert_close(param.grad, _shard(t[name].grad, param))
     bias_grad = row.bias.grad.clone()
-    if get_spec(row.bias).sum_grad_over_tp:  # SP: each rank added the bias to its own tokens only
+    if get_spec(row.bias).sum_grad_over_group:  # SP: each rank added the bias to its own tokens only
         dist.all_reduce(bias_grad, group=layout.tp_group)
-    assert get_spec(row.bias).sum_grad_over_tp == sp
+    assert get_spec(row.bias).sum_grad_over_group == sp
     assert_close(bias_grad, t["row.bias"].grad)
     for name in ("col.weight", "col.bias", "row.weight", "row.bias"):
         t[name].grad = None
@@ -108,7 +108,7 @@ def _check_embedding_and_logprobs(layout: Layout, ckpt: Path, t: dict, sp: bool)
     (out * (_chunk(t["up"], layout) if sp else t["up"])).sum().backward()
     ref_grad = torch.zeros(VOCAB, H, device=layout.device).index_add_(0, ids, t["up"])
     # Complete without any further sum: with SP the backward of the reduce-scatter gathers every token's gradient.
-    assert not get_spec(emb.weight).sum_grad_over_tp
+    assert not get_spec(emb.weight).sum_grad_over_group
     assert_close(emb.weight.grad, _shard(ref_grad, emb.weight))
 
     logits = t["logits"].clone().requires_grad_()
@@ -154,7 +154,7 @@ def test_tp2_layers_forward_and_gradients_match_reference(tmp_path):
 def _reduced_grad(param: torch.Tensor, layout: Layout) -> torch.Tensor:
     """This rank's gradient after the sums the spec asks for (what the optimizer's grad finalisation does)."""
     spec, grad = get_spec(param), param.grad.clone()
-    if spec.sum_grad_over_tp:
+    if spec.sum_grad_over_group:
         dist.all_reduce(grad, group=layout.tp_group)
     elif spec.dim is not None and spec.num_shards < layout.tp_size:  # replicated KV shard: sum over its replicas
         grads = [torch.empty_like(grad) for _ in range(layout.tp_size)]

@@ -14,7 +14,7 @@ from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
 from shardrl.job.schema import Mode, PolicyModelConfig, PPOConfig
 from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
-from shardrl.parallel.lora import ALL_LINEAR, LINEAR_NAMES, PEFT_WEIGHTS, LoRASettings
+from shardrl.parallel.lora import ALL_LINEAR, EXPERT_PARAMETERS, LINEAR_NAMES, PEFT_WEIGHTS, LoRASettings
 
 
 @dataclass(frozen=True)
@@ -106,7 +106,18 @@ def lora_settings(model: PolicyModelConfig, seed: int) -> LoRASettings | None:
             raise ConfigError(f"actor_rollout_ref.model.{key}", f"{unknown} are not linears of shardrl's models; "
                               f"name some of {', '.join(LINEAR_NAMES)}")
     return LoRASettings(model.lora_rank, model.lora_alpha, targets if isinstance(targets, str) else tuple(targets),
-                        tuple(model.exclude_modules or ()), seed=seed)
+                        tuple(model.exclude_modules or ()), seed=seed,
+                        target_parameters=_expert_targets(model.target_parameters or [],
+                                                          "actor_rollout_ref.model.target_parameters"))
+
+
+def _expert_targets(names: list[str], key: str) -> tuple[str, ...]:
+    """PEFT's `target_parameters`: the MoE experts' stacked weights, in PEFT's order (its wrapping order)."""
+    if unknown := sorted(set(names) - set(EXPERT_PARAMETERS)):
+        raise ConfigError(key, f"{unknown}: shardrl adapts the MoE experts' {' and '.join(EXPERT_PARAMETERS)}")
+    if len(set(names)) != len(names):
+        raise ConfigError(key, f"{names} names a weight twice")
+    return tuple(names)
 
 
 # PEFT adapter settings shardrl's adapters have: each key's accepted values (the first is PEFT's default).
@@ -128,8 +139,8 @@ def _adapter_settings(model: PolicyModelConfig, seed: int) -> LoRASettings:
                                f"{PEFT_WEIGHTS} {'present' if (path / PEFT_WEIGHTS).is_file() else 'missing'})")
     unsupported = [f"{flag}={adapter[flag]!r}" for flag, plain in PLAIN_LORA.items()
                    if adapter.get(flag, plain[0]) not in plain]
-    targets = adapter.get("target_modules")
-    names = [] if targets == ALL_LINEAR else targets if isinstance(targets, list) else None
+    targets = adapter.get("target_modules")  # None or []: the experts alone (target_parameters)
+    names = [] if targets in (ALL_LINEAR, None) else targets if isinstance(targets, list) else None
     if names is None or sorted(set(names) - set(LINEAR_NAMES)):
         unsupported.append(f"target_modules={targets!r}")
     if unsupported:
@@ -138,8 +149,12 @@ def _adapter_settings(model: PolicyModelConfig, seed: int) -> LoRASettings:
     if model.lora_rank not in (0, adapter["r"]):
         raise ConfigError("actor_rollout_ref.model.lora_rank", f"{model.lora_rank}, but the adapter at {path} has "
                                                               f"rank {adapter['r']}; set it to 0 or {adapter['r']}")
-    return LoRASettings(adapter["r"], float(adapter["lora_alpha"]), targets if names == [] else tuple(names),
-                        tuple(adapter.get("exclude_modules") or ()), seed=seed, initial=str(path))
+    experts = _expert_targets(adapter.get("target_parameters") or [], f"{key} ({path}/adapter_config.json "
+                                                                      f"target_parameters)")
+    modules = ALL_LINEAR if targets == ALL_LINEAR else tuple(names)
+    return LoRASettings(adapter["r"], float(adapter["lora_alpha"]), modules,
+                        tuple(adapter.get("exclude_modules") or ()), seed=seed, initial=str(path),
+                        target_parameters=experts)
 
 
 @dataclass(frozen=True)

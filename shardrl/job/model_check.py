@@ -70,6 +70,8 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASetti
         if not names:
             continue
         found = read_hf_config(path, overrides, key)
+        if found is None and path is None and "actor" in names and lora is not None:
+            _refuse_expert_lora_on_dense(lora, "the built-in tiny model")
         if found is None:
             where = "built-in tiny model" if path is None else f"{path}: no local config.json"
             notes.append(f"{'/'.join(names)} model: {where}; model checks skipped")
@@ -78,17 +80,32 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASetti
         notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
         if "actor" in names and not any(hf.get(f) for f in EXPERT_COUNT_FIELDS):
             _refuse_routing_on_dense(config, source)
+            if lora is not None:
+                _refuse_expert_lora_on_dense(lora, source)
         elif "actor" in names and lora is not None:
-            _refuse_expert_lora(lora, source)
+            _refuse_mlp_names_without_mlps(lora, hf, source)
+            if not lora.target_parameters:
+                notes.append("actor: LoRA adapters on no routed expert (actor_rollout_ref.model.target_parameters "
+                             "names the experts' weights)")
     return notes
 
 
-def _refuse_expert_lora(lora: LoRASettings, source: str) -> None:
-    """LoRA on an MoE model: its MLP projections are experts, which have no adapters yet."""
-    if mlp := [name for name in ("gate_proj", "up_proj", "down_proj") if lora.targets(name)]:
-        raise ConfigError("actor_rollout_ref.model.target_modules", f"{source} is an MoE model, whose {mlp} are "
-                          f"experts: adapters on experts are not built yet; name its attention projections "
-                          f"(q_proj, k_proj, v_proj, o_proj)")
+def _refuse_expert_lora_on_dense(lora: LoRASettings, source: str) -> None:
+    if lora.target_parameters:
+        raise ConfigError("actor_rollout_ref.model.target_parameters", f"{list(lora.target_parameters)}: {source} "
+                          f"has no MoE experts; leave it null (or [])")
+
+
+def _refuse_mlp_names_without_mlps(lora: LoRASettings, hf: dict[str, Any], source: str) -> None:
+    """On an MoE model whose every MLP is routed experts, gate/up/down name no linear (as in PEFT, where the experts
+    are stacked parameters that `target_modules` does not reach): a run would train no MLP adapter."""
+    dense_mlps = (hf.get("shared_expert_intermediate_size") or hf.get("mlp_only_layers")
+                  or hf.get("decoder_sparse_step", 1) > 1)
+    named = () if isinstance(lora.target_modules, str) else lora.target_modules
+    if not dense_mlps and (mlp := [name for name in ("gate_proj", "up_proj", "down_proj") if name in named]):
+        raise ConfigError("actor_rollout_ref.model.target_modules", f"{mlp}: {source} is an MoE model whose MLPs are "
+                          f"all routed experts; adapt them with actor_rollout_ref.model.target_parameters="
+                          f"[mlp.experts.gate_up_proj,mlp.experts.down_proj]")
 
 
 def _refuse_routing_on_dense(config: PPOConfig, source: str) -> None:

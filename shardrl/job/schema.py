@@ -107,12 +107,14 @@ class ModelSourceConfig:
 @dataclass(frozen=True)
 class PolicyModelConfig(ModelSourceConfig):
     """The policy's model (`actor_rollout_ref.model`) with verl's LoRA keys: lora_rank 0 trains every weight; > 0
-    trains adapters of that rank on `target_modules` (names or all-linear) less `exclude_modules`."""
+    trains adapters of that rank on `target_modules` (names or all-linear) less `exclude_modules`, and on the MoE
+    experts' stacked weights named by `target_parameters` (PEFT's key; verl has none)."""
 
     lora_rank: NonNegInt
     lora_alpha: PosFloat
     target_modules: str | list[str]
     exclude_modules: list[str] | None
+    target_parameters: list[str] | None
     lora_adapter_path: str | None  # a PEFT LoRA adapter to start from (its rank, alpha and targets)
 
 

@@ -23,7 +23,8 @@ from torch import Tensor, nn
 from shardrl.models.config import FAMILY_PREFIX
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.lora import PEFT_PREFIX, PEFT_WEIGHTS, LoRA, lora_parameters
+from shardrl.parallel.lora import (EXPERT_PARAMETERS, PEFT_PREFIX, PEFT_WEIGHTS, ExpertLoRA, LoRA, adapted_weights,
+                                   lora_parameters, peft_expert_keys, stack_expert_adapter)
 from shardrl.parallel.spec import ShardSpec, get_spec
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -199,8 +200,7 @@ def export_hf_weights(model: Model, layout: Layout,
     PEFT adapter's tensors).
     """
     chunks = model if isinstance(model, Sequence) else [model]
-    adapter_of = {id(m.weight): m.lora for chunk in chunks for m in chunk.modules()
-                  if isinstance(getattr(m, "lora", None), LoRA)}  # base weight -> its adapter
+    merges = adapted_weights(chunks) if adapters == "merged" else {}  # base weight -> its adapter's A, B, scale
     adapter_params = {id(p) for p in lora_parameters(chunks)}
 
     def wanted(param: nn.Parameter) -> bool:
@@ -212,11 +212,11 @@ def export_hf_weights(model: Model, layout: Layout,
     metas = [(_global_names(get_spec(p), layout), get_spec(p).full_shape, p.dtype) for p in params]
 
     def gathered(param: nn.Parameter) -> Tensor:
-        tensor = _gather_full(param, layout)
-        adapter = adapter_of.get(id(param)) if adapters == "merged" else None
-        if adapter is not None:
-            delta = _gather_full(adapter.lora_B, layout)[0].float() @ _gather_full(adapter.lora_A, layout)[0].float()
-            tensor = (tensor.float() + adapter.scale * delta).to(tensor.dtype)
+        tensor = _gather_full(param, layout)  # [n, out, in]: n experts, or 1
+        if (merge := merges.get(id(param))) is not None:
+            a, b, scale = merge
+            delta = _gather_full(b, layout).float() @ _gather_full(a, layout).float()  # [n, out, r] @ [n, r, in]
+            tensor = (tensor.float() + scale * delta).to(tensor.dtype)
         return tensor
 
     if layout.pp_size == 1:
@@ -264,30 +264,43 @@ def save_hf_checkpoint(model: Model, layout: Layout, out_dir: str | Path, dtype:
 def save_peft_adapter(model: Model, layout: Layout, out_dir: str | Path, base_model: str | None = None) -> None:
     """Write `out_dir` as a PEFT LoRA adapter (`adapter_config.json` + `adapter_model.safetensors`) of the model's
     adapters, which `peft.PeftModel.from_pretrained` loads onto the base transformers model. Collective over the
-    layout; the layout's first rank writes. `base_model`: recorded as the adapter's base model path."""
+    layout; the layout's first rank writes. `base_model`: recorded as the adapter's base model path. Expert
+    adapters are written as PEFT's `target_parameters` adapters of transformers' stacked expert weights."""
     chunks = list(model) if isinstance(model, Sequence) else [model]
-    adapted = [(get_spec(m.weight).hf_name, m.lora) for chunk in chunks for m in chunk.modules()
-               if isinstance(getattr(m, "lora", None), LoRA)]
-    local = {(name.removesuffix(".weight").rsplit(".", 1)[-1], lora.lora_A.shape[0], lora.scale)
-             for name, lora in adapted}
-    stages: list = [None] * layout.pp_size
+    modules = [m for chunk in chunks for m in chunk.modules()]
+    linears = {(get_spec(m.weight).hf_name.removesuffix(".weight").rsplit(".", 1)[-1], m.lora.lora_A.shape[0],
+                m.lora.scale) for m in modules if isinstance(getattr(m, "lora", None), LoRA)}
+    experts = [(m.layer_id, m.parameter, get_spec(m.lora_A).hf_name, [get_spec(b).hf_name for b in m.lora_B],
+                m.num_experts, m.lora_A.shape[1], m.scale) for m in modules if isinstance(m, ExpertLoRA)]
+    stages: list = [(linears, experts)]
     if layout.pp_size > 1:  # every stage's adapted module names
-        dist.all_gather_object(stages, local, group=layout.pp_group)
-    else:
-        stages = [local]
-    found = set().union(*stages)
-    shapes = {(r, s) for _, r, s in found}
+        stages = [None] * layout.pp_size
+        dist.all_gather_object(stages, (linears, experts), group=layout.pp_group)
+    linears = set().union(*(stage[0] for stage in stages))
+    experts = [entry for stage in stages for entry in stage[1]]
+    shapes = {(r, s) for _, r, s in linears} | {(r, s) for *_, r, s in experts}
     if len(shapes) != 1:
-        raise ValueError(f"save_peft_adapter: the model needs adapters of one rank and scale, found {sorted(found)}")
+        raise ValueError(f"save_peft_adapter: the model needs adapters of one rank and scale, found {sorted(shapes)}")
     (rank, scale), = shapes
-    tensors = {PEFT_PREFIX + name: t.to("cpu", copy=True) for name, t in export_hf_weights(chunks, layout, "only")}
+    tensors = {name: t.to("cpu", copy=True) for name, t in export_hf_weights(chunks, layout, "only")}
     if layout.local_rank != 0:
         return
+    targeted = [p for p in EXPERT_PARAMETERS if any(entry[1] == p for entry in experts)]  # PEFT's wrapping order
+    peft_tensors = {}
+    for layer_id, parameter, a_name, b_names, num_experts, _, _ in experts:
+        def every_expert(template: str) -> Tensor:
+            return torch.stack([tensors.pop(template.format(expert=e)) for e in range(num_experts)])
+
+        a_key, b_key = peft_expert_keys(layer_id, parameter, targeted)
+        peft_tensors[a_key], peft_tensors[b_key] = stack_expert_adapter(every_expert(a_name),
+                                                                        [every_expert(b) for b in b_names])
+    peft_tensors.update((PEFT_PREFIX + name, t) for name, t in tensors.items())
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
+    save_file(peft_tensors, out_dir / PEFT_WEIGHTS, metadata={"format": "pt"})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": rank, "lora_alpha": scale * rank,
-              "target_modules": sorted({m for m, _, _ in found}), "lora_dropout": 0.0, "bias": "none",
+              "target_modules": sorted({m for m, _, _ in linears}) or None, "target_parameters": targeted or None,
+              "lora_dropout": 0.0, "bias": "none",
               "fan_in_fan_out": False, "base_model_name_or_path": base_model, "inference_mode": True,
               "init_lora_weights": True, "use_rslora": False, "use_dora": False, "modules_to_save": None}
     (out_dir / "adapter_config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")

@@ -22,18 +22,18 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 class RMSNorm(nn.Module):
     """`rms_norm` with its weight as a parameter.
 
-    `sum_grad_over_tp`: this rank sees only part of what the weight touches (its sequence-parallel tokens, or its
+    `sum_grad_over_group`: this rank sees only part of what the weight touches (its sequence-parallel tokens, or its
     attention heads for q/k norms), so the weight's gradient is summed over TP. `compile`, `bitwise`: see
     `fast_paths`.
     """
 
-    def __init__(self, size: int, eps: float, name: str, sum_grad_over_tp: bool = False,
+    def __init__(self, size: int, eps: float, name: str, sum_grad_over_group: bool = False,
                  device: torch.device | None = None, dtype: torch.dtype = torch.float32, compile: bool = False,
                  bitwise: bool = False) -> None:
         super().__init__()
         self.eps, self.compile, self.bitwise = eps, compile, bitwise
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
-        set_spec(self.weight, ShardSpec(name, (size,), sum_grad_over_tp=sum_grad_over_tp))
+        set_spec(self.weight, ShardSpec(name, (size,), sum_grad_over_group=sum_grad_over_group))
 
     def forward(self, x: Tensor) -> Tensor:
         if self.bitwise and x.is_cuda:

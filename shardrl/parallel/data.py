@@ -1,4 +1,5 @@
-"""Gradient accumulation buffers and gradient finalisation over TP, tied embeddings and data parallel.
+"""Gradient accumulation buffers and gradient finalisation over shard groups (TP / ETP), tied embeddings and data
+parallel.
 
 Choices (read by the optimizer, offload and checkpoint code):
 
@@ -128,8 +129,8 @@ def _check_spec(spec: ShardSpec, layout: Layout) -> None:
     group = shard_group(spec)
     if spec.dim is None:
         return
-    if spec.sum_grad_over_tp:
-        raise ValueError(f"{spec.hf_name}: sum_grad_over_tp is for replicated params, but dim={spec.dim}")
+    if spec.sum_grad_over_group:
+        raise ValueError(f"{spec.hf_name}: sum_grad_over_group is for replicated params, but dim={spec.dim}")
     size, rank = layout.size(group), layout.rank(group)
     if spec.num_shards > size or size % spec.num_shards:
         raise ValueError(f"{spec.hf_name}: num_shards={spec.num_shards} does not divide group {group!r} of size {size}")
@@ -208,7 +209,10 @@ class GradBuffers:
         bucket_numel = max(int(bucket_mb * 2**20) // 4, 1)
         self.buffers = [_build_buffer(key, ps, bucket_numel, layout.size(key[0])) for key, ps in grouped.items()]
         self.params = [p for buf in self.buffers for p in buf.params]
-        self._sum_over_tp = [p for p in self.params if get_spec(p).sum_grad_over_tp]
+        self._partial: dict[str, list[nn.Parameter]] = {}  # shard group -> params whose ranks sum their grads
+        for p in self.params:
+            if get_spec(p).sum_grad_over_group:
+                self._partial.setdefault(shard_group(get_spec(p)), []).append(p)
         self._replicated: dict[str, list[nn.Parameter]] = {}
         for p in self.params:
             spec = get_spec(p)
@@ -270,11 +274,12 @@ class GradBuffers:
 
     @torch.no_grad()
     def finalize(self) -> None:
-        """Sum gradients over TP where the spec asks, over tied copies, then over data parallel (see module doc)."""
+        """Sum gradients over the shard group (TP / ETP) where the spec asks, over tied copies, then over data parallel (see module doc)."""
         if self._state.finalized:
             return
         layout = self.layout
-        _all_reduce_coalesced([p.main_grad for p in self._sum_over_tp], layout.tp_group)
+        for name, params in self._partial.items():
+            _all_reduce_coalesced([p.main_grad for p in params], layout.group(name))
         for name, params in self._replicated.items():
             _sum_over_replicas(params, layout.group(name))
         _all_reduce_coalesced([p.main_grad for p in self._tied], layout.embedding_group)

@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardrl.parallel.grouped_gemm import can_use_grouped_mm, expert_ffn
+from shardrl.parallel.grouped_gemm import ExpertAdapters, can_use_grouped_mm, expert_ffn
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.moe_rows import combine_rows, dispatch_rows
 from shardrl.parallel.spec import ShardSpec, set_spec
@@ -81,11 +81,14 @@ class MoELayer(nn.Module):
         self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments per expert
         self.layer_id, self.bitwise = layer_id, bitwise
         self.routing: RoutingTable | None = None  # record or replay the experts chosen (routing.attached)
+        # LoRA on the experts' stacked gate/up and down weights (`parallel.lora.ExpertLoRA`, attach_lora).
+        self.lora_gate_up: nn.Module | None = None
+        self.lora_down: nn.Module | None = None
 
         device = layout.device
         self.router = nn.Linear(hidden_size, num_experts, bias=False, device=device, dtype=dtype)
         set_spec(self.router.weight, ShardSpec(names.router, (num_experts, hidden_size), group="tp",
-                                               sum_grad_over_tp=layout.tp_size > 1))
+                                               sum_grad_over_group=layout.tp_size > 1))
         first = layout.ep_rank * self.num_local_experts
         expert_ids = tuple(range(first, first + self.num_local_experts))
         f_local = ffn_size // etp
@@ -107,7 +110,16 @@ class MoELayer(nn.Module):
         learns its sizes from the device unless it stays inside the TP group (`_Exchange.within_tp`), and the
         portable expert FFN reads its per-expert row counts."""
         over_ranks = self.layout.ep_etp_group is not None and not self._dispatch_within_tp
-        return over_ranks or not can_use_grouped_mm(self.w_gate, self.w_gate, self.w_down)
+        return over_ranks or not can_use_grouped_mm(self.w_gate, self.w_gate, self.w_down, self._adapters())
+
+    def _adapters(self) -> ExpertAdapters | None:
+        """The experts' enabled LoRA adapters as the expert FFN takes them, or None."""
+        gate_up, down = (m if m is not None and m.enabled else None for m in (self.lora_gate_up, self.lora_down))
+        if gate_up is None and down is None:
+            return None
+        return ExpertAdapters((gate_up or down).scale, gate_up.lora_A if gate_up else None,
+                              tuple(gate_up.lora_B) if gate_up else (), down.lora_A if down else None,
+                              down.lora_B[0] if down else None)
 
     @property
     def _dispatch_within_tp(self) -> bool:
@@ -163,7 +175,8 @@ class MoELayer(nn.Module):
         inverse = _inverse(order)
         rows = dispatch_rows(x, order, inverse, self.top_k)  # [T*k, H]
         if self.layout.ep_etp_group is None:
-            y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down, bitwise=self.bitwise)  # [T*k, H]
+            y = expert_ffn(rows, counts, self.w_gate, self.w_up, self.w_down, bitwise=self.bitwise,
+                           adapters=self._adapters())  # [T*k, H]
         else:
             y = self._experts_over_ranks(rows, counts, num_tokens)
         return combine_rows(y, order, inverse, weights)  # [T_r, H]
@@ -184,7 +197,7 @@ class MoELayer(nn.Module):
         by_expert = plan.row_experts.argsort(stable=True)  # [M]
         back = _inverse(by_expert)
         y = expert_ffn(permute_rows(rows, by_expert, back), plan.expert_counts, self.w_gate, self.w_up, self.w_down,
-                       bitwise=self.bitwise)
+                       bitwise=self.bitwise, adapters=self._adapters())
         y = permute_rows(y, back, by_expert)  # [M, H] partial sums over this rank's F slice
         y = scatter_sum_rows(y, plan.etp_rows, layout.etp_group)
         return all_to_all_rows(y, plan.recv, plan.send, layout.ep_group)

@@ -7,6 +7,8 @@ experts, never over tokens) and is the reference. On CUDA with bf16 it runs the 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -14,15 +16,33 @@ from torch import Tensor
 from shardrl.parallel.activation import gated_silu
 
 
+@dataclass(frozen=True)
+class ExpertAdapters:
+    """LoRA factors of the experts (`parallel.lora.ExpertLoRA`), per expert e: gate_e += s * B_gate[e] A[e] x (and up
+    with B_up and the same A), down_e += s * B_down[e] A_down[e] h. A side is None where it has no adapter."""
+
+    scale: float
+    gate_up_a: Tensor | None  # [E, r, H]
+    gate_up_b: tuple[Tensor, ...]  # (B_gate, B_up) [E, F, r] each, or ()
+    down_a: Tensor | None  # [E, r, F]
+    down_b: Tensor | None  # [E, H, r]
+
+    @property
+    def rank(self) -> int:
+        return (self.gate_up_a if self.gate_up_a is not None else self.down_a).shape[1]
+
+
 def expert_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
-               grouped: bool | None = None, bitwise: bool = False) -> Tensor:
+               grouped: bool | None = None, bitwise: bool = False, adapters: ExpertAdapters | None = None) -> Tensor:
     """Apply expert `e`'s FFN to its block of rows.
 
     x [N, H] holds the rows of expert 0, then expert 1, ...; counts [E] (int) gives each expert's number of rows.
     w_gate, w_up [E, F, H]; w_down [E, H, F] (F may be this rank's ETP slice: the result is then a partial sum).
     `grouped` picks the path; None picks the grouped GEMM where it is supported. `bitwise` (CUDA): the
-    batch-invariant grouped GEMM forward (`_BitwiseGrouped`). Returns [N, H].
+    batch-invariant grouped GEMM forward (`_BitwiseGrouped`). `adapters`: LoRA on the experts. Returns [N, H].
     """
+    if bitwise and adapters is not None:
+        raise ValueError("expert_ffn: bitwise mode has no batch-invariant LoRA GEMMs")
     if bitwise and x.is_cuda:
         from shardrl.parallel.bitwise_kernels import expert_tiles  # Triton: CUDA installs only
 
@@ -31,37 +51,60 @@ def expert_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: 
         up = _BitwiseGrouped.apply(x, w_up, tiles)
         return _BitwiseGrouped.apply(gated_silu(gate, up), w_down, tiles)
     if grouped is None:
-        grouped = can_use_grouped_mm(x, w_gate, w_down)
+        grouped = can_use_grouped_mm(x, w_gate, w_down, adapters)
     if grouped:
-        return _grouped_ffn(x, counts, w_gate, w_up, w_down)
-    return _looped_ffn(x, counts, w_gate, w_up, w_down)
+        return _grouped_ffn(x, counts, w_gate, w_up, w_down, adapters)
+    return _looped_ffn(x, counts, w_gate, w_up, w_down, adapters)
 
 
-def can_use_grouped_mm(x: Tensor, w_in: Tensor, w_out: Tensor) -> bool:
-    """The grouped kernel wants CUDA bf16 and 16-byte aligned rows (H and F multiples of 8 elements)."""
+def can_use_grouped_mm(x: Tensor, w_in: Tensor, w_out: Tensor, adapters: ExpertAdapters | None = None) -> bool:
+    """The grouped kernel wants CUDA bf16 and 16-byte aligned rows (H, F and a LoRA rank multiples of 8 elements)."""
     return (
         hasattr(F, "grouped_mm")
         and x.is_cuda
         and x.dtype == w_in.dtype == w_out.dtype == torch.bfloat16
         and w_in.shape[-1] % 8 == 0
         and w_out.shape[-1] % 8 == 0
+        and (adapters is None or adapters.rank % 8 == 0)
     )
 
 
-def _looped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+def _looped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                adapters: ExpertAdapters | None) -> Tensor:
     outputs = []
     for e, rows in enumerate(x.split(counts.tolist())):  # rows [N_e, H]
-        hidden = F.silu(F.linear(rows, w_gate[e])) * F.linear(rows, w_up[e])  # [N_e, F]
-        outputs.append(F.linear(hidden, w_down[e]))  # [N_e, H]
+        gate, up = F.linear(rows, w_gate[e]), F.linear(rows, w_up[e])  # [N_e, F]
+        if adapters is not None and adapters.gate_up_a is not None:
+            shared = F.linear(rows, adapters.gate_up_a[e])  # [N_e, r]
+            b_gate, b_up = adapters.gate_up_b
+            gate = gate + F.linear(shared, b_gate[e]) * adapters.scale
+            up = up + F.linear(shared, b_up[e]) * adapters.scale
+        hidden = F.silu(gate) * up
+        out = F.linear(hidden, w_down[e])  # [N_e, H]
+        if adapters is not None and adapters.down_a is not None:
+            out = out + F.linear(F.linear(hidden, adapters.down_a[e]), adapters.down_b[e]) * adapters.scale
+        outputs.append(out)
     return torch.cat(outputs)
 
 
-def _grouped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor) -> Tensor:
+def _grouped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: Tensor,
+                 adapters: ExpertAdapters | None) -> Tensor:
     offsets = counts.cumsum(0).to(torch.int32)  # [E] end row of each expert's group
-    # grouped_mm computes x_e @ b[e] with b [E, K, N]; the transposed views are the column-major operand it prefers.
-    gate = F.grouped_mm(x, w_gate.transpose(1, 2), offs=offsets)  # [N, F]
-    up = F.grouped_mm(x, w_up.transpose(1, 2), offs=offsets)  # [N, F]
-    down = F.grouped_mm(gated_silu(gate, up), w_down.transpose(1, 2), offs=offsets)  # [N, H]
+
+    def grouped(rows: Tensor, weights: Tensor) -> Tensor:  # each expert's rows @ weights[e]^T
+        # grouped_mm computes x_e @ b[e] with b [E, K, N]; the transposed view is the column-major operand it prefers.
+        return F.grouped_mm(rows, weights.transpose(1, 2), offs=offsets)
+
+    gate, up = grouped(x, w_gate), grouped(x, w_up)  # [N, F]
+    if adapters is not None and adapters.gate_up_a is not None:
+        shared = grouped(x, adapters.gate_up_a)  # [N, r]
+        b_gate, b_up = adapters.gate_up_b
+        gate = gate + grouped(shared, b_gate) * adapters.scale
+        up = up + grouped(shared, b_up) * adapters.scale
+    hidden = gated_silu(gate, up)
+    down = grouped(hidden, w_down)  # [N, H]
+    if adapters is not None and adapters.down_a is not None:
+        down = down + grouped(grouped(hidden, adapters.down_a), adapters.down_b) * adapters.scale
     return _ContiguousGrad.apply(down)
 
 

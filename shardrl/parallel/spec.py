@@ -13,9 +13,11 @@ Conventions
   ``num_kv_heads < TP``): rank ``r`` holds shard ``r // (group_size // num_shards)``.
 * Experts: the local tensor has a leading dim of local experts; ``expert_ids[i]`` is the global id of local expert
   ``i`` and ``hf_name`` contains ``{expert}``, to be formatted with that id.
-* ``sum_grad_over_tp``: each TP rank's gradient covers only its own tokens (sequence-parallel norms, MoE routers fed
-  TP-split tokens), so gradients are summed over TP before data-parallel reduction. Shards replicated over part of
-  the TP group (see above) always have their gradients summed over their replicas.
+* ``sum_grad_over_group``: each rank of the shard group (TP for dense params, ETP for experts) computes only part of
+  the gradient (sequence-parallel norms and MoE routers see only their rank's tokens; a LoRA factor kept whole
+  beside a split weight sees only that rank's slice of the features), so gradients are summed over that group
+  before data-parallel reduction. Shards replicated over part of the group (see above) always have their
+  gradients summed over their replicas.
 * ``tied_group``: the parameter has a twin on another pipeline stage (tied embedding and LM head); gradients are
   summed over the Layout's ``"embedding"`` group and only the first stage's copy is exported/counted.
 * ``expert``: reduced over the expert-data-parallel group (``"edp"``) instead of ``"dp_cp"``.
@@ -38,7 +40,7 @@ class ShardSpec:
     padded_dim_size: int | None = None
     group: str | None = None
     expert_ids: tuple[int, ...] | None = None
-    sum_grad_over_tp: bool = False
+    sum_grad_over_group: bool = False
     tied_group: bool = False
 
     @property

@@ -328,7 +328,7 @@ class RowParallelLinear(nn.Module):
             layout, dtype)
         # Replicated; with SP each rank adds it to its own tokens only, so its gradient is summed over TP.
         self.bias = sharded_param(ShardSpec(
-            f"{name}.bias", (out_size,), sum_grad_over_tp=sequence_parallel and tp > 1),
+            f"{name}.bias", (out_size,), sum_grad_over_group=sequence_parallel and tp > 1),
             layout, dtype) if bias else None
         self.lora: nn.Module | None = None  # a LoRA adapter: its B (A_r x_r) joins the partial sum before the reduce
 
@@ -347,7 +347,7 @@ class ReplicatedLinear(nn.Module):
         self.bitwise = bitwise
         # With SP each rank sees only its own tokens, so the gradient is a partial sum over TP.
         self.weight = sharded_param(ShardSpec(
-            f"{name}.weight", (out_size, in_size), sum_grad_over_tp=sequence_parallel and layout.tp_size > 1),
+            f"{name}.weight", (out_size, in_size), sum_grad_over_group=sequence_parallel and layout.tp_size > 1),
             layout, dtype)
 
     def forward(self, x: Tensor) -> Tensor:
