@@ -55,6 +55,10 @@ def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 trajectories of short turns")
     parser.add_argument("--trajectories", type=int, default=256)
+    parser.add_argument("--max-num-seqs", type=int, default=None,
+                        help="decode rows (EngineConfig.max_num_seqs; default: one per trajectory). Fewer rows than "
+                             "trajectories, as RL batches usually have, let queued ones take the rows of those "
+                             "waiting on a tool")
     parser.add_argument("--prompt-len", type=int, default=256)
     parser.add_argument("--turns", type=int, default=4)
     parser.add_argument("--min-turn", type=int, default=16)
@@ -79,7 +83,8 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
     shape = TINY if args.quick else QWEN2_0_5B
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     max_len = args.prompt_len + args.turns * (args.max_turn + args.env_tokens) + 8
-    config = EngineConfig(max_num_seqs=args.trajectories, max_num_batched_tokens=max(16384, max_len),
+    rows = args.max_num_seqs or args.trajectories
+    config = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(16384, max_len),
                           max_model_len=max_len, cpu_kv_cache_tokens=args.trajectories * max_len, dtype=dtype,
                           compile_decode=device.type == "cuda" and not args.no_compile,
                           max_fed_tokens=args.max_fed_tokens)

@@ -1,7 +1,9 @@
 """What bitwise mode costs on one GPU: rollout tokens/s and trainer step time, default kernels vs the batch-invariant
 ones (`FastPaths.bitwise`, `EngineConfig.bitwise`), each measured in this process after a warm-up.
 
-Shapes (random bf16 weights): a Qwen2-0.5B-like dense model and a Qwen3-MoE-like one (32 experts, top 4). Rollout:
+Shapes (random bf16 weights): a Qwen2-0.5B-like dense model, a small Qwen3-MoE-like one (32 experts, top 4, hidden
+512: host-bound, its step is launch time) and, for the trainer step only, `moe-mid`: a Mixtral-architecture block of
+Qwen3-30B-A3B's widths (hidden 2048, 64 experts of 768, top 8; 8 layers, 2.4B parameters). Rollout:
 `--prompts` prompts of 64..`--prompt` tokens, `--response` new tokens each (CUDA-graph decode). Trainer step: one
 micro batch of `--train-tokens` packed tokens (sequences of 512), forward + log-probs + backward into the trainer's
 fp32 gradient buffers (`GradBuffers`; the optimizer is the same in both modes and left out, so the ratio is an upper
@@ -35,6 +37,9 @@ DENSE = dict(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hid
 MOE = dict(vocab_size=32000, hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
            head_dim=64, num_experts=32, num_experts_per_tok=4, moe_intermediate_size=256,
            max_position_embeddings=4096)
+MOE_MID = dict(architectures=["MixtralForCausalLM"], vocab_size=32000, hidden_size=2048, num_hidden_layers=8,
+               num_attention_heads=32, num_key_value_heads=4, intermediate_size=768, num_local_experts=64,
+               num_experts_per_tok=8, rope_theta=1e6, rms_norm_eps=1e-6, max_position_embeddings=4096)
 
 
 def parse_args() -> argparse.Namespace:
@@ -45,7 +50,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--train-tokens", type=int, default=8192)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="also print the top CUDA kernels of each timed part")
-    parser.add_argument("--models", nargs="+", choices=["dense", "moe"], default=["dense", "moe"])
+    parser.add_argument("--models", nargs="+", choices=["dense", "moe", "moe-mid"], default=["dense", "moe"])
     parser.add_argument("--parts", nargs="+", choices=["rollout", "train"], default=["rollout", "train"])
     return parser.parse_args()
 
@@ -80,10 +85,21 @@ def rollout_tokens_per_second(path: Path, bitwise: bool, args: argparse.Namespac
     return sum(len(o.token_ids) for o in outputs) / seconds
 
 
-def train_step_seconds(path: Path, bitwise: bool, tokens: int) -> float:
-    config = ModelConfig.from_pretrained(path)
+def train_step_seconds(source: Path | dict, bitwise: bool, tokens: int) -> float:
+    """`source`: a checkpoint directory, or an HF config dict whose model gets random weights here (N(0, 0.02),
+    norms 1: too large to write as a checkpoint first)."""
+    config = ModelConfig.from_pretrained(source) if isinstance(source, Path) else ModelConfig.from_dict(source)
     model = Transformer(config, Layout.single("cuda"), dtype=torch.bfloat16, fast=FastPaths(bitwise=bitwise))
-    load_hf_weights(model, path)
+    if isinstance(source, Path):
+        load_hf_weights(model, source)
+    else:
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for param in model.parameters():
+                if param.dim() > 1:
+                    param.normal_(0, 0.02)
+                else:
+                    param.fill_(1.0)
     grads = GradBuffers(model.parameters(), Layout.single("cuda"))  # as the trainer: fp32 main_grad accumulation
     ids = torch.randint(1, config.vocab_size, (tokens,), device="cuda")
     positions = torch.arange(tokens, device="cuda") % 512
@@ -107,14 +123,16 @@ def train_step_seconds(path: Path, bitwise: bool, tokens: int) -> float:
 
 def main() -> None:
     args = parse_args()
-    models = {"dense": ("dense 0.5B", "qwen2", DENSE), "moe": ("MoE 32x top4", "qwen3_moe", MOE)}
+    models = {"dense": ("dense 0.5B", "qwen2", DENSE), "moe": ("MoE 32x top4", "qwen3_moe", MOE),
+              "moe-mid": ("MoE 64x768 top8, hidden 2048", None, MOE_MID)}
     with tempfile.TemporaryDirectory() as tmp:
         for name, family, shape in (models[m] for m in args.models):
-            path = make_tiny_checkpoint(family, Path(tmp) / family, noise_std=0.05, **shape)
+            path = shape if family is None else make_tiny_checkpoint(family, Path(tmp) / family, noise_std=0.05,
+                                                                     **shape)
             tps, step = {False: [], True: []}, {False: [], True: []}
             for _ in range(args.rounds):
                 for mode in (False, True):
-                    if "rollout" in args.parts:
+                    if "rollout" in args.parts and family is not None:
                         tps[mode].append(profiled(lambda: rollout_tokens_per_second(path, mode, args),
                                                   f"{name} rollout bitwise={mode}", args.profile))
                     if "train" in args.parts:

@@ -392,16 +392,20 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path
         dist_to_hf(tmp_path / "ckpt", tmp_path / "hf")
 
 
-def test_the_rollout_after_a_sync_generates_what_an_engine_of_the_merged_export_generates(checkpoints, tmp_path):
+@pytest.mark.parametrize("runtime", [False, True], ids=["folded", "runtime"])
+def test_the_rollout_after_a_sync_generates_what_an_engine_of_the_merged_export_generates(checkpoints, tmp_path,
+                                                                                          runtime):
     path, other = checkpoints["qwen2"], make_tiny_checkpoint("qwen2", tmp_path / "other", seed=9, vocab_size=VOCAB)
-    check_rollout_after_sync(path, other, SETTINGS, tmp_path)
+    check_rollout_after_sync(path, other, SETTINGS, tmp_path, runtime)
 
 
-def check_rollout_after_sync(path: str, other: str, settings: LoRASettings, tmp_path) -> None:
+def check_rollout_after_sync(path: str, other: str, settings: LoRASettings, tmp_path, runtime: bool) -> None:
     """An engine that starts from other base weights (`other`), synced from a LoRA actor (first sync: every
-    tensor), then synced again after the adapters moved (adapters only): each time it generates the tokens an
-    engine built from the merged HF export generates, greedy and sampled, with the same log-probs up to fp32
-    rounding (it applies the adapters in its forward, the export has them folded in)."""
+    tensor), then synced again after the adapters moved (adapters only), twice: each time it generates the tokens
+    an engine built from the merged HF export generates, greedy and sampled. Folding the adapters into its weights
+    (the default) computes what the export computes: log-probs equal exactly; in the forward (`runtime`) they
+    equal up to fp32 rounding. A fold from the folded weights instead of the pristine base fails the later
+    rounds."""
     from shardrl.job.options import EngineOptions
     from shardrl.models.hf_bridge import save_hf_checkpoint
     from shardrl.parallel.layout import GroupRegistry
@@ -415,12 +419,12 @@ def check_rollout_after_sync(path: str, other: str, settings: LoRASettings, tmp_
     actor = ModelEngine(ModelConfig.from_pretrained(path), layout, EngineOptions(lora=settings), hf_path=path)
     config = EngineConfig(max_model_len=32, cpu_kv_cache_tokens=96, max_num_batched_tokens=64)
     engine = Engine.from_pretrained(other, Layout.create(LayoutSpec(world_size=1), registry=registry),
-                                    dataclasses.replace(config, lora=settings))
+                                    dataclasses.replace(config, lora=settings, lora_runtime=runtime))
     sync = ColocatedSync(actor.chunks, actor.layout, actor.host_buffers, engine, 8 << 10)
     prompts = [[1, 5, 7, 9, 11], [3, 4, 5, 6, 7, 8, 9, 10, 2], [20, 21, 22]]
     sampling = [SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True),
                 SamplingParams(max_tokens=8, temperature=0.9, seed=3, ignore_eos=True)]
-    for round_, scale in enumerate((1.0, -0.5)):
+    for round_, scale in enumerate((1.0, -0.5, 0.7)):
         with torch.no_grad():
             for param in lora_parameters(actor.chunks[0]):
                 name = get_spec(param).hf_name
@@ -434,5 +438,6 @@ def check_rollout_after_sync(path: str, other: str, settings: LoRASettings, tmp_
         for params in sampling:
             ours, theirs = engine.generate(prompts, [params] * 3), reference.generate(prompts, [params] * 3)
             assert [o.token_ids for o in ours] == [o.token_ids for o in theirs], (round_, params)
+            tolerance = dict(atol=1e-4, rtol=1e-4) if runtime else dict(atol=0, rtol=0)
             assert_close(torch.tensor([o.logprobs for o in ours]), torch.tensor([o.logprobs for o in theirs]),
-                         atol=1e-4, rtol=1e-4)
+                         **tolerance)

@@ -291,11 +291,16 @@ def lora_parameters(model: nn.Module | Sequence[nn.Module]) -> Iterator[nn.Param
                 yield from module.parameters()
 
 
+def adapter_modules(models: Sequence[nn.Module]) -> list[LoRA | ExpertLoRA]:
+    """Every adapter of `models`, in module order (`enabled` switches each one's term in the forward)."""
+    return [m for model in models for m in model.modules() if isinstance(m, (LoRA, ExpertLoRA))]
+
+
 @contextlib.contextmanager
 def adapters_disabled(models: Sequence[nn.Module]) -> Iterator[None]:
     """Run `models` as their base: every adapter adds nothing inside the block (the reference policy of a LoRA run,
     with no second copy of the weights)."""
-    adapters = [m for model in models for m in model.modules() if isinstance(m, (LoRA, ExpertLoRA))]
+    adapters = adapter_modules(models)
     states = [a.enabled for a in adapters]
     for adapter in adapters:
         adapter.enabled = False

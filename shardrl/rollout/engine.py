@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from torch import Tensor
+from torch import Tensor, nn
 
 from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import hf_name_index, load_hf_tensor, load_hf_weights
@@ -104,6 +104,7 @@ class Engine:
     def from_pretrained(cls, path: str | Path, layout: Layout, config: EngineConfig = EngineConfig()) -> Engine:
         engine = cls(ModelConfig.from_pretrained(path), layout, config)
         load_hf_weights(engine.model, path)
+        engine.runner.fold_adapters(engine.runner.adapted_weights)  # e.g. adapters loaded from a PEFT adapter
         return engine
 
     # ---- weights -------------------------------------------------------------------------------------------------
@@ -115,22 +116,26 @@ class Engine:
 
         Requests still running keep the KV cache their earlier tokens computed under the old weights; `abort()`
         before and `resume()` after re-prefill them under the new ones."""
-        loaded = 0
+        written: dict[int, nn.Parameter] = {}
         for name, full in weights:
             if name not in self._names:
                 raise EngineError(f"update_weights: {name!r} is not a tensor of this {self.model_config.architecture}")
-            load_hf_tensor(*self._names[name], full)
-            loaded += 1
-        if not loaded:
+            param, expert = self._names[name]
+            load_hf_tensor(param, expert, full)
+            written[id(param)] = param
+        if not written:
             raise EngineError("update_weights: no tensors given; after weights were written into the shards in "
                               "place (weight sync), call set_policy_version instead")
-        self.set_policy_version(version)
+        self.set_policy_version(version, rewritten=written.values())
 
-    def set_policy_version(self, version: int | None = None) -> None:
+    def set_policy_version(self, version: int | None = None, rewritten: Iterable[nn.Parameter] = ()) -> None:
         """New weights are in place (written into this rank's shards by `update_weights` or by weight sync): tokens
-        sampled from now on carry `version` (default: one more) as their policy version."""
+        sampled from now on carry `version` (default: one more) as their policy version. With LoRA the adapters are
+        folded into the weights now; `rewritten`: the base weights the update wrote (a sync's first run writes
+        every tensor: `model.parameters()`; later runs of a LoRA model the adapters alone)."""
         self._drop_ahead()  # its tokens would carry the new version but come from the old weights
         self.scheduler.release_parked()  # their keys and values came from the old weights
+        self.runner.fold_adapters(rewritten)
         self.policy_version = self.policy_version + 1 if version is None else version
 
     def sleep(self, offload_weights: bool = False) -> None:

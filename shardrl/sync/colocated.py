@@ -19,7 +19,7 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.layout_spec import LayoutError
 from shardrl.parallel.offload import HostBuffers
 from shardrl.sync.shards import Shards
-from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync
+from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync, rewritten_by
 
 
 class SleepingRollout(SyncedRollout, Protocol):
@@ -48,6 +48,6 @@ class ColocatedSync:
         """Actor -> rollout; the rollout's `policy_version` becomes `version` (default: one more)."""
         self.rollout.wake_up(kv_cache=False)
         metrics = self.weights.sync()
-        self.rollout.set_policy_version(version)
+        self.rollout.set_policy_version(version, rewritten_by(self.weights, self.rollout))
         self.rollout.wake_up()
         return metrics

@@ -20,7 +20,7 @@ from torch import nn
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.offload import HostBuffers
 from shardrl.sync.shards import Shards
-from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync
+from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync, rewritten_by
 
 
 class DetachedSync:
@@ -46,5 +46,5 @@ class DetachedSync:
         """Trainer -> rollout; on the rollout side `policy_version` becomes `version` (default: one more)."""
         metrics = self.weights.sync()
         if self.rollout is not None:
-            self.rollout.set_policy_version(version)
+            self.rollout.set_policy_version(version, rewritten_by(self.weights, self.rollout))
         return metrics

@@ -11,6 +11,7 @@ buffers of offloaded params) and the rollout engine as `SyncedRollout`: the few 
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from typing import Literal, Protocol
 
 import torch
@@ -35,7 +36,7 @@ class SyncedRollout(Protocol):
     @property
     def layout(self) -> Layout: ...
 
-    def set_policy_version(self, version: int | None = None) -> None: ...
+    def set_policy_version(self, version: int | None = None, rewritten: Iterable[nn.Parameter] = ()) -> None: ...
 
 
 def _gather(group: dist.ProcessGroup | None, item: object) -> tuple[list[int], list]:
@@ -71,6 +72,7 @@ class WeightSync:
         has_adapters = any(item[2] or item[3] for item in every)
         self.adapter_plan, self.adapter_transport = transport(2, *adapters) if has_adapters else (None, None)
         self.synced = False
+        self.moved_everything = False  # the last sync moved every tensor (the first one), not the adapters alone
 
     def sync(self) -> dict[str, float]:
         """Move the current trainer weights into the rollout shards (after the first sync of a LoRA model: its
@@ -85,6 +87,7 @@ class WeightSync:
         for padding in self.target.padding() if self.target else ():
             padding.zero_()
         transport = self.adapter_transport if self.synced and self.adapter_transport else self.transport
+        self.moved_everything = transport is self.transport
         stats = transport.run()
         if self.verify == "full":
             transport.run(compare=True)
@@ -100,3 +103,9 @@ class WeightSync:
                 "sync/bytes_sent": float(stats.bytes_sent), "sync/bytes_received": float(stats.bytes_received),
                 "sync/bytes_local": float(stats.bytes_local), "sync/bytes_host_read": float(stats.host_read_bytes),
                 "sync/copy_launches": float(stats.copy_launches)}
+
+
+def rewritten_by(sync: WeightSync, rollout: SyncedRollout) -> Iterable[nn.Parameter]:
+    """The rollout weights a sync that just ran wrote besides the adapters: all of them after a sync that moved
+    every tensor (`SyncedRollout.set_policy_version` re-takes its pristine base copies of them), else none."""
+    return rollout.model.parameters() if sync.moved_everything else ()
