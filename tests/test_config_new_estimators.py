@@ -96,14 +96,19 @@ CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "gr
                 "dr_grpo": VANILLA_CLIP}
 
 
+# Each is a 2-step job (~20 s on CI): the default set runs one surrogate and one estimator (the options of the others
+# are checked by test_verl_spellings_reach_the_options, their maths by the algos tests), the slow set all five.
 @pytest.mark.parametrize("name, overrides", [
-    ("gpg", ["algorithm.adv_estimator=gpg", f"{ACTOR}.policy_loss.loss_mode=gpg"]),
-    ("cispo", [f"{ACTOR}.policy_loss.loss_mode=cispo", f"{ACTOR}.clip_ratio_low=10", f"{ACTOR}.clip_ratio_high=0.2"]),
+    pytest.param("gpg", ["algorithm.adv_estimator=gpg", f"{ACTOR}.policy_loss.loss_mode=gpg"],
+                 marks=pytest.mark.slow),
+    pytest.param("cispo", [f"{ACTOR}.policy_loss.loss_mode=cispo", f"{ACTOR}.clip_ratio_low=10",
+                           f"{ACTOR}.clip_ratio_high=0.2"], marks=pytest.mark.slow),
     ("sapo", [f"{ACTOR}.policy_loss.loss_mode=sapo", f"{ACTOR}.policy_loss.tau_pos=1.0",
               f"{ACTOR}.policy_loss.tau_neg=1.05", f"{ACTOR}.loss_agg_mode=seq-mean-token-mean"]),
     ("grpo_passk", ["algorithm.adv_estimator=grpo_passk"]),
-    ("dr_grpo", ["algorithm.norm_adv_by_std_in_grpo=false", f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm",
-                 f"{ACTOR}.use_kl_loss=false"]),
+    pytest.param("dr_grpo", ["algorithm.norm_adv_by_std_in_grpo=false",
+                             f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm", f"{ACTOR}.use_kl_loss=false"],
+                 marks=pytest.mark.slow),
 ])
 def test_default_job_runs_two_steps_with_verl_flags(tmp_path, name, overrides):
     rows = run_job(tmp_path, *TWO_STEPS, *overrides)

@@ -196,9 +196,9 @@ def first_token_reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[l
 
 def test_a_student_trained_on_the_teacher_alone_moves_toward_it(task, teacher, tmp_path):
     """No task reward: the exact reverse KL to a fixed teacher of another size, on fixed prompts, falls at every one
-    of 10 steps (the actor is exported after each)."""
+    of 5 steps (the actor is exported after each)."""
     cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path}",
-           "trainer.logger=[file]", "trainer.total_training_steps=10", "trainer.test_freq=-1",
+           "trainer.logger=[file]", "trainer.total_training_steps=5", "trainer.test_freq=-1",
            "trainer.val_before_train=false", "trainer.save_freq=1",
            "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]", "distillation.enabled=true",
            f"distillation.teacher_model.model_path={teacher}", "distillation.distillation_loss.use_task_rewards=false",
@@ -211,7 +211,7 @@ def test_a_student_trained_on_the_teacher_alone_moves_toward_it(task, teacher, t
     prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": t}] for t in texts])
     kl = [first_token_reverse_kl(Path(task["model"]), teacher, prompts)]
     kl += [first_token_reverse_kl(tmp_path / f"global_step_{step}" / "actor_hf", teacher, prompts)
-           for step in range(1, 11)]
+           for step in range(1, 6)]
     assert kl[0] > 0.5, kl
     assert all(later < earlier for earlier, later in zip(kl, kl[1:])), str(kl)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]

@@ -68,7 +68,8 @@ def _peft_log_probs(peft_model, input_ids, cu_seqlens, targets) -> torch.Tensor:
     return logits.log_softmax(-1).gather(-1, targets[:, None])[:, 0]
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("family", ["qwen3_moe", pytest.param("qwen2_moe", marks=pytest.mark.slow),
+                                    pytest.param("mixtral", marks=pytest.mark.slow)])
 def test_expert_adapters_export_to_peft_and_equal_its_log_probs_and_gradients(moe_checkpoints, family, tmp_path):
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
@@ -158,7 +159,7 @@ def _start_from_adapter(path: str, adapter: str, sizes: dict, batch, targets) ->
     return log_probs if layout.is_last_stage and layout.tp_rank == 0 else None
 
 
-@pytest.mark.parametrize("world, sizes", [(1, {}), (4, dict(ep=2, etp=2)),
+@pytest.mark.parametrize("world, sizes", [(1, {}), pytest.param(4, dict(ep=2, etp=2), marks=pytest.mark.slow),
                                           pytest.param(4, dict(pp=2, ep=2), marks=pytest.mark.slow)],
                          ids=["1", "ep2-etp2", "pp2-ep2"])
 def test_expert_adapters_start_from_a_peft_adapter(moe_checkpoints, peft_expert_adapter, world, sizes):

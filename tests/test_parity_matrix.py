@@ -185,6 +185,7 @@ def test_layout_matches_single_process(checkpoints, references, kinds, world, si
         check_against_reference(results, references[kind], distributed_optimizer)
 
 
+@pytest.mark.slow  # eight ranks on CI's two cores; tp2 x ep2 and pp2 x ep2 run in the default set
 def test_eight_rank_layout_tp2_pp2_ep2(checkpoints, references):
     results = run_distributed(8, train_on_layout, checkpoints["moe"], dict(tp=2, pp=2, ep=2), False, 1)
     check_against_reference(results, references["moe"], False)
