@@ -392,6 +392,59 @@ def test_a_lora_checkpoint_holds_the_adapters_alone_and_resumes_exactly(tmp_path
         dist_to_hf(tmp_path / "ckpt", tmp_path / "hf")
 
 
+def test_a_lora_critic_trains_its_adapters_and_value_head_and_resumes_exactly(tmp_path):
+    """The critic with adapters (`critic.model.lora_rank`): the adapters and the new value head train, every base
+    weight stays as loaded; its checkpoint holds exactly those, and 2 steps + save + load + 1 step are bitwise 3
+    straight steps."""
+    from safetensors.torch import load_file as load_tensors
+
+    from shardrl.job.options import EngineOptions, OptimOptions, UpdateOptions
+    from shardrl.models.checkpoint import load_checkpoint, save_checkpoint, saved_model_tensors
+    from shardrl.models.hf_bridge import export_hf_weights
+    from shardrl.workers.critic import update_critic
+    from shardrl.workers.engine import ModelEngine
+    from tests.test_parity_matrix import BATCH, RESPONSE, make_batch
+
+    path = str(make_tiny_checkpoint("qwen2", tmp_path / "model", num_hidden_layers=2))
+    batch, update = make_batch(), UpdateOptions(mini_batch_size=BATCH // 2, micro_batch_size=2)
+    mask = batch.tensors["response_mask"]
+    generator = torch.Generator().manual_seed(0)
+    batch.tensors["values"] = torch.randn(BATCH, RESPONSE, generator=generator) * mask
+    batch.tensors["returns"] = torch.randn(BATCH, RESPONSE, generator=generator) * mask
+
+    def engine() -> ModelEngine:
+        options = EngineOptions(value_head=True, optim=OptimOptions(lr=1e-2, eps=1e-3, total_steps=10),
+                                lora=DENSE_LORA)
+        return ModelEngine(ModelConfig.from_pretrained(path), Layout.single("cpu"), options, hf_path=path,
+                           optional_weights=["score.weight"])
+
+    def trained(e: ModelEngine, steps: int) -> dict[str, torch.Tensor]:
+        for _ in range(steps):
+            update_critic(e, batch, update, "token-mean", 0.5, RESPONSE)
+        return {name: t.clone() for name, t in export_hf_weights(e.chunks, e.layout)}
+
+    first = engine()
+    trainable = {get_spec(p).hf_name for p in first.chunks[0].parameters() if p.requires_grad}
+    assert "score.weight" in trainable and all(n == "score.weight" or ".lora_" in n for n in trainable)
+    initial = {name: t.clone() for name, t in export_hf_weights(first.chunks, first.layout)}
+    straight = trained(engine(), 3)
+    original = load_tensors(f"{path}/model.safetensors")
+    for name, value in straight.items():
+        if name in original:  # the base: as loaded
+            assert torch.equal(value, original[name]), name
+        elif ".lora_B." in name or name == "score.weight":  # B starts at 0; the head from its init
+            assert not torch.equal(value, initial[name]), name
+    trained(first, 2)
+    save_checkpoint(tmp_path / "ckpt", first.chunks, first.layout, optimizer=first.optimizer,
+                    scheduler=first.scheduler)
+    assert sorted(saved_model_tensors(tmp_path / "ckpt")) == sorted(trainable)
+    resumed = engine()
+    load_checkpoint(tmp_path / "ckpt", resumed.chunks, resumed.layout, optimizer=resumed.optimizer,
+                    scheduler=resumed.scheduler)
+    after = trained(resumed, 1)
+    assert sorted(after) == sorted(straight) and all(torch.equal(after[k], straight[k]) for k in straight)
+
+
 @pytest.mark.parametrize("runtime", [False, True], ids=["folded", "runtime"])
 def test_the_rollout_after_a_sync_generates_what_an_engine_of_the_merged_export_generates(checkpoints, tmp_path,
                                                                                           runtime):

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
-from shardrl.job.schema import Mode, PolicyModelConfig, PPOConfig
+from shardrl.job.schema import CriticModelConfig, Mode, PolicyModelConfig, PPOConfig
 from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
 from shardrl.parallel.lora import ALL_LINEAR, EXPERT_PARAMETERS, LINEAR_NAMES, PEFT_WEIGHTS, LoRASettings
 
@@ -94,21 +94,27 @@ def lora_settings(model: PolicyModelConfig, seed: int) -> LoRASettings | None:
     `lora_adapter_path`, as in verl, the PEFT adapter's own rank, alpha and targets hold."""
     if model.lora_adapter_path is not None:
         return _adapter_settings(model, seed)
+    return named_lora_settings(model, seed, "actor_rollout_ref.model")
+
+
+def named_lora_settings(model: PolicyModelConfig | CriticModelConfig, seed: int, prefix: str) -> LoRASettings | None:
+    """The adapters a model's `lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules` and
+    `target_parameters` name (`prefix`: where the keys are, for errors); None at rank 0."""
     if model.lora_rank == 0:
         return None
     targets = model.target_modules
     if isinstance(targets, str) and targets != ALL_LINEAR:
-        raise ConfigError("actor_rollout_ref.model.target_modules", f"{targets!r}: use all-linear or a list of "
-                          f"module names from {', '.join(LINEAR_NAMES)}")
+        raise ConfigError(f"{prefix}.target_modules", f"{targets!r}: use all-linear or a list of module names from "
+                          f"{', '.join(LINEAR_NAMES)}")
     for key, names in (("target_modules", [] if isinstance(targets, str) else targets),
                        ("exclude_modules", model.exclude_modules or [])):
         if unknown := sorted(set(names) - set(LINEAR_NAMES)):
-            raise ConfigError(f"actor_rollout_ref.model.{key}", f"{unknown} are not linears of shardrl's models; "
-                              f"name some of {', '.join(LINEAR_NAMES)}")
+            raise ConfigError(f"{prefix}.{key}", f"{unknown} are not linears of shardrl's models; name some of "
+                              f"{', '.join(LINEAR_NAMES)}")
     return LoRASettings(model.lora_rank, model.lora_alpha, targets if isinstance(targets, str) else tuple(targets),
                         tuple(model.exclude_modules or ()), seed=seed,
                         target_parameters=_expert_targets(model.target_parameters or [],
-                                                          "actor_rollout_ref.model.target_parameters"))
+                                                          f"{prefix}.target_parameters"))
 
 
 def _expert_targets(names: list[str], key: str) -> tuple[str, ...]:

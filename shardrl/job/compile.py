@@ -21,7 +21,7 @@ from shardrl.agents.parsers import get_parser
 from shardrl.algos import ClipRange
 from shardrl.algos.distillation import DistillationSettings
 from shardrl.job.errors import ConfigError
-from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize
+from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize, named_lora_settings
 from shardrl.job.options import (
     ActorOptions,
     AlgorithmOptions,
@@ -193,8 +193,9 @@ def reward_model_options(config: PPOConfig, role: RolePlan) -> RewardModelOption
 def critic_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> CriticOptions:
     critic = config.critic
     optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer)
+    lora = named_lora_settings(critic.model, shared.seed, "critic.model")
     model = model_options(critic.megatron, role.spec, role.ranks, critic.model.enable_gradient_checkpointing, optim,
-                          critic.model.override_config, critic.load_weight, value_head=True)
+                          critic.model.override_config, critic.load_weight, value_head=True, lora=lora)
     return CriticOptions(
         seed=critic.megatron.seed, model=model,
         update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, shared.seed),
@@ -422,7 +423,8 @@ def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], 
                   optim: OptimOptions | None, override_config: dict[str, Any], load_weight: bool,
                   value_head: bool = False, bitwise: bool = False, lora: LoRASettings | None = None) -> ModelOptions:
     """`bitwise`: the role's model runs the batch-invariant kernels (the actor in bitwise mode); `lora`: it trains
-    adapters only (the actor with model.lora_rank > 0)."""
+    adapters only (the actor with model.lora_rank > 0; the critic with critic.model.lora_rank > 0, and its value
+    head)."""
     override = megatron.override_transformer_config
     engine = EngineOptions(
         sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(override, gradient_checkpointing),

@@ -54,9 +54,10 @@ def read_hf_config(path: str | None, overrides: dict[str, Any], key: str) -> tup
         raise ConfigError(f"{group}.override_config.{err.field}", str(err).partition(": ")[2] or str(err)) from None
 
 
-def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASettings | None = None) -> list[str]:
-    """Check every planned role against its model's config.json (`lora`: the actor's adapters, `SharedKeys.lora`);
-    returns one note per role for the printout."""
+def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASettings | None = None,
+                critic_lora: LoRASettings | None = None) -> list[str]:
+    """Check every planned role against its model's config.json (`lora`: the actor's adapters, `SharedKeys.lora`;
+    `critic_lora`: the critic's); returns one note per role for the printout."""
     actor, critic = config.actor_rollout_ref.model, config.critic.model
     teacher, rm, judge = config.distillation.teacher_model, config.reward_model.model, config.reward_model.judge
     sources = (("actor_rollout_ref.model.path", actor.path, actor.override_config, ("actor", "ref", "rollout")),
@@ -69,42 +70,54 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASetti
         names = [n for n in names if n in specs]
         if not names:
             continue
+        adapters = _adapters_of(names, lora, critic_lora)
         found = read_hf_config(path, overrides, key)
-        if found is None and path is None and "actor" in names and lora is not None:
-            _refuse_expert_lora_on_dense(lora, "the built-in tiny model")
+        if found is None and path is None and adapters is not None:
+            _refuse_expert_lora_on_dense(*adapters, "the built-in tiny model")
         if found is None:
             where = "built-in tiny model" if path is None else f"{path}: no local config.json"
             notes.append(f"{'/'.join(names)} model: {where}; model checks skipped")
             continue
         hf, source = found
         notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
-        if "actor" in names and not any(hf.get(f) for f in EXPERT_COUNT_FIELDS):
+        dense = not any(hf.get(f) for f in EXPERT_COUNT_FIELDS)
+        if "actor" in names and dense:
             _refuse_routing_on_dense(config, source)
-            if lora is not None:
-                _refuse_expert_lora_on_dense(lora, source)
-        elif "actor" in names and lora is not None:
-            _refuse_mlp_names_without_mlps(lora, hf, source)
-            if not lora.target_parameters:
-                notes.append("actor: LoRA adapters on no routed expert (actor_rollout_ref.model.target_parameters "
-                             "names the experts' weights)")
+        if adapters is not None and dense:
+            _refuse_expert_lora_on_dense(*adapters, source)
+        elif adapters is not None:
+            _refuse_mlp_names_without_mlps(*adapters, hf, source)
+            if not adapters[0].target_parameters:
+                notes.append(f"{names[0]}: LoRA adapters on no routed expert ({adapters[1]}.target_parameters "
+                             f"names the experts' weights)")
     return notes
 
 
-def _refuse_expert_lora_on_dense(lora: LoRASettings, source: str) -> None:
+def _adapters_of(roles: list[str], lora: LoRASettings | None,
+                 critic_lora: LoRASettings | None) -> tuple[LoRASettings, str] | None:
+    """The adapters of the model these roles share, and where their keys are."""
+    if "actor" in roles and lora is not None:
+        return lora, "actor_rollout_ref.model"
+    if "critic" in roles and critic_lora is not None:
+        return critic_lora, "critic.model"
+    return None
+
+
+def _refuse_expert_lora_on_dense(lora: LoRASettings, prefix: str, source: str) -> None:
     if lora.target_parameters:
-        raise ConfigError("actor_rollout_ref.model.target_parameters", f"{list(lora.target_parameters)}: {source} "
-                          f"has no MoE experts; leave it null (or [])")
+        raise ConfigError(f"{prefix}.target_parameters", f"{list(lora.target_parameters)}: {source} has no MoE "
+                          f"experts; leave it null (or [])")
 
 
-def _refuse_mlp_names_without_mlps(lora: LoRASettings, hf: dict[str, Any], source: str) -> None:
+def _refuse_mlp_names_without_mlps(lora: LoRASettings, prefix: str, hf: dict[str, Any], source: str) -> None:
     """On an MoE model whose every MLP is routed experts, gate/up/down name no linear (as in PEFT, where the experts
     are stacked parameters that `target_modules` does not reach): a run would train no MLP adapter."""
     dense_mlps = (hf.get("shared_expert_intermediate_size") or hf.get("mlp_only_layers")
                   or hf.get("decoder_sparse_step", 1) > 1)
     named = () if isinstance(lora.target_modules, str) else lora.target_modules
     if not dense_mlps and (mlp := [name for name in ("gate_proj", "up_proj", "down_proj") if name in named]):
-        raise ConfigError("actor_rollout_ref.model.target_modules", f"{mlp}: {source} is an MoE model whose MLPs are "
-                          f"all routed experts; adapt them with actor_rollout_ref.model.target_parameters="
+        raise ConfigError(f"{prefix}.target_modules", f"{mlp}: {source} is an MoE model whose MLPs are all routed "
+                          f"experts; adapt them with {prefix}.target_parameters="
                           f"[mlp.experts.gate_up_proj,mlp.experts.down_proj]")
 
 

@@ -173,6 +173,7 @@ def plan_job(config: PPOConfig) -> JobPlan:
         skipped["judge"] = "reward_model.judge.enable is false"
     sync_ranks = trainer_ranks + rollout_ranks if detached else trainer_ranks
     actor = actor_options(config, shared, roles["actor"])
+    critic = critic_options(config, shared, roles["critic"]) if "critic" in roles else None
     judge = judge_options(config, shared, roles["judge"]) if "judge" in roles else None
     trainer = config.trainer
     device = resolve_device(trainer.device)
@@ -191,14 +192,15 @@ def plan_job(config: PPOConfig) -> JobPlan:
         mini_batches_per_step=step.mini_batches,
         roles=roles,
         skipped=skipped,
-        model_notes=check_model(config, {name: role.spec for name, role in roles.items()}, shared.lora),
+        model_notes=check_model(config, {name: role.spec for name, role in roles.items()}, shared.lora,
+                                critic.model.engine.lora if critic is not None else None),
         dry_run=trainer.dry_run,
         model_path=config.actor_rollout_ref.model.path,
         critic_model_path=config.critic.model.path,
         actor=actor,
         ref=ref_options(config, shared, roles["ref"]) if "ref" in roles else _no_ref(shared),
         teacher=teacher_options(config, roles["teacher"]) if "teacher" in roles else None,
-        critic=critic_options(config, shared, roles["critic"]) if "critic" in roles else None,
+        critic=critic,
         reward_model=reward_model_options(config, roles["reward_model"]) if "reward_model" in roles else None,
         reward_model_path=config.reward_model.model.path,
         judge=judge,

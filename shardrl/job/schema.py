@@ -119,6 +119,18 @@ class PolicyModelConfig(ModelSourceConfig):
 
 
 @dataclass(frozen=True)
+class CriticModelConfig(ModelSourceConfig):
+    """The value model (`critic.model`) with verl's critic LoRA keys (`lora_rank`, `lora_alpha`, `target_modules`)
+    and, as the policy's, `exclude_modules` and `target_parameters`; with adapters the value head trains whole."""
+
+    lora_rank: NonNegInt
+    lora_alpha: PosFloat
+    target_modules: str | list[str]
+    exclude_modules: list[str] | None
+    target_parameters: list[str] | None
+
+
+@dataclass(frozen=True)
 class PolicyLossConfig:
     """verl's `actor.policy_loss` group: which clipped surrogate the actor minimises (see shardrl.algos.policy_loss).
 
@@ -329,7 +341,7 @@ class CriticConfig:
 
     strategy: Literal["megatron"]
     enable: bool | None  # null: only when adv_estimator needs values (gae)
-    model: ModelSourceConfig
+    model: CriticModelConfig
     ppo_mini_batch_size: PosInt
     ppo_micro_batch_size: PosInt | None
     ppo_micro_batch_size_per_gpu: PosInt | None

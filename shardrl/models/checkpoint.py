@@ -12,8 +12,8 @@ written with torch.distributed.checkpoint (DCP) and keyed by HF tensor names.
   owns (all of it, or its data-parallel chunk with the distributed optimizer). The range is cut into boxes of the
   local tensor, each a contiguous run of elements and so a view of the flat state, and shifted like the params.
 * Vocab padding rows are neither saved nor read (loading zeroes them and their optimizer state).
-* A model with LoRA adapters checkpoints the adapters alone (and their optimizer state): its base is frozen and
-  comes from `model.path` at every start (`checkpointed_params`).
+* A model with LoRA adapters checkpoints what trains (the adapters, and a LoRA critic's value head) and its
+  optimizer state: the frozen base comes from `model.path` at every start (`checkpointed_params`).
 * Small objects (optimizer step count, scheduler, trainer state, each rank's RNG states) are pickled by DCP.
 * Atomic: all ranks write into ``.<name>.tmp`` next to the target; the first rank adds the side files (HF config,
   tokenizer, `META_FILE`), fsyncs and renames it into place. `mark_latest` then points ``<root>/latest`` at a step.
@@ -306,11 +306,13 @@ def load_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
 
 
 def checkpointed_params(chunks: Sequence[nn.Module]) -> list[nn.Parameter]:
-    """The parameters a checkpoint holds: all of them, or with LoRA adapters (`parallel.lora`) the adapters alone:
-    the frozen base is the model the run loads from `model.path` and never changes."""
+    """The parameters a checkpoint holds: all of them, or with LoRA adapters (`parallel.lora`) those that train (the
+    adapters, and a critic's value head): the frozen base is the model the run loads from `model.path` and never
+    changes."""
     params = unique_params(chunks)
-    adapters = {id(p) for p in lora_parameters(chunks)}
-    return [p for p in params if id(p) in adapters] if adapters else params
+    if next(lora_parameters(chunks), None) is None:
+        return params
+    return [p for p in params if p.requires_grad]
 
 
 def _parts(contents: Collection[str], key: str) -> set[str]:

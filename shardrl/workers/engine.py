@@ -88,6 +88,8 @@ class ModelEngine:
         if options.lora is not None:  # before the optimizer: it and the gradient buffers then hold adapters only
             for chunk in self.chunks:
                 attach_lora(chunk, options.lora, layout)
+                if options.value_head and chunk.post_process:  # new, not in the base: it trains whole (PEFT's
+                    chunk.score.weight.requires_grad_(True)  # modules_to_save of a token-classification model)
         self.optimizer: AdamW | None = None
         self.scheduler: LRScheduler | None = None
         if options.optim is not None:
