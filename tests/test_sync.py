@@ -6,7 +6,7 @@ a corrupted bucket is caught and named, verify=full catches a wrong load, rollou
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
@@ -26,9 +26,9 @@ from shardrl.rollout.engine import Engine, EngineConfig
 from shardrl.rollout.request import SamplingParams
 from shardrl.sync.colocated import ColocatedSync
 from shardrl.sync.detached import DetachedSync
-from shardrl.sync.plan import TRAILER_BYTES
+from shardrl.sync.plan import trailer_bytes
 from shardrl.sync.transport import Transport
-from shardrl.sync.verify import SyncVerifyError
+from shardrl.sync.verify import SyncVerifyError, checksum
 from shardrl.sync.weight_sync import WeightSync
 from shardrl.workers.engine import ModelEngine
 
@@ -49,7 +49,7 @@ class Case:
     offload: bool
     rollout_dtype: torch.dtype = torch.float32
     verify: str = "checksum"
-    fault: str | None = field(default=None, compare=False)  # "corrupt_bucket" | "skip_load"
+    fault: str | None = field(default=None, compare=False)  # "corrupt_bucket" | "skip_load" | "wrong_version"
     bucket: int = BUCKET
 
     def ranks(self) -> tuple[list[int], list[int]]:
@@ -69,12 +69,24 @@ class CorruptingTransport(Transport):
         return wire
 
 
+class AheadTransport(Transport):
+    """A receiver one sync ahead of its senders: every bucket arrives intact with its valid trailer, of another
+    sync than the one this rank runs (a buffer left over from an earlier sync looks the same)."""
+
+    def run(self, compare=False):
+        self.version = max(self.version, 1)
+        return super().run(compare)
+
+
 class SkippingTransport(Transport):
     """Receives every bucket intact but loads nothing from its first one: only verify=full can notice."""
 
     def unpack(self, bucket, buf, sums, compare):
-        if compare is None and bucket is self.plan.recvs[0]:
-            bucket = replace(bucket, pieces=())
+        if compare is None and bucket is self.plan.recvs[0]:  # checked as received, then nothing loaded
+            n = bucket.nbytes
+            sums[0] = buf[n:bucket.wire_bytes].view(torch.int64)
+            sums[1] = checksum(buf[:n], bucket.identity, self.version)
+            return
         super().unpack(bucket, buf, sums, compare)
 
 
@@ -106,7 +118,8 @@ def _device() -> torch.device:
 
 def _inject_fault(case: Case, sync) -> None:
     weights = sync.weights
-    faulty = {"corrupt_bucket": CorruptingTransport, "skip_load": SkippingTransport}.get(case.fault)
+    faulty = {"corrupt_bucket": CorruptingTransport, "skip_load": SkippingTransport,
+              "wrong_version": AheadTransport if weights.target is not None else None}.get(case.fault)
     if faulty is not None:
         t = weights.transport
         weights.transport = faulty(t.plan, t.group, t.device, t.source, t.target)
@@ -183,7 +196,8 @@ def checkpoints(tmp_path_factory) -> dict[str, str]:
 def check_synced(case: Case, results: list[dict], allocator_slack: int = 0) -> None:
     """Rollout shards and generation equal the export's; memory within 2 buckets + the largest tensor (a rollout
     tensor, or the trainer params the offloaded path stages, on CPU too) + the checksums (the sender's and the
-    receiver's per received bucket, and one being computed), measured by the CPU profiler or, on GPU, the
+    receiver's per received bucket, and one being computed, whose products on CPU take at most a bucket), measured
+    by the CPU profiler or, on GPU, the
     allocator (`allocator_slack`: its rounding of every block); offloaded params stay offloaded; detached rollout
     ranks built no trainer groups."""
     trainer_ranks, rollout_ranks = case.ranks()
@@ -197,7 +211,8 @@ def check_synced(case: Case, results: list[dict], allocator_slack: int = 0) -> N
     for rank in set(trainer_ranks) | set(rollout_ranks):
         r = by_rank[rank]
         peak = r["metrics"]["sync/peak_extra_bytes"] if allocator_slack else r["peak"]
-        checksums = 2 * TRAILER_BYTES * (1 + sum(1 for _, dst, _, _ in r["buckets"] if dst == rank))
+        received = sum(1 for _, dst, _, _ in r["buckets"] if dst == rank)
+        checksums = 2 * trailer_bytes(case.bucket) * (1 + received) + case.bucket
         assert peak <= 2 * case.bucket + largest + checksums + allocator_slack, (case, rank, peak)
         if case.offload and rank in trainer_ranks:
             assert r["still_offloaded"], case
@@ -217,6 +232,8 @@ def check_fault(case: Case, results: list[dict]) -> None:
     buckets = by_rank[rollout_ranks[0]]["buckets"]
     if case.fault == "corrupt_bucket":  # each sender's second bucket
         damaged = [[b for b in buckets if b[0] == src][1] for src in trainer_ranks]
+    elif case.fault == "wrong_version":  # every bucket
+        damaged = list(buckets)
     else:  # each receiver's first bucket, not loaded
         damaged = [next(b for b in buckets if b[1] == dst) for dst in rollout_ranks]
     for rank in trainer_ranks:
@@ -225,10 +242,10 @@ def check_fault(case: Case, results: list[dict]) -> None:
         mine = [b for b in damaged if b[1] == rank]
         error = by_rank[rank].get("error", "")
         assert bool(mine) == bool(error), (rank, error)
-        if case.fault == "corrupt_bucket" and mine:
+        if case.fault in ("corrupt_bucket", "wrong_version") and mine:
             assert f"{len(mine)} bucket(s) failed their checksum" in error, error
-            for src, dst, step, names in mine:
-                assert f"step {step} rank {src} -> rank {dst} ({', '.join(names[:6])}" in error, error
+            for src, dst, step, names in mine:  # byte 3 was flipped: the bucket's first tensor is damaged
+                assert f"step {step} rank {src} -> rank {dst}: {names[0]}" in error, error
         elif mine:
             assert f"verify=full): rollout rank {rank}" in error, error
             assert all(name in error for _, _, _, names in mine for name in sorted(names)[:10]), error
@@ -244,6 +261,7 @@ DEFAULT_CASES = [  # a representative subset, all on 4 ranks so that one launch 
     Case("dense", dict(pp=2), 2, {}, 1, "detached", True),
     Case("dense", dict(tp=2), 2, {}, 2, "detached", False, fault="corrupt_bucket"),
     Case("moe", dict(ep=2), 2, {}, 1, "detached", True, verify="full", fault="skip_load"),
+    Case("dense", dict(pp=2), 2, {}, 1, "detached", False, fault="wrong_version"),
 ]
 
 

@@ -1,6 +1,7 @@
 """Weight-sync units without processes: the resharding plan by hand (sources, buckets, steps, errors), the
-bucket checksum against a pure-Python reference (and that it catches a flipped bit anywhere), the buffer ring's
-rotation (no buffer reused while in flight), batched copies and host staging."""
+bucket checksum against a pure-Python reference (and that it catches a flipped bit anywhere, words trading places,
+another bucket's or another sync's valid trailer, and names the damaged tensor), the buffer ring's rotation (no
+buffer reused while in flight), batched copies and host staging."""
 
 import struct
 
@@ -11,8 +12,8 @@ from torch.profiler import ProfilerActivity, profile
 from shardrl.parallel.spec import ShardSpec
 from shardrl.sync.plan import (
     ALIGN,
-    CHECKSUM_WORDS,
-    TRAILER_BYTES,
+    CHECKSUM_BLOCK_BYTES,
+    Bucket,
     Piece,
     PlanError,
     Slice,
@@ -22,11 +23,12 @@ from shardrl.sync.plan import (
     plan_transfers,
     schedule,
     split_piece,
+    trailer_bytes,
 )
 from shardrl.sync.shards import shard_box
 from shardrl.sync.copies import MEMCPY_MIN_BYTES, CopyBatch, HostStaging
 from shardrl.sync.transport import BufferInFlightError, Ring
-from shardrl.sync.verify import checksum
+from shardrl.sync.verify import SyncVerifyError, check_checksums, checksum
 
 F32 = torch.float32
 
@@ -80,7 +82,7 @@ def test_split_piece_cuts_outer_dims_first():
 
 def test_buckets_respect_capacity_alignment_and_order():
     pieces = [Piece(f"t{i}", ((0, n),), F32) for i, n in enumerate([3, 10, 40, 5])]  # 12, 40, 160, 20 bytes
-    buckets = pack_buckets([Transfer(0, 1, p) for p in pieces], lambda src, dst: 96 + TRAILER_BYTES)
+    buckets = pack_buckets([Transfer(0, 1, p) for p in pieces], lambda src, dst: 96 + trailer_bytes(96))
     capacity = 96
     assert all(b.nbytes <= capacity and all(p.offset % ALIGN == 0 for p in b.pieces) for b in buckets)
     layout = [[(p.hf_name, p.box, p.offset) for p in b.pieces] for b in buckets]
@@ -91,7 +93,7 @@ def test_buckets_respect_capacity_alignment_and_order():
 def test_schedule_each_rank_sends_and_receives_one_bucket_per_step():
     pieces = [Piece("w", ((i, i + 1),), F32) for i in range(3)]
     buckets = pack_buckets([Transfer(s, d, p) for s in range(3) for d in range(3, 6)
-                            for p in pieces], lambda src, dst: 16 + TRAILER_BYTES)  # a piece per bucket
+                            for p in pieces], lambda src, dst: 16 + trailer_bytes(16))  # a piece per bucket
     steps = schedule(buckets)
     assert len(steps) == len(buckets) == 27
     for step in {b.step for b in steps}:
@@ -108,7 +110,7 @@ def test_colocated_ranks_halve_their_buckets():
     holdings = {0: [Slice("w", (64, 16), ((0, 32), (0, 16)), F32)], 1: [Slice("w", (64, 16), ((32, 64), (0, 16)), F32)]}
     needs = {r: [Slice("w", (64, 16), ((0, 64), (0, 16)), F32)] for r in (0, 1)}
     plan = plan_transfers(holdings, needs, bucket_bytes=1024)
-    assert max(b.nbytes for b in plan.buckets) + TRAILER_BYTES <= 512
+    assert max(b.wire_bytes for b in plan.buckets) <= 512
     assert sum(b.nbytes for b in plan.buckets if b.src == 0) == 32 * 16 * 4
 
 
@@ -126,14 +128,34 @@ def test_plan_errors_name_the_tensor(holdings, needs, message):
         plan_transfers(holdings, needs, bucket_bytes=1024)
 
 
-def _reference_checksum(data: bytes) -> list[int]:
-    """Per run of words (CHECKSUM_WORDS equal runs, the last taking the rest): the sum of its little-endian int64
-    words wrapped to a signed int64, in plain Python."""
-    words = struct.unpack(f"<{len(data) // 8}q", data)
-    width = len(words) // CHECKSUM_WORDS
-    last = (CHECKSUM_WORDS - 1) * width
-    runs = [words[i * width:(i + 1) * width] for i in range(CHECKSUM_WORDS - 1)] + [words[last:]]
-    return [(sum(run) + 2**63) % 2**64 - 2**63 for run in runs]
+MASK = 2**64 - 1
+GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix(x: int) -> int:
+    """SplitMix64's finaliser on unsigned 64-bit Python ints."""
+    x ^= x >> 30
+    x = (x * 0xBF58476D1CE4E5B9) & MASK
+    x ^= x >> 27
+    x = (x * 0x94D049BB133111EB) & MASK
+    return x ^ (x >> 31)
+
+
+def _reference_checksum(data: bytes, identity: int = 0, version: int = 0) -> list[int]:
+    """verify.checksum in plain Python: per block of CHECKSUM_BLOCK_BYTES, the sum of its little-endian words times
+    an odd multiplier of their position (splitmix of (position + 1) * golden, low bit set), plus the salt splitmix of
+    (block * golden + seed), seed from the bucket's identity and the version; all modulo 2**64, as signed int64."""
+    words = struct.unpack(f"<{len(data) // 8}Q", data)
+    per_block = CHECKSUM_BLOCK_BYTES // 8
+    mult = [_splitmix(((j + 1) * GOLDEN) & MASK) | 1 for j in range(per_block)]
+    seed = (identity * 0x100000001B3 + version * 0xC2B2AE3D27D4EB4F) & MASK
+    out = []
+    for block in range(-(-len(words) // per_block)):
+        chunk = words[block * per_block:(block + 1) * per_block]
+        total = sum(w * m for w, m in zip(chunk, mult)) + _splitmix((block * GOLDEN + seed) & MASK)
+        total &= MASK
+        out.append(total - 2**64 if total >= 2**63 else total)
+    return out
 
 
 def _random_bytes(num_bytes: int) -> torch.Tensor:
@@ -144,29 +166,86 @@ def _random_bytes(num_bytes: int) -> torch.Tensor:
 def test_checksum_matches_python(num_bytes):
     data = _random_bytes(num_bytes)
     assert checksum(data).tolist() == _reference_checksum(bytes(data.tolist()))
+    assert checksum(data, 12345, 7).tolist() == _reference_checksum(bytes(data.tolist()), 12345, 7)
 
 
-@pytest.mark.parametrize("num_bytes", [8, 13 * 8, 64 * 8 + 8])
+@pytest.mark.parametrize("num_bytes", [8, 13 * 8, CHECKSUM_BLOCK_BYTES + 16])
 def test_checksum_catches_a_flipped_bit_in_every_byte(num_bytes):
-    # Every byte, so the first and last element, the run boundaries and the ragged tail are all covered.
+    # Every byte, so the first and last element, the block boundary and the ragged tail are all covered.
     data = _random_bytes(num_bytes)
     reference = checksum(data)
-    for position in range(num_bytes):
+    for position in range(0, num_bytes, 1 if num_bytes < 1024 else 61):
         for bit in (0, 7):
             flipped = data.clone()
             flipped[position] ^= 1 << bit
             assert not torch.equal(checksum(flipped), reference), (position, bit)
 
 
-def test_checksum_catches_a_wrapped_top_bit_and_words_swapped_between_runs():
-    words = torch.arange(1, 8 * CHECKSUM_WORDS + 1, dtype=torch.int64)  # 8 words per run
+def test_checksum_catches_a_wrapped_top_bit_and_words_that_trade_places():
+    words = torch.arange(1, 3 * CHECKSUM_BLOCK_BYTES // 8 + 1, dtype=torch.int64)  # three blocks
     reference = checksum(words.view(torch.uint8))
     top = words.clone()
-    top[-1] ^= -2**63  # the sign bit: the run's sum moves by 2**63, not 0 modulo 2**64
+    top[-1] ^= -2**63  # the sign bit: the block's sum moves by 2**63 times an odd number, not 0 modulo 2**64
     assert not torch.equal(checksum(top.view(torch.uint8)), reference)
-    swapped = words.clone()
-    swapped[[0, -1]] = swapped[[-1, 0]]  # first word of the first run with the last of the last run
-    assert not torch.equal(checksum(swapped.view(torch.uint8)), reference)
+    per_block = CHECKSUM_BLOCK_BYTES // 8
+    for i, j in ((0, 1), (5, per_block - 1), (0, per_block), (3, 2 * per_block + 3)):  # within and across blocks
+        swapped = words.clone()
+        swapped[[i, j]] = swapped[[j, i]]
+        assert not torch.equal(checksum(swapped.view(torch.uint8)), reference), (i, j)
+    rotated = words.view(3, per_block).roll(1, dims=0).flatten()  # whole blocks moved: each keeps its own sum
+    assert not torch.equal(checksum(rotated.view(torch.uint8)), reference)
+
+
+def _bucket(step: int, sizes: list[int]) -> Bucket:
+    """A bucket of float32 tensors t0, t1, ... of `sizes` elements, packed as pack_buckets does."""
+    pieces, offset = [], 0
+    for i, n in enumerate(sizes):
+        pieces.append(Piece(f"t{i}", ((0, n),), F32, offset=offset))
+        offset += -(-n * 4 // ALIGN) * ALIGN
+    return Bucket(0, 1, step, tuple(pieces), offset)
+
+
+def _check(bucket: Bucket, wire: torch.Tensor, version: int) -> None:
+    """The receiver's side: the trailer that came with `wire` against its own checksum of the data."""
+    n = bucket.nbytes
+    sent = wire[n:bucket.wire_bytes].view(torch.int64)
+    check_checksums([bucket], [sent], [checksum(wire[:n], bucket.identity, version)])
+
+
+def _wire(bucket: Bucket, data: torch.Tensor, version: int) -> torch.Tensor:
+    """The sender's side: data and its trailer."""
+    return torch.cat([data, checksum(data, bucket.identity, version).view(torch.uint8)])
+
+
+def test_the_default_check_catches_every_injected_fault_and_names_the_damaged_tensor():
+    sizes = [5000, 300, 2048, 7]  # t0 spans blocks 0-4, t1 block 4-5, t2 blocks 5-7, t3 block 7
+    bucket, other = _bucket(3, sizes), _bucket(4, sizes)  # the same layout one step later
+    data = _random_bytes(bucket.nbytes)
+    wire = _wire(bucket, data, version=2)
+    _check(bucket, wire, version=2)  # intact: passes
+
+    def damaged(wire: torch.Tensor, version: int = 2) -> str:
+        with pytest.raises(SyncVerifyError) as error:
+            _check(bucket, wire, version)
+        return str(error.value)
+
+    t2 = bucket.pieces[2].offset
+    flipped = wire.clone()
+    flipped[t2 + 100] ^= 0x04
+    message = damaged(flipped)
+    assert "1 bucket(s) failed" in message and "t2" in message and "t0" not in message, message
+    swapped = wire.clone()
+    swapped[8:16], swapped[16:24] = wire[16:24].clone(), wire[8:16].clone()  # two words of t0 trade places
+    assert "t0" in damaged(swapped)
+    stale = _wire(other, data, version=2)  # another bucket of the same size, with its own valid trailer
+    assert all(f"t{i}" in damaged(stale) for i in range(4))
+    old = _wire(bucket, data, version=1)  # this bucket from the previous sync
+    assert "failed their checksum" in damaged(old)
+    truncated = wire.clone()
+    truncated[t2 + 4096:bucket.nbytes] = 0  # the end of the data never arrived
+    message = damaged(truncated)
+    assert "t2" in message and "t3" in message and "t0" not in message, message
+    assert damaged(wire, version=3)  # the receiver one sync ahead of what was sent
 
 
 class RecordingStream:

@@ -14,17 +14,24 @@ same metadata (`Slice`s: what each trainer rank holds and each rollout rank need
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 from collections import Counter, defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from functools import cached_property
 
 import torch
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) along every dim of the full HF tensor
 ALIGN = 16  # bytes: every piece starts aligned, so a bucket is a whole number of int64 words
-CHECKSUM_WORDS = 8  # the checksum: int64 sums of this many consecutive runs of a bucket (verify.checksum)
-TRAILER_BYTES = 8 * CHECKSUM_WORDS  # the checksum follows a bucket's data on the wire
+# The checksum (verify.checksum): one int64 per block of this many bytes of a bucket, following its data on the wire.
+CHECKSUM_BLOCK_BYTES = 4096
+
+
+def trailer_bytes(nbytes: int) -> int:
+    """Bytes of the checksum of a bucket of `nbytes` data bytes: 8 per (started) checksum block."""
+    return 8 * -(-nbytes // CHECKSUM_BLOCK_BYTES)
 
 
 class PlanError(ValueError):
@@ -90,6 +97,24 @@ class Bucket:
 
     def names(self) -> list[str]:
         return list(dict.fromkeys(p.name for p in self.pieces))
+
+    @property
+    def wire_bytes(self) -> int:
+        """Data and checksum trailer: what travels."""
+        return self.nbytes + trailer_bytes(self.nbytes)
+
+    @cached_property
+    def identity(self) -> int:
+        """A 63-bit fingerprint of the bucket's place in the plan (pair, step, size, every piece's tensor, box and
+        offset), the same on sender and receiver: its checksum covers it, so a buffer holding another bucket
+        (with that bucket's valid trailer) fails."""
+        text = repr((self.src, self.dst, self.step, self.nbytes,
+                     [(p.hf_name, p.box, p.offset, str(p.dtype)) for p in self.pieces]))
+        return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little") >> 1
+
+    def names_in(self, start: int, stop: int) -> list[str]:
+        """The tensors whose pieces overlap data bytes [start, stop)."""
+        return list(dict.fromkeys(p.name for p in self.pieces if p.offset < stop and start < p.offset + p.nbytes))
 
 
 @dataclass
@@ -215,13 +240,20 @@ def split_piece(piece: Piece, max_bytes: int) -> list[Piece]:
 def pack_buckets(transfers: Sequence[Transfer], buffer_bytes) -> list[Bucket]:
     """Pack each (src, dst) pair's pieces into buckets whose data and checksum trailer fit `buffer_bytes(src, dst)`
     (the checksum needs no scratch worth counting). Steps are left at -1 for `schedule`."""
+
+    def capacity_of(size: int) -> int:  # the most data bytes (aligned) whose trailer fits beside them
+        capacity = (size * CHECKSUM_BLOCK_BYTES // (CHECKSUM_BLOCK_BYTES + 8)) // ALIGN * ALIGN
+        while capacity > 0 and capacity + trailer_bytes(capacity) > size:
+            capacity -= ALIGN
+        return capacity
+
     pairs: dict[tuple[int, int], list[Piece]] = defaultdict(list)
     for t in transfers:
         pairs[t.src, t.dst].append(t.piece)
     buckets = []
     for (src, dst), pieces in pairs.items():
         size = buffer_bytes(src, dst)
-        capacity = (size - TRAILER_BYTES) // ALIGN * ALIGN
+        capacity = capacity_of(size)
         current: list[Piece] = []
         offset = 0
         for part in (p for piece in pieces for p in split_piece(piece, capacity)):

@@ -36,7 +36,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from shardrl.sync.copies import CopyBatch, CopyReplay, HostStaging
-from shardrl.sync.plan import CHECKSUM_WORDS, TRAILER_BYTES, Bucket, Piece, RankPlan
+from shardrl.sync.plan import Bucket, Piece, RankPlan, trailer_bytes
 from shardrl.sync.shards import Shards
 from shardrl.sync.verify import check_checksums, check_full, checksum
 
@@ -101,6 +101,9 @@ class Transport:
         # Per share of `kept_apart` (by its index in the run): where its params were (`_addresses`) and its replay
         # (on GPU None until it is recorded as a graph).
         self.replays: dict[int, tuple[tuple[int, ...], CopyReplay | None]] = {}
+        # Runs so far, on this rank: every rank of the group runs the same ones, so a bucket's checksum can cover
+        # its sync's number and a bucket left over from an earlier run fails.
+        self.version = 0
         self.launches = 0  # copy calls issued during the current run
 
     def _staged_names(self) -> set[str]:
@@ -127,7 +130,7 @@ class Transport:
     def _buffers(self, buckets: Sequence[Bucket]) -> Ring:
         if not buckets:
             return Ring([])
-        size = max(b.nbytes for b in buckets) + TRAILER_BYTES
+        size = max(b.wire_bytes for b in buckets)
         return Ring([torch.empty(size, dtype=torch.uint8, device=self.device) for _ in range(min(2, len(buckets)))])
 
     def _reading(self) -> contextlib.AbstractContextManager:
@@ -179,15 +182,15 @@ class Transport:
                 self._keep(kept, batch, compare)
         self._flush(batch)
         n = bucket.nbytes
-        buf[n:n + TRAILER_BYTES].view(torch.int64).copy_(checksum(buf[:n]))
-        return buf[:n + TRAILER_BYTES]
+        buf[n:bucket.wire_bytes].view(torch.int64).copy_(checksum(buf[:n], bucket.identity, self.version))
+        return buf[:bucket.wire_bytes]
 
     def unpack(self, bucket: Bucket, buf: Tensor, sums: Tensor, compare: list | None) -> None:
-        """Check a received bucket into `sums` [2, CHECKSUM_WORDS] and load its pieces (verify=full: compare them
-        instead)."""
+        """Check a received bucket into `sums` [2, blocks] (the sender's checksum, then this rank's of what
+        arrived, for this bucket of this run) and load its pieces (verify=full: compare them instead)."""
         n = bucket.nbytes
-        sums[0] = buf[n:n + TRAILER_BYTES].view(torch.int64)
-        sums[1] = checksum(buf[:n])
+        sums[0] = buf[n:bucket.wire_bytes].view(torch.int64)
+        sums[1] = checksum(buf[:n], bucket.identity, self.version)
         batch = CopyBatch()
         for piece in bucket.pieces:
             dst = self.target.view(piece.hf_name, piece.box)
@@ -259,7 +262,9 @@ class Transport:
         """One pass over the plan (see the module docstring). `compare`: verify=full, nothing is written."""
         plan = self.plan
         send_ring, recv_ring = self._buffers(plan.sends), self._buffers(plan.recvs)
-        sums = torch.zeros(len(plan.recvs), 2, CHECKSUM_WORDS, dtype=torch.int64, device=self.device)
+        self.version += 1
+        blocks = [trailer_bytes(b.nbytes) // 8 for b in plan.recvs]
+        sums = torch.zeros(2, sum(blocks), dtype=torch.int64, device=self.device).split(blocks, dim=1)
         compared: list | None = [] if compare else None
         sends = {b.step: b for b in plan.sends}
         recvs = {b.step: (i, b) for i, b in enumerate(plan.recvs)}
@@ -278,7 +283,7 @@ class Transport:
                 i, bucket = recvs[step]
                 # No event: the transfer writing it follows the current stream, where its last unpack ran.
                 slot, buf = recv_ring.acquire()
-                ops.append(dist.P2POp(dist.irecv, buf[:bucket.nbytes + TRAILER_BYTES], bucket.src, self.group))
+                ops.append(dist.P2POp(dist.irecv, buf[:bucket.wire_bytes], bucket.src, self.group))
                 received = (slot, i, bucket)
             works = dist.batch_isend_irecv(ops)
             if in_flight is not None:
@@ -294,7 +299,7 @@ class Transport:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
         self.staging.clear()
         host_read, self.staging.read_bytes = self.staging.read_bytes, 0
-        check_checksums(plan.recvs, sums)
+        check_checksums(plan.recvs, [s[0] for s in sums], [s[1] for s in sums])
         if compared is not None:
             check_full([name for name, _ in compared], [flag for _, flag in compared], plan.rank)
         return TransferStats(sum(b.nbytes for b in plan.sends), sum(b.nbytes for b in plan.recvs),
@@ -302,7 +307,7 @@ class Transport:
                              sum(b.numel() for b in send_ring.buffers + recv_ring.buffers), host_read, self.launches)
 
     def _finish(self, works: list, sent: int | None, received: tuple[int, int, Bucket] | None, send_ring: Ring,
-                recv_ring: Ring, sums: Tensor, compared: list | None) -> None:
+                recv_ring: Ring, sums: Sequence[Tensor], compared: list | None) -> None:
         """Wait for a step; free its send buffer, then check and unpack its received bucket and free that buffer."""
         for work in works:
             work.wait()
