@@ -45,7 +45,8 @@ def test_sigkill_then_resume_matches_uninterrupted_run(tmp_path):
     proc = subprocess.Popen(command(killed), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
     wait_for(lambda: latest_step(killed) >= 3 or proc.poll() is not None, 300, "the step-3 checkpoint")
-    os.killpg(proc.pid, signal.SIGKILL)  # the driver and every Ray process it started
+    os.killpg(proc.pid, signal.SIGKILL)  # the driver's process group; its workers, in groups of their own, follow
+    # (they see the Ray daemons go, and watch the driver: tests/test_driver_watch.py)
     proc.wait()
     k = latest_step(killed)
     assert 3 <= k <= 5, f"killed too late (checkpoint of step {k}); the test needs steps k+1..k+3 <= 8"

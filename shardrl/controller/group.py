@@ -22,7 +22,7 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, Dispatch, route
-from shardrl.controller.host import RankHost, rank_env
+from shardrl.controller.host import Driver, RankHost, rank_env
 from shardrl.controller.pool import ResourcePool
 from shardrl.parallel.layout_spec import LayoutSpec
 
@@ -236,7 +236,8 @@ class WorkerGroup:
         for pool in self.pools:
             pool.in_use = True
         places = [(pool, local) for pool in self.pools for local in range(pool.world_size)]
-        self.hosts = [RemoteRankHost.options(**pool.actor_options(local)).remote() for pool, local in places]
+        driver = Driver.this_process()
+        self.hosts = [RemoteRankHost.options(**pool.actor_options(local)).remote(driver) for pool, local in places]
         host0 = {0: self.hosts[0].rendezvous_address.remote()}
         addr, port = PendingCall(self, "(rendezvous)", "rendezvous_address", host0, lambda by_rank: by_rank[0]).get()
         envs = [rank_env(r, self.world_size, pool.node_local_rank(local), addr, port, pool.device, collective_timeout)

@@ -13,6 +13,11 @@ from __future__ import annotations
 
 import datetime
 import os
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import ray
@@ -58,12 +63,66 @@ def init_distributed_from_env() -> None:
     )
 
 
+@dataclass(frozen=True)
+class Driver:
+    """The process that drives the run (the controller): where it runs and which process it is, so that a worker
+    on its node can tell when it is gone (a pid alone could be a new process's)."""
+
+    node: str
+    pid: int
+    started: str | None  # /proc/<pid>/stat's start time; None where there is no /proc
+
+    @classmethod
+    def this_process(cls) -> Driver:
+        return cls(ray.util.get_node_ip_address(), os.getpid(), _start_time(os.getpid()))
+
+    def alive(self) -> bool:
+        return _start_time(self.pid) == self.started if self.started is not None else _pid_exists(self.pid)
+
+
+def _start_time(pid: int) -> str | None:
+    try:  # field 22 of /proc/<pid>/stat, after the parenthesised command name (which may hold spaces)
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _pid_exists(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+DRIVER_CHECK_S = 0.25  # how often a worker on the driver's node checks that the driver is still there
+
+
+def watch_driver(driver: Driver, interval_s: float = DRIVER_CHECK_S) -> None:
+    """Exit this process within `interval_s` of the driver's death (on its node; across nodes Ray ends actors whose
+    owner died). Ray runs workers in process groups of their own, so a killed driver would leave them running, and
+    one could finish a checkpoint write after the run was gone. `os._exit`: no cleanup of any kind runs."""
+    def watch() -> None:
+        while driver.alive():
+            time.sleep(interval_s)
+        print(f"shardrl worker (pid {os.getpid()}): the driver (pid {driver.pid}) is gone; exiting", file=sys.stderr,
+              flush=True)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="shardrl-driver-watch", daemon=True).start()
+
+
 class RankHost:
     """One rank's process: holds the role objects and runs their methods for the controller."""
 
-    def __init__(self) -> None:
+    def __init__(self, driver: Driver | None = None) -> None:
+        """`driver`: the controller's process; a host on its node exits when it dies (`watch_driver`)."""
         self.roles: dict[str, Any] = {}
         self.registry: GroupRegistry | None = None  # made with the default group, in `join`
+        if driver is not None and driver.node == ray.util.get_node_ip_address():
+            watch_driver(driver)
 
     def rendezvous_address(self) -> tuple[str, int]:
         """This node's address and a free port on it (asked of rank 0 for the group's MASTER_ADDR/PORT)."""
