@@ -11,7 +11,8 @@ bucket's identity (its place in the plan: pair, step, pieces) and the sync's ver
 * a buffer holding another bucket, or this bucket of another sync, carries that one's valid trailer, whose salts
   are not this one's; a bucket cut short leaves blocks of zeros or stale bytes under the sums;
 * a failing block names the tensors whose pieces overlap it (usually one: blocks are 4 KiB).
-On CUDA one Triton kernel reads the bucket once (`checksum_kernel`); elsewhere torch does the same maths block-wise.
+On CUDA one Triton kernel reads the bucket once and adds the salts (`checksum_kernel`: one launch per checksum);
+elsewhere torch does the same maths block-wise.
 Integer sums are exact and independent of the reduction order and the device, so both ends agree bit for bit.
 `verify: full` additionally re-sends every bucket and compares each received tensor elementwise with what was loaded.
 """
@@ -35,12 +36,15 @@ class SyncVerifyError(RuntimeError):
     """Weights arrived different from what was sent; the message names the buckets, ranks and tensors."""
 
 
+_MIX = (-4658895280553007687, -7723592293110705685)  # SplitMix64's 0xBF58476D1CE4E5B9, 0x94D049BB133111EB
+
+
 def _splitmix(x: Tensor) -> Tensor:
     """A bijective 64-bit mix (SplitMix64's finaliser) of int64 values, wrapping as the hardware does."""
     x = x ^ ((x >> 30) & 0x3FFFFFFFF)  # logical shifts: mask the sign bits an arithmetic shift copies
-    x = x * -4658895280553007687  # 0xBF58476D1CE4E5B9
+    x = x * _MIX[0]
     x = x ^ ((x >> 27) & 0x1FFFFFFFFF)
-    x = x * -7723592293110705685  # 0x94D049BB133111EB
+    x = x * _MIX[1]
     return x ^ ((x >> 31) & 0x1FFFFFFFF)
 
 
@@ -55,12 +59,15 @@ def multipliers(device: torch.device) -> Tensor:
     return _multipliers[device]
 
 
+def _seed(identity: int, version: int) -> int:
+    """The int64 seed of a bucket's salts: from its identity and the sync's version."""
+    return _to_int64((identity * 0x100000001B3 + version * 0xC2B2AE3D27D4EB4F) & _MASK64)
+
+
 def salts(num_blocks: int, identity: int, version: int, device: torch.device) -> Tensor:
-    """int64 [num_blocks]: what each block's sum is offset by, from its index, the bucket's identity and the sync's
-    version."""
-    seed = _to_int64((identity * 0x100000001B3 + version * 0xC2B2AE3D27D4EB4F) & _MASK64)
+    """int64 [num_blocks]: what each block's sum is offset by, splitmix(block * golden + seed)."""
     blocks = torch.arange(num_blocks, dtype=torch.int64, device=device)
-    return _splitmix(blocks * _GOLDEN + seed)
+    return _splitmix(blocks * _GOLDEN + _seed(identity, version))
 
 
 def _to_int64(value: int) -> int:
@@ -73,12 +80,12 @@ def checksum(data: Tensor, identity: int = 0, version: int = 0) -> Tensor:
     words = data.view(torch.int64)
     num_blocks = -(-words.numel() // BLOCK_WORDS)
     if words.is_cuda and words.numel():
-        from shardrl.sync.checksum_kernel import block_sums  # Triton: CUDA installs only
+        from shardrl.sync.checksum_kernel import salted_block_sums  # Triton: CUDA installs only
 
-        sums = block_sums(words, multipliers(words.device), num_blocks, BLOCK_WORDS)
-    else:
-        sums = _block_sums(words, multipliers(words.device), num_blocks)
-    return sums + salts(num_blocks, identity, version, words.device)
+        return salted_block_sums(words, multipliers(words.device), num_blocks, BLOCK_WORDS,
+                                 _seed(identity, version), _GOLDEN, _MIX)
+    return _block_sums(words, multipliers(words.device), num_blocks) + salts(num_blocks, identity, version,
+                                                                             words.device)
 
 
 def _block_sums(words: Tensor, mult: Tensor, num_blocks: int, chunk_blocks: int = 64) -> Tensor:
