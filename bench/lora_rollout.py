@@ -53,7 +53,8 @@ def build_engine(shape: dict, lora: LoRASettings | None, runtime: bool, args: ar
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     max_len = args.prompt_len + args.new_tokens
     config = EngineConfig(max_num_seqs=args.num_prompts, max_num_batched_tokens=16384, max_model_len=max_len,
-                          cpu_kv_cache_tokens=args.num_prompts * max_len, dtype=dtype, lora=lora, lora_runtime=runtime, seed=0,
+                          cpu_kv_cache_tokens=args.num_prompts * max_len, dtype=dtype, lora=lora,
+                          lora_runtime=runtime, seed=0,
                           compile_decode=device.type == "cuda" and args.compile)
     cfg = ModelConfig.from_dict(shape)
     engine = Engine(cfg, Layout.single(device), config)

@@ -45,7 +45,8 @@ VARIANTS = [
     ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),
     ("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"]),
     ("ppo_trainer", ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.exclude_modules=[down_proj]",
-                     "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=gae", "critic.model.lora_rank=8"]),
+                     "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=gae",
+                     "critic.model.lora_rank=8"]),
 ]
 
 

@@ -31,9 +31,11 @@ def test_lora_keys_reach_the_actor_and_the_rollout_and_the_reference_runs_on_the
 
 def test_critic_lora_keys_reach_the_critic_alone():
     plan = plan_job(compose("ppo_trainer", ["algorithm.adv_estimator=gae", "critic.model.lora_rank=4",
-                                            "critic.model.lora_alpha=8", "critic.model.target_modules=[q_proj,v_proj]"]))
+                                            "critic.model.lora_alpha=8", "critic.model.target_modules=[q_proj,v_proj]",
+                                            "critic.model.exclude_modules=[v_proj]"]))
     lora = plan.critic.model.engine.lora
-    assert (lora.rank, lora.scale, lora.target_modules) == (4, 2.0, ("q_proj", "v_proj"))
+    assert (lora.rank, lora.scale, lora.target_modules, lora.exclude_modules) == (4, 2.0, ("q_proj", "v_proj"),
+                                                                                 ("v_proj",))
     assert plan.actor.model.engine.lora is None and plan.rollout.engine.lora is None
     for overrides, key in ((["critic.model.target_modules=[qkv]"], "critic.model.target_modules"),
                            (["critic.model.target_parameters=[mlp.experts.down_proj]"],
@@ -45,8 +47,8 @@ def test_critic_lora_keys_reach_the_critic_alone():
 
 @pytest.mark.slow
 def test_a_gae_job_with_a_lora_critic_trains_it(tmp_path):
-    rows = run_job(tmp_path, "algorithm.adv_estimator=gae", "critic.model.lora_rank=8", "trainer.total_training_steps=3",
-                   "trainer.val_before_train=false", "trainer.test_freq=-1")
+    rows = run_job(tmp_path, "algorithm.adv_estimator=gae", "critic.model.lora_rank=8",
+                   "trainer.total_training_steps=3", "trainer.val_before_train=false", "trainer.test_freq=-1")
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert all(r["critic/vf_loss"] > 0 for r in rows) and rows[-1]["critic/vf_loss"] != rows[0]["critic/vf_loss"]
 

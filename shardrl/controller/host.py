@@ -92,7 +92,7 @@ def _pid_exists(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    except PermissionError:
+    except PermissionError:  # another user's process: it exists
         return True
     return True
 

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
-from shardrl.job.schema import CriticModelConfig, Mode, PolicyModelConfig, PPOConfig
+from shardrl.job.schema import LoRAModelConfig, Mode, PolicyModelConfig, PPOConfig
 from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
 from shardrl.parallel.lora import ALL_LINEAR, EXPERT_PARAMETERS, LINEAR_NAMES, PEFT_WEIGHTS, LoRASettings
 
@@ -97,7 +97,7 @@ def lora_settings(model: PolicyModelConfig, seed: int) -> LoRASettings | None:
     return named_lora_settings(model, seed, "actor_rollout_ref.model")
 
 
-def named_lora_settings(model: PolicyModelConfig | CriticModelConfig, seed: int, prefix: str) -> LoRASettings | None:
+def named_lora_settings(model: LoRAModelConfig, seed: int, prefix: str) -> LoRASettings | None:
     """The adapters a model's `lora_rank`, `lora_alpha`, `target_modules`, `exclude_modules` and
     `target_parameters` name (`prefix`: where the keys are, for errors); None at rank 0."""
     if model.lora_rank == 0:

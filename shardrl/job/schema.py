@@ -105,29 +105,24 @@ class ModelSourceConfig:
 
 
 @dataclass(frozen=True)
-class PolicyModelConfig(ModelSourceConfig):
-    """The policy's model (`actor_rollout_ref.model`) with verl's LoRA keys: lora_rank 0 trains every weight; > 0
+class LoRAModelConfig(ModelSourceConfig):
+    """A trained model with verl's LoRA keys (the critic's `critic.model`): lora_rank 0 trains every weight; > 0
     trains adapters of that rank on `target_modules` (names or all-linear) less `exclude_modules`, and on the MoE
-    experts' stacked weights named by `target_parameters` (PEFT's key; verl has none)."""
+    experts' stacked weights named by `target_parameters` (PEFT's key; verl has none). A critic's value head then
+    trains whole."""
 
     lora_rank: NonNegInt
     lora_alpha: PosFloat
     target_modules: str | list[str]
     exclude_modules: list[str] | None
     target_parameters: list[str] | None
-    lora_adapter_path: str | None  # a PEFT LoRA adapter to start from (its rank, alpha and targets)
 
 
 @dataclass(frozen=True)
-class CriticModelConfig(ModelSourceConfig):
-    """The value model (`critic.model`) with verl's critic LoRA keys (`lora_rank`, `lora_alpha`, `target_modules`)
-    and, as the policy's, `exclude_modules` and `target_parameters`; with adapters the value head trains whole."""
+class PolicyModelConfig(LoRAModelConfig):
+    """The policy's model (`actor_rollout_ref.model`): its LoRA keys, and a PEFT adapter to start from."""
 
-    lora_rank: NonNegInt
-    lora_alpha: PosFloat
-    target_modules: str | list[str]
-    exclude_modules: list[str] | None
-    target_parameters: list[str] | None
+    lora_adapter_path: str | None  # a PEFT LoRA adapter to start from (its rank, alpha and targets)
 
 
 @dataclass(frozen=True)
@@ -341,7 +336,7 @@ class CriticConfig:
 
     strategy: Literal["megatron"]
     enable: bool | None  # null: only when adv_estimator needs values (gae)
-    model: CriticModelConfig
+    model: LoRAModelConfig
     ppo_mini_batch_size: PosInt
     ppo_micro_batch_size: PosInt | None
     ppo_micro_batch_size_per_gpu: PosInt | None

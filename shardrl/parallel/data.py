@@ -274,7 +274,8 @@ class GradBuffers:
 
     @torch.no_grad()
     def finalize(self) -> None:
-        """Sum gradients over the shard group (TP / ETP) where the spec asks, over tied copies, then over data parallel (see module doc)."""
+        """Sum gradients over the shard group (TP / ETP) where the spec asks, over tied copies, then over data
+        parallel (see module doc)."""
         if self._state.finalized:
             return
         layout = self.layout

@@ -74,8 +74,8 @@ class EngineConfig:
     bitwise: bool = False
     # LoRA adapters on the targeted linears, as the actor's (`model.lora_rank`): weight sync writes them beside the
     # base weights and the engine folds them into its weights after each update (`ModelRunner.fold_adapters`),
-    # which decodes as fast as a model without adapters; measured against applying them in the forward (1.46x the
-    # decode tokens/s for a 15-35 ms merge per sync, docs/lora.md). `lora_runtime`: apply them in the forward
+    # which decodes as fast as a model without adapters; measured against applying them in the forward (~1.4x the
+    # decode tokens/s for a 54-122 ms fold per sync, docs/lora.md). `lora_runtime`: apply them in the forward
     # instead (the trainer's own arithmetic, no pristine copy; the reference the folded path is tested against).
     lora: LoRASettings | None = None
     lora_runtime: bool = False
