@@ -73,6 +73,8 @@ def parse_args() -> argparse.Namespace:
                         help="... or once the oldest waited this many decode steps")
     parser.add_argument("--max-fed-tokens", type=int, default=EngineConfig.max_fed_tokens,
                         help="continuations of at most this many new tokens are fed through decode rows (0: never)")
+    parser.add_argument("--no-spare-rows", action="store_true",
+                        help="no EngineConfig.spare_cache_rows: a lent slot's prefix is dropped, not kept")
     args = parser.parse_args()
     if args.quick:
         args.trajectories, args.prompt_len, args.turns, args.min_turn, args.max_turn = 8, 16, 3, 4, 12
@@ -87,7 +89,7 @@ def build_engine(args: argparse.Namespace, device: torch.device) -> Engine:
     config = EngineConfig(max_num_seqs=rows, max_num_batched_tokens=max(16384, max_len),
                           max_model_len=max_len, cpu_kv_cache_tokens=args.trajectories * max_len, dtype=dtype,
                           compile_decode=device.type == "cuda" and not args.no_compile,
-                          max_fed_tokens=args.max_fed_tokens)
+                          max_fed_tokens=args.max_fed_tokens, spare_cache_rows=not args.no_spare_rows)
     torch.manual_seed(0)
     return Engine(ModelConfig.from_dict(Qwen2Config(**shape, architectures=["Qwen2ForCausalLM"]).to_dict()), Layout.single(device), config)
 
@@ -171,7 +173,9 @@ def main() -> None:
                                       for s, m, idle in pairs))
     print(f"prefilled or fed tokens per continuation turn: {per_turn:.2f} (new tokens: {args.env_tokens} env + 1 model); "
           f"cached prefix tokens per turn: {stats.cached_prefill_tokens / continuations:.1f}; "
-          f"parked slots lent out: {engine.scheduler.evictions}; decode steps during tool waits: {tool_steps} "
+          f"parked slots lent out (all runs): {engine.scheduler.spared_prefixes} prefixes kept in spare rows "
+          f"({engine.runner.cache.num_slots - engine.runner.num_decode_slots} rows, {stats.prefix_moves} moves), "
+          f"{engine.scheduler.evictions} dropped; decode steps during tool waits: {tool_steps} "
           f"of {stats.decode_steps}")
     print(f"multi turn engine: {stats.prefill_steps} prefill steps ({stats.prefill_seconds:.2f} s), "
           f"{stats.fed_tokens} continuation tokens fed through decode rows, "

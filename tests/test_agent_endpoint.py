@@ -345,8 +345,12 @@ def test_endpoint_keys_reach_the_runner_settings_and_an_open_host_needs_a_key():
             "episode_timeout": 9.5, "memory_limit_mb": 900, "max_episodes_per_process": 3}
     overrides = ["actor_rollout_ref.rollout.multi_turn.enable=true", "actor_rollout_ref.rollout.agent.num_workers=3",
                  *(f"actor_rollout_ref.rollout.agent.endpoint.{k}={v}" for k, v in keys.items())]
-    endpoint = plan_job(compose("ppo_trainer", overrides)).rollout.agent.endpoint
+    rollout = plan_job(compose("ppo_trainer", overrides)).rollout
+    endpoint = rollout.agent.endpoint
     assert {k: getattr(endpoint, k) for k in keys} == keys and endpoint.num_workers == 3
+    # Multi-turn keeps the prefixes of trajectories whose decode slot was lent out in spare cache rows.
+    assert rollout.engine.spare_cache_rows
+    assert not plan_job(compose("ppo_trainer", [])).rollout.engine.spare_cache_rows
     assert endpoint.host == "127.0.0.1"
     with pytest.raises(ConfigError, match=r"agent.endpoint.host: '0.0.0.0' without agent.endpoint.api_key"):
         plan_job(compose("ppo_trainer", ["actor_rollout_ref.rollout.multi_turn.enable=true",

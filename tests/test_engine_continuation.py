@@ -1,6 +1,7 @@
 """Multi-turn continuations on the engine (CPU, fp32): a turn that continues a parked sequence prefills only its
 new tokens and samples exactly what a fresh prefill of the whole sequence samples; parked slots survive other
-sequences' decode steps riding along, are lent to new sequences when the cache is full, and go with new weights."""
+sequences' decode steps riding along, are lent to new sequences when the cache is full (their prefix kept in a
+spare cache row if there is one), and go with new weights."""
 
 import pytest
 import torch
@@ -95,6 +96,109 @@ def test_full_cache_lends_the_oldest_parked_slot_and_its_continuation_prefills_w
     engine.submit(prompt2, GREEDY, "a2", continues="a")
     assert _run(engine)["a2"].token_ids == _fresh(checkpoint, prompt2).token_ids
     assert engine.stats.prefill_tokens == len(prompt2)
+
+
+def _spare_engine(path, decode_slots, rows):
+    """An engine of `decode_slots` decode slots whose cache budget holds `rows` rows in all (the rest spare)."""
+    engine = _engine(path, EngineConfig(max_model_len=64, cpu_kv_cache_tokens=64 * rows, max_num_batched_tokens=128,
+                                        max_num_seqs=decode_slots, spare_cache_rows=True))
+    assert engine.max_running == decode_slots and engine.runner.cache.num_slots == rows
+    return engine
+
+
+def _next_turn(out, env=ENV):
+    return out.prompt_ids + out.token_ids + env
+
+
+def _assert_fresh(checkpoint, out):
+    fresh = _fresh(checkpoint, out.prompt_ids)
+    assert out.token_ids == fresh.token_ids
+    assert_close(out.raw_logprobs, fresh.raw_logprobs, atol=1e-5, rtol=1e-5)
+
+
+def test_a_lent_slots_prefix_waits_in_a_spare_row_and_its_continuation_prefills_only_new_tokens(checkpoint):
+    engine = _spare_engine(checkpoint, decode_slots=2, rows=3)
+    engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    engine.submit([3, 5, 7], GREEDY, "b", keep_cache=True)
+    outs = _run(engine)
+    engine.submit([4, 4, 4], SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True), "c")
+    _run(engine)  # "c" decodes 20 steps in "a"'s old slot, over whatever of it stayed there
+    sched = engine.scheduler
+    assert list(sched.spared) == ["a"] and list(sched.parked) == ["b"]
+    assert (sched.spared_prefixes, sched.evictions) == (1, 0)
+    engine.stats = type(engine.stats)()
+    engine.submit(_next_turn(outs["a"]), GREEDY, "a2", continues="a")
+    a2 = _run(engine)["a2"]
+    assert engine.stats.prefill_tokens == len(ENV) + 1 and engine.stats.prefix_moves == 1
+    _assert_fresh(checkpoint, a2)
+    assert not sched.spared and len(sched.free_spares) == 1
+
+
+def test_with_every_spare_row_taken_the_oldest_spared_prefix_is_dropped(checkpoint):
+    engine = _spare_engine(checkpoint, decode_slots=2, rows=3)
+    engine.submit([1, 5, 7, 9], GREEDY, "a", keep_cache=True)
+    engine.submit([3, 5, 7], GREEDY, "b", keep_cache=True)
+    outs = _run(engine)
+    engine.submit([4, 4, 4], GREEDY, "c", keep_cache=True)  # lends "a"'s slot: "a" to the spare row
+    engine.submit([6, 2], GREEDY, "d")  # lends "b"'s: "a" gives the spare row up to "b"
+    _run(engine)
+    assert list(engine.scheduler.spared) == ["b"] and engine.scheduler.evictions == 1
+    for rid, new_tokens in (("a", None), ("b", len(ENV) + 1)):
+        engine.stats.prefill_tokens = 0
+        prompt = _next_turn(outs[rid])
+        engine.submit(prompt, GREEDY, rid + "2", continues=rid)
+        out = _run(engine)[rid + "2"]
+        assert engine.stats.prefill_tokens == (new_tokens or len(prompt))
+        _assert_fresh(checkpoint, out)
+
+
+def test_a_slot_lent_and_refilled_from_a_spare_row_in_one_step(checkpoint):
+    """One decode slot: the continuation of the spared "a" takes the slot parked "c" holds, so "c" moves out to a
+    spare row and "a" moves in from another in the same step (out before in)."""
+    engine = _spare_engine(checkpoint, decode_slots=1, rows=3)
+    a = _run_one(engine, [1, 5, 7, 9], "a")
+    c = _run_one(engine, [4, 4, 4, 2], "c")  # lends "a"'s slot
+    engine.stats = type(engine.stats)()
+    a2 = _run_one(engine, _next_turn(a), "a2", continues="a")
+    assert engine.stats.prefix_moves == 2 and engine.stats.prefill_tokens == len(ENV) + 1
+    _assert_fresh(checkpoint, a2)
+    engine.stats = type(engine.stats)()
+    c2 = _run_one(engine, _next_turn(c, ENV[:3]), "c2", continues="c")
+    assert engine.stats.prefix_moves == 2 and engine.stats.prefill_tokens == 4  # "a2" out, "c" in
+    _assert_fresh(checkpoint, c2)
+
+
+def _run_one(engine, prompt, rid, continues=None):
+    engine.submit(prompt, GREEDY, rid, keep_cache=True, continues=continues)
+    return _run(engine)[rid]
+
+
+def test_a_spared_prefix_continued_while_others_decode_is_fed(checkpoint):
+    engine = _spare_engine(checkpoint, decode_slots=2, rows=3)
+    outs = {rid: _run_one(engine, ids, rid) for rid, ids in (("a", [1, 5, 7, 9]), ("b", [3, 5, 7]))}
+    engine.submit([4, 4, 4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), "c")  # "a" spared
+    for _ in range(5):
+        engine.step()
+    assert list(engine.scheduler.spared) == ["a"]
+    engine.stats = type(engine.stats)()
+    engine.submit(_next_turn(outs["a"]), GREEDY, "a2", continues="a")  # takes "b"'s slot, "a" moved back in
+    a2 = _run(engine)["a2"]
+    assert engine.stats.fed_tokens >= len(ENV) + 1 and engine.stats.prefill_tokens == 0
+    assert engine.scheduler.evictions == 1  # "b": no spare row left for it
+    _assert_fresh(checkpoint, a2)
+
+
+def test_aborting_a_continuation_that_holds_a_spare_row_frees_it(checkpoint):
+    engine = _spare_engine(checkpoint, decode_slots=1, rows=2)
+    a = _run_one(engine, [1, 5, 7, 9], "a")
+    engine.submit([4, 4, 4], SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True), "c")
+    engine.step()  # "c" prefills in "a"'s slot, "a" spared
+    engine.submit(_next_turn(a), GREEDY, "a2", continues="a")  # waits, holding the spare row
+    engine.abort(["a2"], keep=False)
+    assert engine.scheduler.free_spares == [1]
+    _run(engine)
+    engine.release_cache()
+    assert engine.scheduler.free_spares == [1] and engine.scheduler.free_slots == [0]
 
 
 def test_new_weights_drop_parked_caches(checkpoint):

@@ -1,7 +1,7 @@
 """The rollout engine records MoE routing (R3's source): every finished output carries, for each position of its
 sequence, the experts each MoE layer ran it through, equal to transformers' router top-k over the whole sequence
 (an independent forward), at one process and TP2 (EP2, ETP2) on gloo; through shared prefills, run-ahead decode
-with rows ending at different steps, cached and fed multi-turn continuations, and an abort and resume under new
+with rows ending at different steps, cached and fed multi-turn continuations, prefixes kept in spare rows, and an abort and resume under new
 weights (the resumed sequence's routing is the new weights', like its re-prefilled keys). The last sampled token,
 which no step ran, is marked unknown."""
 
@@ -95,6 +95,24 @@ def test_continuations_cached_and_fed_keep_the_whole_sequences_routing(moe):
     turn3 = {o.request_id: o for o in engine.stream()}["t2"]
     assert engine.stats.cached_prefill_tokens > 0
     assert_routing(moe[0], turn3)
+
+
+def test_a_prefix_kept_in_a_spare_row_keeps_its_routing(moe):
+    """One decode slot and one spare row: "t0" parks, "other" takes its slot (t0's prefix, routing included,
+    moves to the spare row), t0's continuation moves it back and prefills only its new tokens."""
+    engine = Engine.from_pretrained(moe[0], Layout.single(), EngineConfig(
+        max_model_len=48, cpu_kv_cache_tokens=48 * 2, max_num_batched_tokens=96, record_routing=True,
+        max_num_seqs=1, spare_cache_rows=True))
+    greedy = SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    engine.submit(PROMPTS[0], greedy, "t0", keep_cache=True)
+    turn1 = {o.request_id: o for o in engine.stream()}["t0"]
+    engine.submit(PROMPTS[2], greedy, "other")
+    assert_routing(moe[0], {o.request_id: o for o in engine.stream()}["other"])
+    engine.stats.prefill_tokens = 0
+    engine.submit(turn1.prompt_ids + turn1.token_ids + ENV, greedy, "t1", continues="t0")
+    turn2 = {o.request_id: o for o in engine.stream()}["t1"]
+    assert engine.stats.prefill_tokens == len(ENV) + 1 and engine.stats.prefix_moves == 2
+    assert_routing(moe[0], turn2)
 
 
 def test_a_request_resumed_under_new_weights_gets_their_routing(moe):

@@ -207,19 +207,22 @@ def critic_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Cri
 
 def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_ranks: list[int]) -> RolloutOptions:
     rollout = config.actor_rollout_ref.rollout
+    length = shared.response_length
+    agent = agent_settings(rollout.multi_turn, rollout.agent, shared.prompt_length, length)
     engine = EngineConfig(
         max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
         max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching,
-        record_routing=shared.record_routing, bitwise=shared.bitwise, lora=shared.lora)
+        record_routing=shared.record_routing, bitwise=shared.bitwise, lora=shared.lora,
+        spare_cache_rows=agent is not None)
     if shared.bitwise:
         _check_bitwise_layout(role.spec, rollout.dtype, "actor_rollout_ref.rollout")
         if rollout.top_k > 0 or rollout.top_p < 1.0 or not rollout.do_sample:
             raise ConfigError(_BITWISE, f"top_k={rollout.top_k}, top_p={rollout.top_p}, do_sample={rollout.do_sample}: "
                                         f"the trainer scores the unfiltered distribution at the rollout temperature; "
                                         f"use top_k=-1, top_p=1.0, do_sample=true")
-    sync, val, length = rollout.weight_sync, rollout.val_kwargs, shared.response_length
+    sync, val = rollout.weight_sync, rollout.val_kwargs
     ignore_eos = rollout.ignore_eos
     return RolloutOptions(
         engine_name=rollout.name, seed=shared.seed, spec=role.spec, ranks=role.ranks, engine=engine,
@@ -228,7 +231,7 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
         validate=sampling_options(val.do_sample, val.temperature, val.top_k, val.top_p, length, ignore_eos),
         response_length=length, free_cache_engine=rollout.free_cache_engine, override_config=shared.override_config,
         weight_sync=WeightSyncOptions(sync.bucket_size_mb << 20, sync.verify, sync_ranks),
-        agent=agent_settings(rollout.multi_turn, rollout.agent, shared.prompt_length, length))
+        agent=agent)
 
 
 def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, prompt_length: int,

@@ -38,7 +38,7 @@ from shardrl.rollout.host_copy import HostCopies, HostCopy
 from shardrl.rollout.request import Request, RequestOutput, SamplingParams
 from shardrl.rollout.runner import EngineConfig, ModelRunner
 from shardrl.rollout.sampler import SamplingBatch, sample
-from shardrl.rollout.scheduler import Batch, Scheduler
+from shardrl.rollout.scheduler import Batch, RowMove, Scheduler
 
 
 @dataclass
@@ -59,6 +59,7 @@ class EngineStats:
     decode_host_launches: int = 0
     cached_prefill_tokens: int = 0  # tokens a continuation found cached instead of prefilling them
     fed_tokens: int = 0  # continuations' new tokens fed through decode rows instead of a prefill
+    prefix_moves: int = 0  # parked prefixes copied into or out of spare cache rows (`EngineConfig.spare_cache_rows`)
     graph_captures: int = 0  # decode CUDA graphs captured (again after every wake: the cache moved)
     graph_capture_seconds: float = 0.0
 
@@ -92,12 +93,13 @@ class Engine:
         self._names = hf_name_index(self.model)
         self.policy_version = 0
         self.eos_ids = frozenset(_eos_ids(model_config) if config.eos_token_ids is None else config.eos_token_ids)
-        self.scheduler = Scheduler(self.runner.cache.num_slots, config.max_num_seqs, config.max_num_batched_tokens,
-                                   config.max_fed_tokens)
+        decode_slots = self.runner.num_decode_slots
+        self.scheduler = Scheduler(decode_slots, config.max_num_seqs, config.max_num_batched_tokens,
+                                   config.max_fed_tokens, range(decode_slots, self.runner.cache.num_slots))
         self.stats = EngineStats()
         self._paused: dict[str, Request] = {}
         self._counter = itertools.count()
-        self._copies = HostCopies(self.runner.cache.num_slots, 3, self.device)
+        self._copies = HostCopies(decode_slots, 3, self.device)
         self._ahead: _Launched | None = None  # the decode step the next `step()` records, already on the device
 
     @classmethod
@@ -161,8 +163,10 @@ class Engine:
         Multi-turn: with `keep_cache` a finished request keeps its KV-cache slot (parked) until a request that
         `continues` it arrives or `release_cache` frees it. A continuation's prompt is the parked sequence plus the
         turn's new tokens; it takes the parked slot and prefills only what is not cached (the parked sequence's
-        last token, whose keys the cache may lack, and the new tokens). When the slot went meanwhile (lent to a new
-        sequence, dropped by a weight update) the continuation is prefilled whole, with the same result."""
+        last token, whose keys the cache may lack, and the new tokens). A slot lent to a new sequence meanwhile
+        leaves the prefix in a spare row (`EngineConfig.spare_cache_rows`), copied back when the continuation runs;
+        when the prefix went (no spare row, a weight update) the continuation is prefilled whole, with the same
+        result."""
         if not 0 < len(prompt_ids) < self.config.max_model_len:
             raise EngineError(f"prompt of {len(prompt_ids)} tokens: needs 1 to max_model_len-1="
                               f"{self.config.max_model_len - 1} tokens")
@@ -184,11 +188,12 @@ class Engine:
         return ids
 
     def _take_cache(self, parked_id: str, request: Request) -> None:
-        """Hand `request` the slot of parked `parked_id` with the prefix they share (if still parked)."""
+        """Hand `request` the slot (or spare row) of parked `parked_id` with the prefix they share (if still
+        parked)."""
         parked = self.scheduler.take_parked(parked_id)
         if parked is None:
             return
-        request.slot = parked.slot
+        request.slot, request.spare = parked.slot, parked.spare
         request.cached = min(common_prefix(parked.all_ids(), request.prompt_ids), parked.num_tokens - 1,
                              len(request.prompt_ids) - 1)
         if request.cached == 0:
@@ -236,6 +241,7 @@ class Engine:
             batch = self.scheduler.schedule()
             if batch is None:
                 return []
+            self._move_rows(batch.moves)
             if batch.kind == "prefill":
                 return self._prefill(batch.requests, start)
             current = self._launch(batch)
@@ -254,6 +260,20 @@ class Engine:
         self.stats.decode_tokens += len(live)
         self.stats.decode_seconds += time.perf_counter() - start
         return finished
+
+    def _move_rows(self, moves: list[RowMove]) -> None:
+        """Run a step's prefix copies in their order, as few batched copies as keep it: a move that reads or
+        writes a row an earlier move of the group writes starts a new group."""
+        group: list[RowMove] = []
+        for move in [*moves, None]:
+            written = {m.destination for m in group}
+            if group and (move is None or move.source in written or move.destination in written):
+                self.runner.cache.copy_rows([m.source for m in group], [m.destination for m in group],
+                                            max(m.length for m in group))
+                group = []
+            if move is not None:
+                group.append(move)
+        self.stats.prefix_moves += len(moves)
 
     def _prefill(self, requests: list[Request], start: float) -> list[RequestOutput]:
         logits, num_tokens = self.runner.prefill_logits(requests)

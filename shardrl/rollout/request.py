@@ -99,6 +99,7 @@ class Request:
     # Leading positions whose keys and values are already in `slot` (a continuation of a parked sequence, see
     # `Engine.submit`): its prefill runs only the tokens after them. 0 for a sequence prefilled whole.
     cached: int = 0
+    spare: int | None = None  # the spare cache row holding those positions while it has no slot (`Scheduler`)
     keep_cache: bool = False  # finished, it keeps its slot (parked) for a continuation
     # A continuation fed through decode steps instead of a prefill (`Scheduler`): the position of the prompt token
     # its next decode row feeds; None once the prompt is in (or for a request that was prefilled).

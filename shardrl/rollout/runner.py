@@ -66,6 +66,10 @@ class EngineConfig:
     # A multi-turn continuation of at most this many new tokens that arrives while others decode joins the decode
     # batch and feeds them one per step instead of stalling the batch for a prefill (see `scheduler.py`); 0: never.
     max_fed_tokens: int = 32
+    # Multi-turn: cache rows the budget holds beyond `max_num_seqs` keep the prefixes of trajectories waiting on a
+    # tool whose decode slot was lent to another sequence, so their next turn prefills its new tokens only (see
+    # `scheduler.py`). Off, the cache holds at most `max_num_seqs` rows and a lent slot's prefix is dropped.
+    spare_cache_rows: bool = False
     # Record every token's MoE experts (`RequestOutput.routed_experts`) for routing replay (R3): verl's
     # `enable_rollout_routing_replay`.
     record_routing: bool = False
@@ -109,8 +113,9 @@ class ModelRunner:
         self._pack_projections()
         self._reads_host = self.model.reads_host()  # fixed by the layout and dtype, asked once
         self.cache = self._build_cache()
+        # Decode slots: cache rows 0..num_decode_slots-1; rows after them are spare (`EngineConfig.spare_cache_rows`).
+        self.num_decode_slots = num_slots = min(self.cache.num_slots, config.max_num_seqs)
         self.generator = torch.Generator(self.device).manual_seed(config.seed)  # unseeded rows' shared stream
-        num_slots = self.cache.num_slots
         # Next decode step's inputs per slot: token [0], position [1], 1 if a request runs there else 0 [2].
         self.inputs = torch.zeros(3, num_slots, dtype=torch.long, device=self.device)
         self.ids, self.positions, self.live = self.inputs
@@ -203,7 +208,7 @@ class ModelRunner:
         token's position (a fed continuation: its next prompt token, `Request.next_input`); a slot without one
         (None) rides along at `idle_positions` (default 0) and stays there.
         `sampling` are the rows' settings."""
-        padding = [0] * (self.cache.num_slots - len(rows))
+        padding = [0] * (self.num_decode_slots - len(rows))
         inputs = [r.next_input() if r else (0, idle_positions.get(slot, 0)) for slot, r in enumerate(rows)]
         host = torch.tensor([[token for token, _ in inputs] + padding, [pos for _, pos in inputs] + padding,
                              [int(r is not None) for r in rows] + padding])  # [3, S]
@@ -227,7 +232,7 @@ class ModelRunner:
             self._sample_step(self._decode_logits(num_rows, length), sampling)
             return self.out[:num_rows]
         if self.graphs is None:
-            self.graphs = DecodeGraphs(min(self.cache.num_slots, self.config.max_graph_rows), [self.inputs],
+            self.graphs = DecodeGraphs(min(self.num_decode_slots, self.config.max_graph_rows), [self.inputs],
                                        self.generator)
         rows = self.graphs.rows_for(num_rows)
         fixed = self.sampling.view(sampling, rows)
@@ -341,7 +346,7 @@ class ModelRunner:
         """The rows a decode step of `num_rows` slots computes: its graph's bucket, or itself when eager."""
         if not self._use_graphs(num_rows):
             return num_rows
-        return next(b for b in row_buckets(min(self.cache.num_slots, self.config.max_graph_rows)) if b >= num_rows)
+        return next(b for b in row_buckets(min(self.num_decode_slots, self.config.max_graph_rows)) if b >= num_rows)
 
     def _use_graphs(self, num_rows: int) -> bool:
         """CUDA graphs need a step without host reads: an MoE model whose dispatch learns its sizes from the device
@@ -364,7 +369,8 @@ class ModelRunner:
             budget = config.cpu_kv_cache_tokens * per_slot // config.max_model_len
             source = "cpu_kv_cache_tokens"
         slots = num_slots_for_budget(budget, per_slot, config.max_num_seqs, source)
-        return KVCache(model.num_layers, slots, config.max_model_len, kv_heads, model.head_dim, config.dtype,
+        spare = max(0, budget // per_slot - slots) if config.spare_cache_rows else 0
+        return KVCache(model.num_layers, slots + spare, config.max_model_len, kv_heads, model.head_dim, config.dtype,
                        self.device, routing)
 
     @torch.inference_mode()
