@@ -2,7 +2,7 @@
 ones (`FastPaths.bitwise`, `EngineConfig.bitwise`), each measured in this process after a warm-up.
 
 Shapes (random bf16 weights): a Qwen2-0.5B-like dense model, a small Qwen3-MoE-like one (32 experts, top 4, hidden
-512: host-bound, its step is launch time) and, for the trainer step only, `moe-mid`: a Mixtral-architecture block of
+512: host-bound, its step is launch time) and `moe-mid`: a Mixtral-architecture block of
 Qwen3-30B-A3B's widths (hidden 2048, 64 experts of 768, top 8; 8 layers, 2.4B parameters). Rollout:
 `--prompts` prompts of 64..`--prompt` tokens, `--response` new tokens each (CUDA-graph decode). Trainer step: one
 micro batch of `--train-tokens` packed tokens (sequences of 512), forward + log-probs + backward into the trainer's
@@ -65,10 +65,27 @@ def profiled(fn, label: str, enabled: bool):
     return result
 
 
-def rollout_tokens_per_second(path: Path, bitwise: bool, args: argparse.Namespace) -> float:
-    engine = Engine.from_pretrained(path, Layout.single("cuda"), EngineConfig(
-        max_num_seqs=args.prompts, max_num_batched_tokens=16384, max_model_len=args.prompt + args.response,
-        dtype=torch.bfloat16, gpu_memory_utilization=0.6, bitwise=bitwise))
+def randomize(model: torch.nn.Module) -> None:
+    """Random weights for a shape too large to write as a checkpoint first: N(0, 0.02), norms 1."""
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() > 1:
+                param.normal_(0, 0.02)
+            else:
+                param.fill_(1.0)
+
+
+def rollout_tokens_per_second(source: Path | dict, bitwise: bool, args: argparse.Namespace) -> float:
+    """`source`: a checkpoint directory, or an HF config dict whose model gets random weights here."""
+    config = EngineConfig(max_num_seqs=args.prompts, max_num_batched_tokens=16384,
+                          max_model_len=args.prompt + args.response, dtype=torch.bfloat16,
+                          gpu_memory_utilization=0.6, bitwise=bitwise)
+    if isinstance(source, Path):
+        engine = Engine.from_pretrained(source, Layout.single("cuda"), config)
+    else:
+        engine = Engine(ModelConfig.from_dict(source), Layout.single("cuda"), config)
+        randomize(engine.model)
     g = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
     prompts = [torch.randint(1, vocab, (int(n),), generator=g).tolist()
@@ -86,20 +103,13 @@ def rollout_tokens_per_second(path: Path, bitwise: bool, args: argparse.Namespac
 
 
 def train_step_seconds(source: Path | dict, bitwise: bool, tokens: int) -> float:
-    """`source`: a checkpoint directory, or an HF config dict whose model gets random weights here (N(0, 0.02),
-    norms 1: too large to write as a checkpoint first)."""
+    """`source`: a checkpoint directory, or an HF config dict whose model gets random weights here."""
     config = ModelConfig.from_pretrained(source) if isinstance(source, Path) else ModelConfig.from_dict(source)
     model = Transformer(config, Layout.single("cuda"), dtype=torch.bfloat16, fast=FastPaths(bitwise=bitwise))
     if isinstance(source, Path):
         load_hf_weights(model, source)
     else:
-        torch.manual_seed(0)
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() > 1:
-                    param.normal_(0, 0.02)
-                else:
-                    param.fill_(1.0)
+        randomize(model)
     grads = GradBuffers(model.parameters(), Layout.single("cuda"))  # as the trainer: fp32 main_grad accumulation
     ids = torch.randint(1, config.vocab_size, (tokens,), device="cuda")
     positions = torch.arange(tokens, device="cuda") % 512
@@ -132,7 +142,7 @@ def main() -> None:
             tps, step = {False: [], True: []}, {False: [], True: []}
             for _ in range(args.rounds):
                 for mode in (False, True):
-                    if "rollout" in args.parts and family is not None:
+                    if "rollout" in args.parts:
                         tps[mode].append(profiled(lambda: rollout_tokens_per_second(path, mode, args),
                                                   f"{name} rollout bitwise={mode}", args.profile))
                     if "train" in args.parts:
