@@ -13,7 +13,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from shardrl.data.rl_dataset import PromptLoader, RLDataset
+from shardrl.data.rl_dataset import DatasetError, PromptLoader, RLDataset
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED_DATA = REPO.parent / "shared" / "data"
@@ -133,7 +133,7 @@ def test_bad_truncation_value(tokenizer, gsm8k_parquet):
 
 
 def test_file_errors(tokenizer, gsm8k_parquet, tmp_path):
-    with pytest.raises(FileNotFoundError, match="RL data file not found: .*nope.parquet"):
+    with pytest.raises(DatasetError, match="nope.parquet: RL data file not found"):
         RLDataset(tmp_path / "nope.parquet", tokenizer)
     rows = pq.read_table(gsm8k_parquet).to_pylist()
     no_reward = tmp_path / "no_reward.parquet"
@@ -142,16 +142,34 @@ def test_file_errors(tokenizer, gsm8k_parquet, tmp_path):
         RLDataset(no_reward, tokenizer)
     empty = tmp_path / "empty.parquet"
     pq.write_table(pq.read_table(gsm8k_parquet).slice(0, 0), empty)
-    with pytest.raises(ValueError, match="empty.parquet has no rows"):
+    with pytest.raises(ValueError, match="empty.parquet: the RL data file has no rows"):
         RLDataset(empty, tokenizer)
     empty_jsonl = tmp_path / "empty.jsonl"
     empty_jsonl.write_text("\n")
-    with pytest.raises(ValueError, match="empty.jsonl has no rows"):
+    with pytest.raises(ValueError, match="empty.jsonl: the RL data file has no rows"):
         RLDataset(empty_jsonl, tokenizer)
     bad_jsonl = tmp_path / "bad.jsonl"
     bad_jsonl.write_text(json.dumps(rows[0]) + "\n" + json.dumps({"data_source": "x", "reward_model": {}}) + "\n")
     with pytest.raises(ValueError, match="bad.jsonl: row 1 is missing column 'prompt'"):
         RLDataset(bad_jsonl, tokenizer)
+    cases = {  # a file's bytes or rows -> the one-line error naming it
+        "zero.parquet": (b"", r"zero.parquet: not a readable parquet file \(.*\); write it again"),
+        "junk.parquet": (b"PAR1 not really", r"junk.parquet: not a readable parquet file"),
+        "junk.jsonl": (b'{"a": 1}\n{oops\n', r"junk.jsonl line 2: not JSON"),
+        "list.jsonl": (b"[1, 2]\n", r"list.jsonl line 1: a JSON list, not an object"),
+        "prompt.parquet": ([{**rows[0], "prompt": "just text"}], r"prompt.parquet row 0: 'prompt' must be a list"),
+        "role.parquet": ([{**rows[0], "prompt": [{"content": "hi"}]}],
+                         r"role.parquet row 0: 'prompt' must be a non-empty list of messages with a 'role'"),
+    }
+    for name, (content, message) in cases.items():
+        path = tmp_path / name
+        if isinstance(content, bytes):
+            path.write_bytes(content)
+        else:
+            pq.write_table(pa.Table.from_pylist(content), path)
+        with pytest.raises(DatasetError, match=message) as raised:
+            RLDataset(path, tokenizer)
+        assert "\n" not in str(raised.value)
 
 
 def test_jsonl_and_parquet_give_the_same_prompts(tokenizer, gsm8k_parquet, tmp_path):

@@ -83,6 +83,6 @@ def test_fully_async_a_hanging_reward_function_on_the_scoring_thread_ends_the_ru
     """The rollouter scores each finished group on a thread of its own: its failure still reaches the trainer as
     the same one line."""
     done, reward = run(tmp_path, "reward_model.use_reward_loop=true", "--config-name=fully_async_ppo_trainer")
-    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-2000:]
     last = done.stderr.strip().splitlines()[-1]
     assert f"reward function {reward}:compute_score failed on sample" in last and "timed out after 3 s" in last, last

@@ -77,7 +77,7 @@ def test_bad_method_is_refused():
 def test_registry_dispatches_by_data_source():
     assert get_scorer("openai/gsm8k") is compute_score
     assert default_compute_score("openai/gsm8k", "#### 1,000", "1000", {"split": "test"}) == 1.0
-    with pytest.raises(KeyError, match="data_source 'my/data'.*custom_reward_function"):
+    with pytest.raises(LookupError, match="data_source 'my/data'.*custom_reward_function"):
         default_compute_score("my/data", "#### 1", "1")
 
 

@@ -37,6 +37,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from shardrl.errors import UserError
 from shardrl.agents.interactions import BaseInteraction
 from shardrl.agents.tools import BaseTool, OpenAIFunctionToolSchema, ToolSchemaError
 
@@ -49,7 +50,7 @@ _VERL_IMPORTS = ("change its imports: verl.tools.base_tool / verl.tools.schemas 
                  "verl.interactions.base -> shardrl.agents.interactions")
 
 
-class ToolConfigError(ValueError):
+class ToolConfigError(UserError, ValueError):
     """A tool or interaction config file that cannot be loaded; one line naming the file and the entry."""
 
 

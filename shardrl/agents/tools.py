@@ -18,8 +18,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 from uuid import uuid4
 
+from shardrl.errors import UserError
 
-class ToolSchemaError(ValueError):
+
+class ToolSchemaError(UserError, ValueError):
     """A tool schema that is not an OpenAI function schema; the message names the field."""
 
 

@@ -24,6 +24,7 @@ from ray.exceptions import RayActorError, RayError, RayTaskError
 from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, Dispatch, route
 from shardrl.controller.host import Driver, RankHost, rank_env
 from shardrl.controller.pool import ResourcePool
+from shardrl.errors import UserError
 from shardrl.parallel.layout_spec import LayoutSpec
 
 DEFAULT_COLLECTIVE_TIMEOUT = datetime.timedelta(minutes=10)
@@ -36,11 +37,13 @@ RemoteRankHost = ray.remote(RankHost)
 
 
 class WorkerError(RuntimeError):
-    """A rank failed during a call; `role`, `rank` and `method` say where, the message says why."""
+    """A rank failed during a call; `role`, `rank` and `method` say where, the message says why (one line).
+    `user_error`: the rank raised a `UserError` (a bad model file, a reward function's failure...), which the entry
+    point reports like one raised before the workers started."""
 
-    def __init__(self, message: str, role: str, rank: int | None, method: str) -> None:
+    def __init__(self, message: str, role: str, rank: int | None, method: str, user_error: bool = False) -> None:
         super().__init__(message)
-        self.role, self.rank, self.method = role, rank, method
+        self.role, self.rank, self.method, self.user_error = role, rank, method, user_error
 
 
 @dataclass
@@ -64,6 +67,10 @@ class Role:
 
 def _first_line(text: str) -> str:
     return next((line.strip() for line in text.splitlines() if line.strip()), "")
+
+
+def _is_user_error(exc: BaseException | None) -> bool:
+    return isinstance(exc, RayTaskError) and isinstance(exc.cause, UserError)
 
 
 def _describe(exc: RayError) -> str:
@@ -130,7 +137,7 @@ class PendingCall:
         for rank in order:
             ranks_by_text.setdefault(_describe(failures[rank]), []).append(rank)
         text = "; ".join(
-            f"rank {ranks[0]} {desc}" if len(ranks) == 1 else f"ranks {ranks} {desc}"
+            f"rank {ranks[0]}{self.group.where(ranks[0])} {desc}" if len(ranks) == 1 else f"ranks {ranks} {desc}"
             for desc, ranks in ranks_by_text.items()
         )
         self._fail(text, order[0], failures[order[0]])
@@ -140,7 +147,7 @@ class PendingCall:
             text += f" (the group had been stopped: {self.group.failure})"
         error = WorkerError(
             f"worker group {self.group.name!r}, role {self.role!r}, {self.method!r}: {text}",
-            self.role, rank, self.method,
+            self.role, rank, self.method, _is_user_error(cause),
         )
         self.group.kill(error)
         raise error from cause
@@ -233,6 +240,7 @@ class WorkerGroup:
         self.layouts = {r.name: r.layout or LayoutSpec(len(self.ranks[r.name])) for r in roles}
         self._check_roles(roles)
         self.failure: WorkerError | None = None
+        self.nodes: dict[int, str] = {}  # rank -> its node's address, once it joined (named in failure reports)
         for pool in self.pools:
             pool.in_use = True
         places = [(pool, local) for pool in self.pools for local in range(pool.world_size)]
@@ -243,7 +251,8 @@ class WorkerGroup:
         envs = [rank_env(r, self.world_size, pool.node_local_rank(local), addr, port, pool.device, collective_timeout)
                 for r, (pool, local) in enumerate(places)]
         everyone = list(range(self.world_size))
-        self._on_ranks("(process group)", "join", everyone, [(env,) for env in envs]).get()
+        self.nodes = self._on_ranks("(process group)", "join", everyone, [(env,) for env in envs],
+                                    collect=dict).get()
         # All roles at once: a rank builds its roles in list order, but a role may form groups with another role's
         # ranks while being built (a rollout pool joins the trainer's weight-sync group), so none may wait for all.
         _get_together([self._on_ranks(r.name, "add_role", self.ranks[r.name],
@@ -269,10 +278,16 @@ class WorkerGroup:
                 raise ValueError(f"pool {pool.name!r} already hosts a worker group; put colocated roles in one "
                                  "group or give each group its own pool")
 
-    def _on_ranks(self, role: str, host_method: str, ranks: list[int], per_rank_args: list[tuple]) -> PendingCall:
+    def _on_ranks(self, role: str, host_method: str, ranks: list[int], per_rank_args: list[tuple],
+                  collect: Callable[[dict[int, Any]], Any] = lambda by_rank: None) -> PendingCall:
         """A set-up step on `ranks`: `join` the process group, `add_role` to build a role."""
         refs = {r: getattr(self.hosts[r], host_method).remote(*args) for r, args in zip(ranks, per_rank_args)}
-        return PendingCall(self, role, host_method, refs, lambda by_rank: None)
+        return PendingCall(self, role, host_method, refs, collect)
+
+    def where(self, rank: int) -> str:
+        """' on <node address>' of a rank that joined (for failure reports), else ''."""
+        node = self.nodes.get(rank)
+        return f" on {node}" if node else ""
 
     def role(self, name: str) -> RoleHandle:
         self._check_role(name)

@@ -128,10 +128,12 @@ class RankHost:
         """This node's address and a free port on it (asked of rank 0 for the group's MASTER_ADDR/PORT)."""
         return ray.util.get_node_ip_address(), free_port("")
 
-    def join(self, env: dict[str, str]) -> None:
+    def join(self, env: dict[str, str]) -> str:
+        """Join the group's default process group; returns this node's address (named in failure reports)."""
         os.environ.update(env)
         init_distributed_from_env()
         self.registry = GroupRegistry()
+        return ray.util.get_node_ip_address()
 
     def add_role(self, name: str, cls: type, kwargs: dict[str, Any]) -> None:
         """Build `cls(**kwargs, registry=...)`: every role class takes the process's `GroupRegistry`."""

@@ -21,6 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardrl.data.batch import Batch
 from shardrl.data.chat import left_pad, pad_id, prompt_token_ids
+from shardrl.errors import UserError
 
 logger = logging.getLogger(__name__)
 
@@ -28,29 +29,51 @@ Truncation = Literal["error", "left", "right"]
 TRUNCATION_MODES = ("error", "left", "right")
 
 
+class DatasetError(UserError, ValueError):
+    """A data file that cannot be used as it is; the message names the file (and row) and what to change."""
+
+
 def read_rows(path: str | Path, required: Sequence[str]) -> list[dict[str, Any]]:
     """Rows of a parquet or jsonl file as dicts, checking the file exists, has rows and has `required` columns."""
     path = Path(path).expanduser()
     if not path.is_file():
-        raise FileNotFoundError(f"RL data file not found: {path} (data.train_files / data.val_files)")
+        raise DatasetError(f"{path}: RL data file not found (data.train_files / data.val_files)")
     if path.suffix == ".parquet":
-        table = pq.read_table(path)
+        try:
+            table = pq.read_table(path)
+        except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
+            raise DatasetError(f"{path}: not a readable parquet file ({_first_line(err)}); write it again, e.g. "
+                               f"with pandas' DataFrame.to_parquet") from None
         missing = [c for c in required if c not in table.column_names]
         if missing:
-            raise ValueError(f"{path}: missing column {missing[0]!r}; it has columns {table.column_names}")
+            raise DatasetError(f"{path}: missing column {missing[0]!r}; it has columns {table.column_names}")
         rows = table.to_pylist()
     elif path.suffix == ".jsonl":
+        rows = []
         with path.open() as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+            for number, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    row = json.loads(line)
+                except json.JSONDecodeError as err:
+                    raise DatasetError(f"{path} line {number}: not JSON ({err.msg}); one JSON object per line") from None
+                if not isinstance(row, dict):
+                    raise DatasetError(f"{path} line {number}: a JSON {type(row).__name__}, not an object")
+                rows.append(row)
         for number, row in enumerate(rows):
             missing = [c for c in required if c not in row]
             if missing:
-                raise ValueError(f"{path}: row {number} is missing column {missing[0]!r}; it has {sorted(row)}")
+                raise DatasetError(f"{path}: row {number} is missing column {missing[0]!r}; it has {sorted(row)}")
     else:
-        raise ValueError(f"RL data file {path}: unsupported suffix {path.suffix!r}; use .parquet or .jsonl")
+        raise DatasetError(f"{path}: unsupported suffix {path.suffix!r} for RL data; use .parquet or .jsonl")
     if not rows:
-        raise ValueError(f"RL data file {path} has no rows")
+        raise DatasetError(f"{path}: the RL data file has no rows")
     return rows
+
+
+def _first_line(err: BaseException) -> str:
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
 
 
 class RLDataset:
@@ -77,9 +100,9 @@ class RLDataset:
         tools: list[dict[str, Any]] | None = None,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
-            raise ValueError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
+            raise DatasetError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
         if max_prompt_length <= 0:
-            raise ValueError(f"data.max_prompt_length must be positive, got {max_prompt_length}")
+            raise DatasetError(f"data.max_prompt_length must be positive, got {max_prompt_length}")
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
@@ -92,7 +115,8 @@ class RLDataset:
         self.rows: list[dict[str, Any]] = []
         self.prompt_ids: list[list[int]] = []  # after truncation, unpadded
         self.num_filtered = 0
-        for path in [files] if isinstance(files, (str, Path)) else files:
+        self.files = [str(path) for path in ([files] if isinstance(files, (str, Path)) else files)]  # for errors
+        for path in self.files:
             self._add_file(Path(path), tokenizer)
         if self.num_filtered:
             logger.info("filtered %d prompts longer than data.max_prompt_length=%d; %d remain",
@@ -100,18 +124,27 @@ class RLDataset:
         if max_samples >= 0:  # data.train/val_max_samples: the first rows that passed the length filter
             del self.rows[max_samples:], self.prompt_ids[max_samples:]
         if not self.rows:
-            raise ValueError(
-                f"no prompts left after filtering prompts longer than data.max_prompt_length={max_prompt_length}"
+            raise DatasetError(
+                f"data.filter_overlong_prompts: no prompts left after filtering prompts longer than data.max_prompt_length={max_prompt_length}"
             )
 
     def _add_file(self, path: Path, tokenizer: PreTrainedTokenizerBase) -> None:
         # Besides the prompt, every row needs the column that picks its scorer and the answer in reward_model.
         rows = read_rows(path, [self.prompt_key, self.data_source_key, "reward_model"])
         for number, row in enumerate(rows):
-            if not isinstance(row[self.prompt_key], list):
-                raise ValueError(f"{path} row {number}: {self.prompt_key!r} must be a list of chat messages, got "
-                                 f"{type(row[self.prompt_key]).__name__} (data.prompt_key={self.prompt_key})")
-        ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows], self.chat_template_kwargs)
+            messages = row[self.prompt_key]
+            if not isinstance(messages, list):
+                raise DatasetError(f"{path} row {number}: {self.prompt_key!r} must be a list of chat messages, got "
+                                   f"{type(messages).__name__} (data.prompt_key={self.prompt_key})")
+            bad = next((m for m in messages if not isinstance(m, dict) or not isinstance(m.get("role"), str)), None)
+            if bad is not None or not messages:
+                raise DatasetError(f"{path} row {number}: {self.prompt_key!r} must be a non-empty list of messages "
+                                   f"with a 'role' and 'content' each, got {str(bad if messages else messages)[:80]}")
+        try:
+            ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows], self.chat_template_kwargs)
+        except Exception as err:  # the tokenizer's chat template (user-supplied jinja) failed on some row
+            raise DatasetError(f"{path}: the tokenizer's chat template failed on its prompts ({type(err).__name__}: "
+                               f"{_first_line(err)}); check the messages and the template (data.tokenizer)") from None
         for number, (row, row_ids) in enumerate(zip(rows, ids)):
             if len(row_ids) > self.max_prompt_length:
                 if self.filter_overlong_prompts:
@@ -127,7 +160,7 @@ class RLDataset:
             return ids[-limit:]
         if self.truncation == "right":
             return ids[:limit]
-        raise ValueError(
+        raise DatasetError(
             f"{where}: prompt has {len(ids)} tokens > data.max_prompt_length={limit}; set data.truncation to left or "
             f"right, or data.filter_overlong_prompts=true"
         )

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from shardrl.errors import UserError
 
-class ConfigError(ValueError):
+
+class ConfigError(UserError, ValueError):
     """An invalid config; `str(err)` is one line: ``<dotted.key>: <reason>``."""
 
     def __init__(self, key: str, reason: str) -> None:

@@ -1,5 +1,6 @@
-"""Checks that only matter when training would start (not in a dry run): files exist, optional packages the config
-asks for are installed, the requested device is there. Each failure is one `ConfigError` line naming the key."""
+"""Checks that only matter when training would start (not in a dry run): files exist, every model directory holds a
+model shardrl can build and weights that load (headers read, no tensor), optional packages the config asks for are
+installed, the requested device is there. Each failure is one `ConfigError` line naming the key."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ from pathlib import Path
 
 import torch
 
-from shardrl.job.plan import JobPlan
 from shardrl.job.errors import ConfigError
+from shardrl.job.plan import JobPlan
+from shardrl.models.config import ModelConfig, ModelConfigError
+from shardrl.models.hf_bridge import CheckpointError, checkpoint_tensor_shapes
 
 ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}  # rollout.name -> package it needs
 LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -29,6 +32,8 @@ def check_launch(plan: JobPlan) -> None:
         for path in files or []:
             if not Path(path).expanduser().is_file():
                 raise ConfigError(key, f"{path} does not exist")
+    for key, path in model_paths(plan):
+        check_model_dir(key, path)
     reward_path = plan.reward.custom_path
     if reward_path is not None and not Path(reward_path).expanduser().is_file():
         raise ConfigError("custom_reward_function.path", f"{reward_path} does not exist")
@@ -45,3 +50,38 @@ def check_launch(plan: JobPlan) -> None:
         if logger in LOGGER_PACKAGES and not _installed(LOGGER_PACKAGES[logger]):
             raise ConfigError("trainer.logger", f"{logger} is not installed (pip install {LOGGER_PACKAGES[logger]}); "
                                                 f"remove '{logger}' from trainer.logger")
+
+
+def model_paths(plan: JobPlan) -> list[tuple[str, str]]:
+    """(config key, directory) of every model the run loads weights from (the built-in task's model is made at
+    launch and left out)."""
+    found = [("actor_rollout_ref.model.path", plan.model_path)]
+    if plan.critic is not None:
+        found.append(("critic.model.path", plan.critic_model_path))
+    if plan.teacher is not None:
+        found.append(("distillation.teacher_model.model_path", plan.teacher.model_path))
+    if plan.reward_model is not None:
+        found.append(("reward_model.model.path", plan.reward_model_path))
+    if plan.judge is not None:
+        found.append(("reward_model.judge.model_path", plan.judge.model_path))
+    return [(key, path) for key, path in found if path is not None]
+
+
+def check_model_dir(key: str, path: str) -> None:
+    """A local directory with a config.json shardrl can build a model from and safetensors weights whose headers
+    parse, whose files are whole, and whose embedding fits config.json's vocabulary and width."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(key, f"{path} is not a local model directory; download the model first (e.g. "
+                               f"`huggingface-cli download <repo> --local-dir <dir>`) and pass that directory")
+    try:
+        config = ModelConfig.from_pretrained(directory)
+        shapes = checkpoint_tensor_shapes(directory)
+    except (ModelConfigError, CheckpointError) as err:
+        message = str(err)
+        raise ConfigError(key, message if message.startswith(str(directory)) else f"{directory}: {message}") from None
+    embedding = shapes.get("model.embed_tokens.weight")
+    if embedding is not None and embedding != (config.vocab_size, config.hidden_size):
+        raise ConfigError(key, f"{directory}: model.embed_tokens.weight has shape {embedding}, config.json says "
+                               f"vocab_size x hidden_size = ({config.vocab_size}, {config.hidden_size}); the "
+                               f"weights and config.json are not of one model")

@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from shardrl.errors import UserError
+
 Family = Literal["llama", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"]
 FAMILY_PREFIX: dict[Family, str] = {
     "llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3", "mixtral": "Mixtral", "qwen2_moe": "Qwen2Moe",
@@ -28,7 +30,7 @@ ARCHITECTURES: dict[str, Family] = {p + s: fam for fam, p in FAMILY_PREFIX.items
 RopeKind = Literal["default", "linear", "llama3"]
 
 
-class ModelConfigError(ValueError):
+class ModelConfigError(UserError, ValueError):
     """config.json describes a model shardrl cannot build; the message names the key and value."""
 
 
@@ -84,7 +86,18 @@ class ModelConfig:
         file = path / "config.json" if path.is_dir() else path
         if not file.exists():
             raise ModelConfigError(f"{file}: no config.json found")
-        return cls.from_dict(apply_overrides(json.loads(file.read_text()), overrides))
+        try:
+            raw = json.loads(file.read_text())
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise ModelConfigError(f"{file}: not valid JSON ({err})") from None
+        try:
+            return cls.from_dict(apply_overrides(raw, overrides))
+        except OverrideError:
+            raise
+        except ModelConfigError as err:
+            raise ModelConfigError(f"{file}: {str(err).removeprefix('config.json ')}") from None
+        except (KeyError, TypeError) as err:  # a field the family needs is absent or of the wrong type
+            raise ModelConfigError(f"{file}: missing or malformed field ({type(err).__name__}: {err})") from None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> ModelConfig:

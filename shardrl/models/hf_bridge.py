@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import Tensor, nn
 
+from shardrl.errors import UserError
 from shardrl.models.config import FAMILY_PREFIX
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
@@ -32,8 +33,55 @@ SINGLE_FILE = "model.safetensors"
 Model = nn.Module | Sequence[nn.Module]  # one stage, or the virtual-pipeline chunks this rank holds
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError, ValueError):
     """A checkpoint does not fit the model; the message names the file and tensor."""
+
+
+def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in the HF checkpoint directory `path`, from the safetensors headers alone (no tensor
+    is read), checking what loading would trip over later on some rank: no weights file, a shard the index lists
+    but that is missing, a header that does not parse, a file shorter than its header says. Raises
+    CheckpointError naming the file."""
+    path = Path(path)
+    index = path / INDEX_FILE
+    if index.exists():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as err:
+            raise CheckpointError(f"{index}: not a safetensors index with a 'weight_map' ({err})") from None
+        files = sorted({path / name for name in weight_map.values()})
+    elif (path / SINGLE_FILE).exists():
+        files = [path / SINGLE_FILE]
+    else:
+        raise CheckpointError(f"{path}: neither {SINGLE_FILE} nor {INDEX_FILE} found; the model directory needs "
+                              f"its weights in safetensors format")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{file}: shard file listed in {INDEX_FILE} is missing")
+        shapes |= _safetensors_header_shapes(file)
+    return shapes
+
+
+def _safetensors_header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
+    """Shapes from one safetensors file's header: 8 bytes of header length (little-endian), the JSON header, then
+    the data, whose extent the header's `data_offsets` give."""
+    size = file.stat().st_size
+    with file.open("rb") as f:
+        head = f.read(8)
+        length = int.from_bytes(head, "little") if len(head) == 8 else -1
+        header = f.read(length) if 0 < length <= size - 8 else b""
+    try:
+        entries = {k: v for k, v in json.loads(header).items() if k != "__metadata__"}
+        end = max((v["data_offsets"][1] for v in entries.values()), default=0)
+        shapes = {name: tuple(v["shape"]) for name, v in entries.items()}
+    except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, IndexError):
+        raise CheckpointError(f"{file}: not a safetensors file (its header does not parse); write or download it "
+                              f"again") from None
+    if 8 + length + end > size:
+        raise CheckpointError(f"{file}: truncated ({size} bytes, its header describes {8 + length + end}); "
+                              f"download or copy it again")
+    return shapes
 
 
 class HFCheckpointReader:

@@ -14,7 +14,8 @@ import os
 from collections.abc import Sequence
 from types import TracebackType
 
-from shardrl.rewards.outcomes import BatchScores, OnError, RewardFunctionError, Sample, check_on_error, collect_scores
+from shardrl.rewards.outcomes import (SAMPLE_FIELDS, BatchScores, OnError, RewardFunctionError, Sample, check_on_error,
+                                      collect_scores)
 from shardrl.usercode.pool import CallResult, FunctionPool, check_positive
 from shardrl.usercode.wire import LoadError
 
@@ -37,7 +38,7 @@ class GuardedScoreFn:
         file = os.path.abspath(os.path.expanduser(path))  # absolute: a file, never a module off sys.path
         self._pool = FunctionPool(f"{file}:{name}", num_processes=num_workers, timeout=timeout,
                                   max_concurrent_per_process=max_concurrent_per_worker,
-                                  memory_limit_mb=memory_limit_mb, label="reward")
+                                  memory_limit_mb=memory_limit_mb, label="reward", arity=SAMPLE_FIELDS)
         self.name = f"reward function {self._pool.target}"  # how errors start
         try:
             self._pool.start()

@@ -9,13 +9,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
+from shardrl.errors import UserError
 from shardrl.usercode.wire import is_finite_number, one_line
 
 OnError = Literal["fail", "zero"]  # a failed sample fails the run / scores 0.0 and is counted
 Sample = tuple[str, str, Any, dict[str, Any] | None]  # verl's (data_source, solution_str, ground_truth, extra_info)
+SAMPLE_FIELDS = 4  # how many positional arguments a reward function is called with
 
 
-class RewardFunctionError(RuntimeError):
+class RewardFunctionError(UserError, RuntimeError):
     """A reward function failed on a sample (raised, timed out, returned no score) or cannot be loaded: one line
     naming the function (or server) and the sample."""
 

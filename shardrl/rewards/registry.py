@@ -14,6 +14,7 @@ from typing import Any
 
 from shardrl.data.builtin_task import DATA_SOURCE as BUILTIN_TASK
 from shardrl.data.builtin_task import LOOKUP_SOURCE as BUILTIN_LOOKUP_TASK
+from shardrl.errors import UserError
 from shardrl.rewards import digits, gsm8k
 
 ScoreFn = Callable[..., "float | dict[str, Any]"]
@@ -26,11 +27,24 @@ _RULE_SCORERS: dict[str, Callable[[str, Any], float]] = {
 }
 
 
+class UnknownDataSourceError(UserError, LookupError):
+    """Data whose `data_source` no built-in scorer handles (and no reward function of the user's scores)."""
+
+
+def has_scorer(data_source: str) -> bool:
+    return data_source in _RULE_SCORERS
+
+
+def builtin_sources() -> list[str]:
+    """The data sources the built-in scorers handle."""
+    return sorted(_RULE_SCORERS)
+
+
 def get_scorer(data_source: str) -> Callable[[str, Any], float]:
     """The built-in `fn(solution_str, ground_truth) -> float` for `data_source`."""
     if data_source not in _RULE_SCORERS:
-        raise KeyError(
-            f"no reward function for data_source {data_source!r}; built-in: {sorted(_RULE_SCORERS)}; "
+        raise UnknownDataSourceError(
+            f"data_source {data_source!r}: no reward function for it; built-in: {builtin_sources()}; "
             f"set custom_reward_function.path/name for other data"
         )
     return _RULE_SCORERS[data_source]

@@ -24,10 +24,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from shardrl.errors import UserError
 from shardrl.models.attention import PackedSeqs, bitwise_attention, packed_attention
 
 
-class KVCacheError(RuntimeError):
+class KVCacheError(UserError, RuntimeError):
     """The cache does not fit; the message names the setting to change."""
 
 

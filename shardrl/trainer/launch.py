@@ -18,14 +18,15 @@ from shardrl.algos import make_kl_controller
 from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
 from shardrl.data import builtin_task
 from shardrl.data.chat import pad_id
-from shardrl.data.rl_dataset import PromptLoader, RLDataset
+from shardrl.data.rl_dataset import DatasetError, PromptLoader, RLDataset
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
 from shardrl.rewards.guarded import GuardedScoreFn
 from shardrl.rewards.http_reward import HttpRewardClient
 from shardrl.rewards.outcomes import RewardFunctionError
-from shardrl.rewards.registry import default_compute_score
+from shardrl.models.config import ModelConfig
+from shardrl.rewards.registry import builtin_sources, default_compute_score, has_scorer
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
 from shardrl.trainer.plots import write_plots
@@ -95,27 +96,35 @@ def train(plan: JobPlan) -> None:
     paths = resolve_paths(plan)
     plan = with_agent_paths(plan, paths)
     data = plan.data
-    tokenizer = AutoTokenizer.from_pretrained(paths.tokenizer, trust_remote_code=data.trust_remote_code)
+    tokenizer_key = "data.tokenizer" if data.tokenizer else "actor_rollout_ref.model.path"
+    tokenizer = load_tokenizer(paths.tokenizer, tokenizer_key, data.trust_remote_code)
     tools = agent_tool_schemas(paths.tool_config)
     if plan.teacher is not None:
         check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
     plan = with_reward_model_tokenizer(plan, tokenizer)
 
-    def dataset(files: list[str], max_samples: int) -> RLDataset:
-        return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
-                         data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs,
-                         data_source_key=plan.reward.data_source_key, tools=tools)
+    def dataset(files: list[str], max_samples: int, key: str) -> RLDataset:
+        try:
+            return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
+                             data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs,
+                             data_source_key=plan.reward.data_source_key, tools=tools)
+        except DatasetError as err:
+            raise ConfigError(key, str(err)) from None
 
     # A loader batch is a generation round: train_batch_size prompts, unless dynamic sampling asks for other rounds.
-    loader = PromptLoader(dataset(paths.train_files, data.train_max_samples), data.gen_batch_size, data.shuffle,
-                          data.seed)
+    loader = PromptLoader(dataset(paths.train_files, data.train_max_samples, "data.train_files"),
+                          data.gen_batch_size, data.shuffle, data.seed)
     plan = plan.with_total_steps(training_steps(plan, loader))
     val_prompts, val_data = None, None
     if paths.val_files:
-        val_data = dataset(paths.val_files, data.val_max_samples)
+        val_data = dataset(paths.val_files, data.val_max_samples, "data.val_files")
         val_prompts = validation_prompts(val_data, data.val_batch_size, data.validation_shuffle, data.seed)
+    datasets = [d for d in (loader.dataset, val_data) if d is not None]
+    check_prompt_ids_fit(datasets, paths.model, tokenizer_key)
+    if rule_scorer_scores(plan.reward, plan.reward_model is not None):
+        check_data_sources(datasets, plan.reward.data_source_key)
     if plan.rollout.agent is not None:
-        check_agent_rows(plan.rollout.agent, [d for d in (loader.dataset, val_data) if d is not None])
+        check_agent_rows(plan.rollout.agent, datasets)
         check_agent_functions(plan.rollout.agent)
     kl = plan.algorithm.kl_in_reward
     kl_ctrl = make_kl_controller(kl.controller, kl.coef, kl.target_kl, kl.horizon) if kl is not None else None
@@ -214,6 +223,61 @@ def check_agent_rows(agent: AgentSettings, datasets: list[RLDataset]) -> None:
             if names and name == "tool_agent" and kwargs.get("name") not in names:
                 raise ConfigError("data extra_info.interaction_kwargs.name",
                                   f"row {number} has {kwargs.get('name')!r}; the interaction config has {names}")
+
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+
+
+def load_tokenizer(path: str, key: str, trust_remote_code: bool) -> PreTrainedTokenizerBase:
+    """The tokenizer of local directory `path` (`key` names the setting); a ConfigError when there is none."""
+    directory = Path(path).expanduser()
+    if not directory.is_dir():
+        raise ConfigError(key, f"{path} is not a local tokenizer directory; pass the model's directory (or "
+                               f"data.tokenizer=<a directory with the tokenizer files>)")
+    if not any((directory / name).is_file() for name in TOKENIZER_FILES):
+        # transformers would build an empty tokenizer from config.json alone
+        raise ConfigError(key, f"{path}: no tokenizer files (none of {', '.join(TOKENIZER_FILES)}); set "
+                               f"data.tokenizer to the directory that has them")
+    try:
+        return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except Exception as err:  # transformers raises OSError, ValueError, or the tokenizer code's own errors
+        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
+        raise ConfigError(key, f"{path}: no tokenizer could be loaded ({first})") from None
+
+
+def check_prompt_ids_fit(datasets: list[RLDataset], model_path: str, tokenizer_key: str) -> None:
+    """Every prompt token id is a row of the model's embedding: a tokenizer of another, larger vocabulary would
+    otherwise end as an index error inside a worker's forward. Raises ConfigError."""
+    vocab = ModelConfig.from_pretrained(model_path).vocab_size
+    for dataset in datasets:
+        largest = max((max(ids) for ids in dataset.prompt_ids if ids), default=-1)
+        if largest >= vocab:
+            row = next(i for i, ids in enumerate(dataset.prompt_ids) if ids and max(ids) == largest)
+            raise ConfigError(tokenizer_key, f"prompt {row} of {', '.join(dataset.files)} has token id {largest}, but the "
+                                             f"model ({model_path}) has vocab_size {vocab}; use the model's own "
+                                             f"tokenizer")
+
+
+def rule_scorer_scores(reward: RewardOptions, has_reward_model: bool) -> bool:
+    """Whether samples go through the built-in scorers (no reward function or service of the user's, and no
+    reward model or judge that replaces the reward function)."""
+    if reward.custom_path or reward.server_url:
+        return False
+    if has_reward_model and reward.reward_model.combine == "replace":
+        return False
+    return reward.judge is None or reward.judge.combine != "replace"
+
+
+def check_data_sources(datasets: list[RLDataset], data_source_key: str) -> None:
+    """Every row's data source has a built-in scorer (else scoring would fail at the first step). Raises
+    ConfigError naming the file's first such row."""
+    for dataset in datasets:
+        for number, row in enumerate(dataset.rows):
+            if not has_scorer(row[data_source_key]):
+                raise ConfigError(f"data {data_source_key}", f"prompt {number} of {', '.join(dataset.files)} has "
+                                                             f"{data_source_key}={row[data_source_key]!r}, which "
+                                                             f"no built-in scorer handles ({builtin_sources()}); "
+                                                             f"set custom_reward_function.path/name")
 
 
 def check_teacher_vocabulary(teacher_path: str, student, trust_remote_code: bool) -> None:

@@ -2,30 +2,32 @@
 
 Configs live in `shardrl/job/config/`. A relative ``--config-path`` (verl users pass ``--config-path=./config``)
 is looked up in this package first and then in the current directory, whatever the cwd is. With
-``trainer.dry_run=true`` the config is validated and the plan printed; invalid input prints one line
-``error: <dotted.key>: <reason>`` on stderr and exits 2.
+``trainer.dry_run=true`` the config is validated and the plan printed. A failure the user can fix (`UserError`: a
+config key, a data or model file, a reward function or tool of theirs, also when a worker raised it) prints one line
+``error: <key or file>: <reason>`` on stderr and exits 2; any other failure one line and exit 1. ``SHARDRL_DEBUG=1``
+adds the traceback.
 """
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import hydra
 from omegaconf import DictConfig
 
-from shardrl.job.errors import ConfigError
+from shardrl.errors import DEBUG_ENV, UserError
 from shardrl.job.load import CONFIG_DIR, load_config
 from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.preflight import check_launch
-from shardrl.rewards.outcomes import RewardFunctionError
 
 PACKAGE_DIR = CONFIG_DIR.parent  # a relative --config-path is looked up here first (`./config`: the packaged ones)
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
 
 
 def run(cfg: DictConfig) -> int:
-    """Validate, plan, and (dry run) print the plan; returns the exit status."""
+    """Validate, plan, and (dry run) print the plan or train; returns the exit status (see the module's doc)."""
     try:
         config = load_config(cfg)
         plan = plan_job(config)
@@ -33,20 +35,28 @@ def run(cfg: DictConfig) -> int:
             print(format_plan(plan, config))
             return 0
         check_launch(plan)
-    except ConfigError as err:
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    from shardrl.trainer.launch import train  # heavy imports (Ray, models) only when training starts
+        from shardrl.trainer.launch import train  # heavy imports (Ray, models) only when training starts
 
-    try:
         train(plan)
-    except ConfigError as err:  # found while loading data and tokenizers, before any worker starts
-        print(f"error: {err}", file=sys.stderr)
-        return 2
-    except RewardFunctionError as err:  # the user's reward function failed a sample (custom_reward_function.on_error)
-        print(f"error: {err}", file=sys.stderr)
-        return 1
+    except UserError as err:
+        return _report(err, 2)
+    except Exception as err:
+        from shardrl.controller.group import WorkerError  # loaded already when a worker failed
+
+        if isinstance(err, WorkerError):  # its message names the role, rank, node and what the rank raised
+            return _report(err, 2 if err.user_error else 1)
+        return _report(err, 1, f"internal error, {type(err).__name__}: ",
+                       f" (a shardrl bug: {DEBUG_ENV}=1 prints the traceback to report)")
     return 0
+
+
+def _report(err: Exception, status: int, prefix: str = "", suffix: str = "") -> int:
+    """Print `err` as one `error:` line on stderr (and re-raise it for the traceback under SHARDRL_DEBUG=1)."""
+    if os.environ.get(DEBUG_ENV) == "1":
+        raise err
+    line = next((text.strip() for text in str(err).splitlines() if text.strip()), type(err).__name__)
+    print(f"error: {prefix}{line}{suffix}", file=sys.stderr)
+    return status
 
 
 def resolve_config_path(path: str, cwd: Path) -> str:

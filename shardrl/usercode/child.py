@@ -26,8 +26,8 @@ from shardrl.usercode.wire import MAX_LINE, LoadError, describe, encode, is_file
 
 
 def main(argv: list[str]) -> None:
-    from_parent, to_parent, capacity, memory_mb = map(int, argv[:4])
-    target, wrappers = argv[4], argv[5:]
+    from_parent, to_parent, capacity, memory_mb, arity = map(int, argv[:5])
+    target, wrappers = argv[5], argv[6:]
     os.dup2(2, 1)  # the user's prints go to stderr: the protocol has pipes of its own
     sys.stdout.reconfigure(line_buffering=True)
     for fd in (from_parent, to_parent):
@@ -36,6 +36,8 @@ def main(argv: list[str]) -> None:
         resource.setrlimit(resource.RLIMIT_AS, (memory_mb << 20, memory_mb << 20))
     try:
         function = _load(target)
+        if arity:
+            _check_arity(function, target, arity)
     except LoadError as exc:
         write_all(to_parent, encode({"error": str(exc)}))
         return
@@ -58,6 +60,19 @@ def _load(target: str) -> Callable[..., Any]:
     if not callable(function):
         raise LoadError(f"{name} is a {type(function).__name__}, not a function")
     return function
+
+
+def _check_arity(function: Callable[..., Any], target: str, arity: int) -> None:
+    """LoadError unless `function` can be called with `arity` positional arguments (how every call passes them)."""
+    try:
+        signature = inspect.signature(function)
+    except (TypeError, ValueError):  # a builtin or extension without one: its calls will tell
+        return
+    try:
+        signature.bind(*range(arity))
+    except TypeError:
+        raise LoadError(f"{target.rpartition(':')[2]}{signature} cannot take the {arity} positional arguments "
+                        f"each call passes") from None
 
 
 def _import_file(path: str) -> Any:

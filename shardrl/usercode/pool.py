@@ -73,12 +73,13 @@ class FunctionPool:
     leave room for that many threads when the function is sync. `label` names the function's role in errors
     ("agent": "agent function x.py:f timed out after 5 s"). `wrapper`, a "package.module:function" of shardrl's
     own, is applied to the loaded function in the child (`wrapper(function)` is what gets called), for callers whose
-    function takes richer arguments than JSON.
+    function takes richer arguments than JSON. `arity`: every call passes that many positional arguments, and a
+    function whose signature cannot take them fails to load (0: not checked).
     """
 
     def __init__(self, target: str, *, num_processes: int, timeout: float, max_concurrent_per_process: int,
                  memory_limit_mb: int | None = None, base_dir: str | None = None, label: str = "user",
-                 wrapper: str | None = None) -> None:
+                 wrapper: str | None = None, arity: int = 0) -> None:
         check_positive("FunctionPool", num_processes=num_processes, timeout=timeout,
                        max_concurrent_per_process=max_concurrent_per_process, memory_limit_mb=memory_limit_mb)
         self.label = label
@@ -86,7 +87,8 @@ class FunctionPool:
         self.num_processes = num_processes
         self.timeout = timeout
         self.max_concurrent_per_process = max_concurrent_per_process
-        self._arguments = [str(max_concurrent_per_process), str(memory_limit_mb or 0), self.target]  # the child's
+        self._arguments = [str(max_concurrent_per_process), str(memory_limit_mb or 0), str(arity),  # the child's
+                           self.target]
         if wrapper is not None:
             self._arguments.append(wrapper)
         # glibc reserves 64 MiB of address space per thread's malloc arena otherwise

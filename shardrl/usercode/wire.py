@@ -12,11 +12,13 @@ import os
 import sys
 from typing import Any
 
+from shardrl.errors import UserError
+
 MAX_LINE = 1 << 20  # bytes: a longer line from a child is refused, so it cannot grow the parent's memory without bound
 MAX_ERROR = 500  # characters kept of an error message
 
 
-class LoadError(ValueError):
+class LoadError(UserError, ValueError):
     """The user's function cannot be loaded (bad target, import error, not callable): one line naming the target."""
 
 
