@@ -191,7 +191,7 @@ def test_the_judge_example_on_the_builtin_task_is_scored_by_the_judge(tmp_path, 
 def test_with_on_parse_failure_fail_the_run_ends_with_one_line_naming_the_sample(tmp_path, task):
     done = run_example(tmp_path, task, "reward_model.judge.score_pattern='NEVER(\\d)'",
                        "reward_model.judge.on_parse_failure=fail")
-    assert done.returncode == 1 and "Traceback" not in done.stderr
+    assert done.returncode == 2 and "Traceback" not in done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert f"judge {task['model']}: no score in its verdict on sample" in last and "score_pattern" in last, last
 
