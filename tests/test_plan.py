@@ -228,3 +228,13 @@ def test_missing_model_dir_skips_checks():
 def test_old_logprob_pass_only_when_recomputed():
     assert "log_prob" in plan_of([]).roles["actor"].batches  # decoupled=true: the actor recomputes old logprobs
     assert "log_prob" not in plan_of(["algorithm.rollout_correction.decoupled=false"]).roles["actor"].batches
+
+
+def test_joining_a_cluster_reserves_whole_cores_and_other_ray_init_entries_are_refused():
+    """On a cluster of the user's own a CPU rank takes a whole core, so pools spread over its nodes as GPU ranks do
+    (the two-node run: tests/test_multi_node.py); a private local instance packs slivers of its cores."""
+    assert plan_job(compose("ppo_trainer", ["+ray_kwargs.ray_init.address=10.0.0.1:6379"])).cluster.whole_cpu_cores
+    assert not plan_job(compose("ppo_trainer", ["+ray_kwargs.ray_init.num_cpus=2"])).cluster.whole_cpu_cores
+    with pytest.raises(ConfigError, match=r"^ray_kwargs\.ray_init\.runtime_env: not supported; shardrl passes "
+                                          r"address, num_cpus to ray\.init$"):
+        plan_job(compose("ppo_trainer", ["+ray_kwargs.ray_init.runtime_env={}"]))

@@ -89,6 +89,7 @@ def test_a_reward_model_on_a_pool_of_its_own_scores_as_it_does_on_the_trainer_po
     assert shared[0]["critic/score/max"] == pytest_approx(0.5)
 
 
+@pytest.mark.slow  # the sync-mode jobs above score with the same worker
 def test_the_reward_model_scores_in_the_fully_async_mode(tmp_path):
     """The trainer scores what the rollouter streams with the reward model too: its scores (0.5 for a "7", else 0;
     the rule reward would give 1 for a right successor) are every step's."""

@@ -284,6 +284,19 @@ class WorkerGroup:
         refs = {r: getattr(self.hosts[r], host_method).remote(*args) for r, args in zip(ranks, per_rank_args)}
         return PendingCall(self, role, host_method, refs, collect)
 
+    def placement(self) -> str:
+        """One line: the node each pool's ranks run on."""
+        parts, first = [], 0
+        for pool in self.pools:
+            by_node: dict[str, list[int]] = {}
+            for rank in range(first, first + pool.world_size):
+                by_node.setdefault(self.nodes.get(rank, "?"), []).append(rank)
+            parts.append(f"{pool.name} pool " + ", ".join(
+                f"{'rank' if len(ranks) == 1 else 'ranks'} {','.join(map(str, ranks))} on {node}"
+                for node, ranks in by_node.items()))
+            first += pool.world_size
+        return "; ".join(parts)
+
     def where(self, rank: int) -> str:
         """' on <node address>' of a rank that joined (for failure reports), else ''."""
         node = self.nodes.get(rank)

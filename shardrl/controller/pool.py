@@ -5,8 +5,10 @@ A pool is `nnodes` placement groups of `n_per_node` bundles, each packed onto on
 fails at start with a message, instead of workers waiting forever for a GPU. Several pools coexist (a trainer pool
 and a rollout pool for the detached modes).
 
-On CPU a bundle asks for a sliver of a core rather than a whole one: the ranks of a CPU test run share the machine's
-few cores anyway, and whole-core bundles would stop a 2-core runner from hosting a 4-rank world.
+On CPU a bundle asks for a sliver of a core by default rather than a whole one: the ranks of a CPU test run share the
+machine's few cores anyway, and whole-core bundles would stop a 2-core runner from hosting a 4-rank world. On a
+cluster of the user's own a CPU rank takes a whole core (`whole_cpu_cores`), as a GPU rank takes a whole GPU, so
+pools fill nodes and spread over them as they would on GPUs.
 """
 
 from __future__ import annotations
@@ -26,9 +28,11 @@ class ResourcePoolError(RuntimeError):
     """The cluster cannot host a pool; the message names the pool, what it asked for and what exists."""
 
 
-def bundle_for(device: Literal["cpu", "cuda"]) -> dict[str, float]:
-    """Resources of one rank: a whole GPU (and a core to drive it), or a sliver of a core."""
-    return {"GPU": 1.0, "CPU": 1.0} if device == "cuda" else {"CPU": CPU_BUNDLE_CORES}
+def bundle_for(device: Literal["cpu", "cuda"], whole_cpu_cores: bool = False) -> dict[str, float]:
+    """Resources of one rank: a whole GPU (and a core to drive it), or a core (`whole_cpu_cores`) or a sliver."""
+    if device == "cuda":
+        return {"GPU": 1.0, "CPU": 1.0}
+    return {"CPU": 1.0 if whole_cpu_cores else CPU_BUNDLE_CORES}
 
 
 def _node_capacity(bundle: dict[str, float], n_per_node: int) -> int:
@@ -52,6 +56,7 @@ class ResourcePool:
         n_per_node: int,
         device: Literal["cpu", "cuda"],
         ready_timeout_s: float = DEFAULT_READY_TIMEOUT_S,
+        whole_cpu_cores: bool = False,
     ) -> None:
         if nnodes < 1 or n_per_node < 1:
             raise ResourcePoolError(f"pool {name!r}: nnodes={nnodes} and n_per_node={n_per_node} must be >= 1")
@@ -61,7 +66,7 @@ class ResourcePool:
         self.nnodes = nnodes
         self.n_per_node = n_per_node
         self.device = device
-        self.bundle = bundle_for(device)
+        self.bundle = bundle_for(device, whole_cpu_cores)
         self.in_use = False  # set by the worker group that occupies the pool (one group per pool)
         self._check_capacity()
         self.placement_groups: list[PlacementGroup] = [

@@ -385,14 +385,22 @@ def loop_options(config: PPOConfig, shared: SharedKeys, step: StepSize, save_hf:
         critic_mini_batch_size=step.critic_mini, log_val_generations=trainer.log_val_generations)
 
 
+RAY_INIT_KEYS = {"address", "num_cpus"}  # what controller.init_ray takes of ray.init's arguments
+
+
 def cluster_options(config: PPOConfig) -> ClusterOptions:
     trainer, pool, rm = config.trainer, config.rollout, config.reward_model
     own = rm.enable_resource_pool
     if own and rm.nnodes * rm.n_gpus_per_node == 0:
         raise ConfigError("reward_model.n_gpus_per_node", f"{rm.nnodes} node(s) x {rm.n_gpus_per_node} per node: "
                                                           "a reward-model pool of its own needs at least one rank")
+    ray_init = dict(config.ray_kwargs.ray_init)
+    unknown = sorted(set(ray_init) - RAY_INIT_KEYS)
+    if unknown:
+        raise ConfigError(f"ray_kwargs.ray_init.{unknown[0]}", f"not supported; shardrl passes "
+                                                             f"{', '.join(sorted(RAY_INIT_KEYS))} to ray.init")
     return ClusterOptions(
-        ray_init=dict(config.ray_kwargs.ray_init), trainer_nodes=trainer.nnodes,
+        ray_init=ray_init, whole_cpu_cores=bool(ray_init.get("address")), trainer_nodes=trainer.nnodes,
         trainer_gpus_per_node=trainer.n_gpus_per_node, rollout_nodes=pool.nnodes if pool else None,
         rollout_gpus_per_node=pool.n_gpus_per_node if pool else None,
         collective_timeout=datetime.timedelta(seconds=trainer.collective_timeout_s),

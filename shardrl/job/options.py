@@ -374,6 +374,9 @@ class LoopOptions:
 @dataclass(frozen=True)
 class ClusterOptions:
     ray_init: dict[str, Any]
+    # On a cluster of the user's own (ray_init.address), a CPU rank reserves a whole core, so pools fill and spread
+    # over nodes as GPU ranks do; a private local instance packs slivers of its cores (ResourcePool).
+    whole_cpu_cores: bool
     trainer_nodes: int
     trainer_gpus_per_node: int
     rollout_nodes: int | None

@@ -312,7 +312,8 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
     rollout pool's, then (`reward_model.enable_resource_pool`) the reward model's. Colocated, the actor's ranks also
     host the rollout engine (hybrid engine)."""
     cluster = plan.cluster
-    pools = [ResourcePool("trainer", cluster.trainer_nodes, cluster.trainer_gpus_per_node, plan.device)]
+    whole = dict(whole_cpu_cores=cluster.whole_cpu_cores)
+    pools = [ResourcePool("trainer", cluster.trainer_nodes, cluster.trainer_gpus_per_node, plan.device, **whole)]
     on_trainer = dict(ranks=plan.trainer_ranks)
     actor_spec = plan.roles["actor"].spec
     if plan.placement == "colocated":
@@ -322,7 +323,8 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
                      **on_trainer)
         roles = [actor]
     else:
-        pools.append(ResourcePool("rollout", cluster.rollout_nodes, cluster.rollout_gpus_per_node, plan.device))
+        pools.append(ResourcePool("rollout", cluster.rollout_nodes, cluster.rollout_gpus_per_node, plan.device,
+                                  **whole))
         actor = Role("actor", DetachedActorWorker,
                      dict(actor=plan.actor, ref=plan.ref, weight_sync=plan.rollout.weight_sync,
                           model_path=paths.model, teacher=plan.teacher), actor_spec, **on_trainer)
@@ -336,7 +338,7 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
     if plan.reward_model is not None:
         if cluster.reward_model_nodes is not None:  # a pool of its own, ranks after the others' (plan_job)
             pools.append(ResourcePool("reward_model", cluster.reward_model_nodes, cluster.reward_model_gpus_per_node,
-                                      plan.device))
+                                      plan.device, **whole))
         roles.append(Role("reward_model", RewardModelWorker, dict(options=plan.reward_model,
                                                                   model_path=plan.reward_model_path),
                           plan.reward_model.model.spec, ranks=plan.reward_model.model.ranks))
@@ -344,6 +346,7 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
         roles.append(Role("judge", JudgeWorker, dict(options=plan.judge, policy_tokenizer=paths.tokenizer),
                           plan.judge.spec, **on_trainer))
     group = WorkerGroup(pools, roles, collective_timeout=cluster.collective_timeout)
+    print(f"placement: {group.placement()}", flush=True)
     workers = Workers(group.role("actor"), group.role("critic") if plan.critic is not None else None,
                       group.role("rollout") if plan.placement == "detached" else None,
                       group.role("reward_model") if plan.reward_model is not None else None,
