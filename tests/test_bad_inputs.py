@@ -139,7 +139,8 @@ CASES = {
     "tokenizer path missing": (lambda p: [f"data.tokenizer={p['root']}/no_tok"],
                                r"data\.tokenizer: .*/no_tok is not a local tokenizer directory"),
     "no tokenizer files": (lambda p: [f"actor_rollout_ref.model.path={p['no_tokenizer']}"],
-                           r"actor_rollout_ref\.model\.path: .*/no_tokenizer: no tokenizer files \(none of tokenizer\.json"),
+                           r"actor_rollout_ref\.model\.path: .*/no_tokenizer: no tokenizer files \(none of "
+                           r"tokenizer\.json"),
     "tokenizer beyond the vocabulary": (lambda p: [f"data.tokenizer={QWEN3}"],
                                         r"data\.tokenizer: prompt 0 of .*train\.parquet has token id \d+, but "
                                         r"the model \(.*\) has vocab_size \d+; use the model's own tokenizer"),

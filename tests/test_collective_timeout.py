@@ -56,7 +56,8 @@ def test_a_collective_one_rank_never_joins_times_out(ray_session, group):
         assert workers.call("actor", "timeout_seen", Dispatch.ONE_TO_ALL) == [5.0, 5.0]
         start = time.monotonic()
         # gloo's words, with the group's 5 s in them.
-        with pytest.raises(WorkerError, match=r"role 'actor', 'all_reduce_alone': rank 0 on [\w.:-]+ raised RuntimeError: "
+        with pytest.raises(WorkerError, match=r"role 'actor', 'all_reduce_alone': rank 0 on [\w.:-]+ raised "
+                                              r"RuntimeError: "
                                               r".*Timed out waiting 5000ms") as info:
             workers.call("actor", "all_reduce_alone", Dispatch.ONE_TO_ALL, group)
         elapsed = time.monotonic() - start

@@ -169,7 +169,8 @@ def test_two_pools_coexist_and_fail_alone(world4):
         assert len(set(pids)) == 7  # every rank of every group is its own process
 
         # A worker's exception names role, method, rank and message, and stops only its own group.
-        with pytest.raises(WorkerError, match=r"worker group 'train2', role 'critic', 'refuse': rank 1 on [\w.:-]+ raised "
+        with pytest.raises(WorkerError, match=r"worker group 'train2', role 'critic', 'refuse': rank 1 on [\w.:-]+ "
+                                              r"raised "
                                               r"ValueError: refusing input on purpose \(rank 1\)") as info:
             groups[0].call("critic", "refuse", Dispatch.ONE_TO_ALL, 1)
         assert (info.value.role, info.value.rank, info.value.method) == ("critic", 1, "refuse")

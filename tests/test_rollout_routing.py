@@ -1,9 +1,9 @@
 """The rollout engine records MoE routing (R3's source): every finished output carries, for each position of its
 sequence, the experts each MoE layer ran it through, equal to transformers' router top-k over the whole sequence
 (an independent forward), at one process and TP2 (EP2, ETP2) on gloo; through shared prefills, run-ahead decode
-with rows ending at different steps, cached and fed multi-turn continuations, prefixes kept in spare rows, and an abort and resume under new
-weights (the resumed sequence's routing is the new weights', like its re-prefilled keys). The last sampled token,
-which no step ran, is marked unknown."""
+with rows ending at different steps, cached and fed multi-turn continuations, prefixes kept in spare rows, and an
+abort and resume under new weights (the resumed sequence's routing is the new weights', like its re-prefilled
+keys). The last sampled token, which no step ran, is marked unknown."""
 
 import pytest
 import torch

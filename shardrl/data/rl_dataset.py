@@ -57,7 +57,8 @@ def read_rows(path: str | Path, required: Sequence[str]) -> list[dict[str, Any]]
                 try:
                     row = json.loads(line)
                 except json.JSONDecodeError as err:
-                    raise DatasetError(f"{path} line {number}: not JSON ({err.msg}); one JSON object per line") from None
+                    raise DatasetError(f"{path} line {number}: not JSON ({err.msg}); one JSON object per "
+                                       f"line") from None
                 if not isinstance(row, dict):
                     raise DatasetError(f"{path} line {number}: a JSON {type(row).__name__}, not an object")
                 rows.append(row)
@@ -125,7 +126,8 @@ class RLDataset:
             del self.rows[max_samples:], self.prompt_ids[max_samples:]
         if not self.rows:
             raise DatasetError(
-                f"data.filter_overlong_prompts: no prompts left after filtering prompts longer than data.max_prompt_length={max_prompt_length}"
+                f"data.filter_overlong_prompts: no prompts left after filtering prompts longer than "
+                f"data.max_prompt_length={max_prompt_length}"
             )
 
     def _add_file(self, path: Path, tokenizer: PreTrainedTokenizerBase) -> None:

@@ -87,7 +87,8 @@ class KVCache:
 
     def copy_rows(self, sources: list[int], destinations: list[int], length: int) -> None:
         """Copy positions 0..length-1 of slot sources[i] into slot destinations[i], in every layer (a sequence that
-        shares another's prefill; a parked prefix into or out of a spare row). Positions a shorter source never wrote copy stale values, which no one reads: a
+        shares another's prefill; a parked prefix into or out of a spare row). Positions a shorter source never
+        wrote copy stale values, which no one reads: a
         row attends only to the positions its own sequence wrote."""
         src = torch.tensor(sources, device=self.device)
         dst = torch.tensor(destinations, device=self.device)

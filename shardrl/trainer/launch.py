@@ -121,7 +121,8 @@ def train(plan: JobPlan) -> None:
         val_prompts = validation_prompts(val_data, data.val_batch_size, data.validation_shuffle, data.seed)
     datasets = [d for d in (loader.dataset, val_data) if d is not None]
     check_prompt_ids_fit(datasets, paths.model, tokenizer_key)
-    if rule_scorer_scores(plan.reward, plan.reward_model is not None):
+    agents_score = plan.rollout.agent is not None and bool(plan.rollout.agent.agent_loop_config_path)
+    if rule_scorer_scores(plan.reward, plan.reward_model is not None) and not agents_score:
         check_data_sources(datasets, plan.reward.data_source_key)
     if plan.rollout.agent is not None:
         check_agent_rows(plan.rollout.agent, datasets)
@@ -253,9 +254,9 @@ def check_prompt_ids_fit(datasets: list[RLDataset], model_path: str, tokenizer_k
         largest = max((max(ids) for ids in dataset.prompt_ids if ids), default=-1)
         if largest >= vocab:
             row = next(i for i, ids in enumerate(dataset.prompt_ids) if ids and max(ids) == largest)
-            raise ConfigError(tokenizer_key, f"prompt {row} of {', '.join(dataset.files)} has token id {largest}, but the "
-                                             f"model ({model_path}) has vocab_size {vocab}; use the model's own "
-                                             f"tokenizer")
+            where = f"prompt {row} of {', '.join(dataset.files)}"
+            raise ConfigError(tokenizer_key, f"{where} has token id {largest}, but the model ({model_path}) has "
+                                             f"vocab_size {vocab}; use the model's own tokenizer")
 
 
 def rule_scorer_scores(reward: RewardOptions, has_reward_model: bool) -> bool:
@@ -269,8 +270,8 @@ def rule_scorer_scores(reward: RewardOptions, has_reward_model: bool) -> bool:
 
 
 def check_data_sources(datasets: list[RLDataset], data_source_key: str) -> None:
-    """Every row's data source has a built-in scorer (else scoring would fail at the first step). Raises
-    ConfigError naming the file's first such row."""
+    """Every row's data source has a built-in scorer (else scoring would fail at the first step; not asked when the
+    user's agent functions may return the rewards themselves). Raises ConfigError naming the first such row."""
     for dataset in datasets:
         for number, row in enumerate(dataset.rows):
             if not has_scorer(row[data_source_key]):
