@@ -23,7 +23,6 @@ from shardrl.data import builtin_task
 from shardrl.job.load import CONFIG_DIR
 from shardrl.trainer import main_ppo
 
-QWEN3 = Path(__file__).resolve().parents[2] / "shared" / "data" / "tokenizers" / "qwen3"
 QUICK = ["trainer.total_training_steps=1", "trainer.logger=[file]", "trainer.test_freq=-1",
          "trainer.val_before_train=false", "trainer.save_freq=-1"]
 
@@ -59,6 +58,7 @@ def task(tmp_path_factory) -> dict[str, Path]:
         json.dumps({"weight_map": {"model.embed_tokens.weight": "model-00002-of-00002.safetensors"}})))
     model_variant("renamed_tensor", _rename_a_tensor)
     model_variant("no_tokenizer", lambda d: [p.unlink() for p in d.iterdir() if "token" in p.name])
+    paths["wider_tokenizer"] = _wider_tokenizer(model, root / "wider_tokenizer")
     (root / "empty.parquet").write_bytes(b"")
     (root / "junk.parquet").write_bytes(b"PAR1 not a parquet file")
     (root / "junk.jsonl").write_text('{"prompt": []}\n{oops\n')
@@ -93,6 +93,16 @@ def _parquet(path: Path, rows: list[dict]) -> Path:
 def _truncate(file: Path, fraction: float) -> None:
     data = file.read_bytes()
     file.write_bytes(data[:int(len(data) * fraction)])
+
+
+def _wider_tokenizer(model: Path, directory: Path) -> Path:
+    """The model's tokenizer with one more token, which every built-in prompt contains: its id is past the
+    model's vocabulary."""
+    from transformers import AutoTokenizer
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    tokenizer.add_tokens(["->"])
+    tokenizer.save_pretrained(directory)
+    return directory
 
 
 def _rename_a_tensor(directory: Path) -> None:
@@ -141,7 +151,7 @@ CASES = {
     "no tokenizer files": (lambda p: [f"actor_rollout_ref.model.path={p['no_tokenizer']}"],
                            r"actor_rollout_ref\.model\.path: .*/no_tokenizer: no tokenizer files \(none of "
                            r"tokenizer\.json"),
-    "tokenizer beyond the vocabulary": (lambda p: [f"data.tokenizer={QWEN3}"],
+    "tokenizer beyond the vocabulary": (lambda p: [f"data.tokenizer={p['wider_tokenizer']}"],
                                         r"data\.tokenizer: prompt 0 of .*train\.parquet has token id \d+, but "
                                         r"the model \(.*\) has vocab_size \d+; use the model's own tokenizer"),
     # data
