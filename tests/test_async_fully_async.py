@@ -25,6 +25,7 @@ def run_fully_async(tmp_path, *overrides):
     return rows
 
 
+@pytest.mark.slow  # 58 s; the default suite keeps fully-async equivalence, resume and partial rollout (agents)
 def test_fully_async_learns_with_partial_rollout_on_two_replicas(tmp_path):
     rows = run_fully_async(tmp_path, "rollout.n_gpus_per_node=2", "async_training.partial_rollout=true")
     assert all(r["async/dropped_samples"] == 0 for r in rows if "async/dropped_samples" in r)

@@ -59,6 +59,7 @@ def answers(split: str, limit: int) -> list[str]:
     return [json.loads(line)["answer"].split("####")[-1].strip().replace(",", "") for line in lines]
 
 
+@pytest.mark.slow  # 42 s: the default suite keeps the GSM8K scorer and data tests
 @needs_shared_data
 def test_smoke_script_runs_two_grpo_steps_on_real_gsm8k(tmp_path):
     from transformers import AutoConfig, AutoTokenizer
