@@ -21,7 +21,7 @@ from transformers import PreTrainedTokenizerBase
 
 from shardrl.data.batch import Batch
 from shardrl.data.chat import left_pad, pad_id, prompt_token_ids
-from shardrl.errors import UserError
+from shardrl.errors import UserError, first_line
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def read_rows(path: str | Path, required: Sequence[str]) -> list[dict[str, Any]]
         try:
             table = pq.read_table(path)
         except (OSError, ValueError) as err:  # pyarrow's ArrowInvalid is a ValueError
-            raise DatasetError(f"{path}: not a readable parquet file ({_first_line(err)}); write it again, e.g. "
+            raise DatasetError(f"{path}: not a readable parquet file ({first_line(err)}); write it again, e.g. "
                                f"with pandas' DataFrame.to_parquet") from None
         missing = [c for c in required if c not in table.column_names]
         if missing:
@@ -72,9 +72,6 @@ def read_rows(path: str | Path, required: Sequence[str]) -> list[dict[str, Any]]
         raise DatasetError(f"{path}: the RL data file has no rows")
     return rows
 
-
-def _first_line(err: BaseException) -> str:
-    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)
 
 
 class RLDataset:
@@ -146,7 +143,7 @@ class RLDataset:
             ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows], self.chat_template_kwargs)
         except Exception as err:  # the tokenizer's chat template (user-supplied jinja) failed on some row
             raise DatasetError(f"{path}: the tokenizer's chat template failed on its prompts ({type(err).__name__}: "
-                               f"{_first_line(err)}); check the messages and the template (data.tokenizer)") from None
+                               f"{first_line(err)}); check the messages and the template (data.tokenizer)") from None
         for number, (row, row_ids) in enumerate(zip(rows, ids)):
             if len(row_ids) > self.max_prompt_length:
                 if self.filter_overlong_prompts:

@@ -14,3 +14,9 @@ DEBUG_ENV = "SHARDRL_DEBUG"  # set to 1: the entry point prints tracebacks as we
 
 class UserError(Exception):
     """A failure the user can fix; `str(err)` is one line naming the key, file or function first."""
+
+
+def first_line(err: BaseException) -> str:
+    """The first non-blank line of `err`'s message (its type's name when it has none): a one-line error from an
+    exception of someone else's whose message may span lines."""
+    return next((line.strip() for line in str(err).splitlines() if line.strip()), type(err).__name__)

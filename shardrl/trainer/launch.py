@@ -19,6 +19,7 @@ from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
 from shardrl.data import builtin_task
 from shardrl.data.chat import pad_id
 from shardrl.data.rl_dataset import DatasetError, PromptLoader, RLDataset
+from shardrl.errors import first_line
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
@@ -242,8 +243,7 @@ def load_tokenizer(path: str, key: str, trust_remote_code: bool) -> PreTrainedTo
     try:
         return AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     except Exception as err:  # transformers raises OSError, ValueError, or the tokenizer code's own errors
-        first = next((line for line in str(err).splitlines() if line.strip()), type(err).__name__)
-        raise ConfigError(key, f"{path}: no tokenizer could be loaded ({first})") from None
+        raise ConfigError(key, f"{path}: no tokenizer could be loaded ({first_line(err)})") from None
 
 
 def check_prompt_ids_fit(datasets: list[RLDataset], model_path: str, tokenizer_key: str) -> None:

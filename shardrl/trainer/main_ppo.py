@@ -17,7 +17,7 @@ from pathlib import Path
 import hydra
 from omegaconf import DictConfig
 
-from shardrl.errors import DEBUG_ENV, UserError
+from shardrl.errors import DEBUG_ENV, UserError, first_line
 from shardrl.job.load import CONFIG_DIR, load_config
 from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.preflight import check_launch
@@ -54,8 +54,7 @@ def _report(err: Exception, status: int, prefix: str = "", suffix: str = "") -> 
     """Print `err` as one `error:` line on stderr (and re-raise it for the traceback under SHARDRL_DEBUG=1)."""
     if os.environ.get(DEBUG_ENV) == "1":
         raise err
-    line = next((text.strip() for text in str(err).splitlines() if text.strip()), type(err).__name__)
-    print(f"error: {prefix}{line}{suffix}", file=sys.stderr)
+    print(f"error: {prefix}{first_line(err)}{suffix}", file=sys.stderr)
     return status
 
 
