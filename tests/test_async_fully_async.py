@@ -90,7 +90,7 @@ def pending_at_save(step_dir: Path) -> set[int]:
     state = {"trainer": None}
     dcp.load(state, storage_reader=dcp.FileSystemReader(step_dir / "actor"), planner=ShardLoadPlanner(),
              no_dist=True)
-    return {k * LOADER_BATCH + row for k, row in state["trainer"]["dataloader"]["pending"]}
+    return {k * LOADER_BATCH + row for k, row in state["trainer"]["rollouter"].feed["pending"]}
 
 
 def assert_partition(*parts: set[int]) -> None:
@@ -105,7 +105,8 @@ def test_resume_trains_every_prompt_group_once_with_its_original_seeds(tmp_path)
     rollouter; run B resumes from that save to step 6. A's first 3 steps and B's steps train disjoint groups, and
     with the groups B's final checkpoint holds pending they are every group of the loader's stream: none skipped,
     none trained twice. The weights never change (lr=0), so a group sampled with its original seeds has the same
-    responses in both runs: every group A (after the save) and B both trained, the regenerated ones among them."""
+    responses in both runs: every group A (after the save) and B both trained, those the checkpoint kept finished
+    and those read ahead and generated again among them."""
     a, _ = run_recorded(tmp_path / "a")
     b, out = run_recorded(tmp_path / "b", "trainer.resume_mode=resume_path",
                           f"trainer.resume_from_path={tmp_path / 'a' / f'global_step_{SAVED_AT}'}")

@@ -1,9 +1,9 @@
 """The async modes' prompt feed without Ray or models, on a stand-in dataset whose prompts are their index.
 
 What a checkpoint saves (the loader's state before the oldest loader batch with a group not trained, that batch, the
-keys of every such group) after any reads and retires, the same while another thread reads; a feed resumed from it
-gives exactly the pending groups (same rows, same seeds) and then the batches the first feed read next; old states
-(an async checkpoint's dict, a synchronous checkpoint's loader state) load."""
+keys of every such group, the first batch not read) after any reads and retires, the same while another thread
+reads; a feed resumed from it gives exactly the pending groups (same rows, same seeds) less those the rollouter holds,
+and then the batches the first feed read next; a synchronous checkpoint's loader state loads."""
 
 import random
 import threading
@@ -67,7 +67,7 @@ def test_state_after_reads_and_retires_is_the_oldest_batch_with_a_group_not_trai
     the next to read), the unshuffled loader's state before it, the pending keys."""
     rng = random.Random(0)
     f, read, pending = feed(7), 0, set()
-    assert f.state_dict() == {"loader": start(0, 2), "first_batch": 0, "pending": []}
+    assert f.state_dict() == {"loader": start(0, 2), "first_batch": 0, "pending": [], "read_until": 0}
     for _ in range(300):
         if rng.random() < 0.4:
             pending |= {key for key, _ in f.read()}
@@ -78,7 +78,7 @@ def test_state_after_reads_and_retires_is_the_oldest_batch_with_a_group_not_trai
             pending -= set(done)
         first = min((k for k, _ in pending), default=read)
         assert f.state_dict() == {"loader": start(first, 2), "first_batch": first,
-                                  "pending": [list(key) for key in sorted(pending)]}
+                                  "pending": [list(key) for key in sorted(pending)], "read_until": read}
         assert f.epoch() == read // 2
     f.retire(pending)
     assert f.batch_starts == {}  # nothing kept for batches no checkpoint needs
@@ -116,17 +116,31 @@ def test_resume_gives_exactly_the_pending_groups_then_reads_on():
     assert b.epoch() == a.epoch() == 1
 
 
-def test_loads_the_states_checkpoints_hold():
-    """An async checkpoint's dict as the trainer saved it before the feed, and a synchronous checkpoint's loader
-    state (nothing in flight: reading goes on at the feed's first batch, the trainer's step)."""
-    f = feed(7)
-    f.load_state_dict({"loader": {"epoch": 0, "index": 3}, "first_batch": 1, "pending": [[1, 2], [2, 0]]})
-    assert [key for key, _ in f.read()] == [(1, 2)]
-    assert [key for key, _ in f.read()] == [(2, 0)]
-    assert [key for key, _ in f.read()] == [(3, row) for row in range(BATCH)]
+def test_groups_the_rollouter_holds_stay_pending_and_are_never_read_again():
+    """A checkpoint kept batch 1's groups 0 and 2 and all of batch 2's finished (the rollouter restores them); the
+    resumed feed gives only batch 1's group 1, reads batch 2 without giving any, then reads on with batch 4 after
+    batch 3 (read before the save, nothing of it pending: all trained). The held groups stay pending until retired."""
+    saved = {"loader": start(1, 10), "first_batch": 1, "pending": [[1, 0], [1, 1], [1, 2], [2, 0], [2, 1], [2, 2]],
+             "read_until": 4}
+    held = [(1, 0), (1, 2), (2, 0), (2, 1), (2, 2)]
+    f = feed(30)
+    f.load_state_dict(saved, held=held)
+    assert f.state_dict() == saved  # nothing read yet: the same state
+    assert [key for key, _ in f.read()] == [(1, 1)]
+    assert [key for key, _ in f.read()] == [(4, row) for row in range(BATCH)]
+    f.retire([(1, 0), (1, 1), (1, 2)])
+    state = f.state_dict()
+    assert state["first_batch"] == 2 and state["loader"] == start(2, 10)  # batch 2 was read (skipped) on resume
+    assert as_keys(state) == [*held[2:], *((4, row) for row in range(BATCH))] and state["read_until"] == 5
+    f.retire(held[2:])
+    assert f.state_dict()["first_batch"] == 4
+
+
+def test_loads_a_synchronous_checkpoints_loader_state():
+    """Nothing was in flight: reading goes on at the feed's first batch, the trainer's step."""
     sync = feed(7, first_batch=3)
     sync.load_state_dict({"epoch": 1, "index": 3})
-    assert sync.state_dict() == {"loader": start(3, 2), "first_batch": 3, "pending": []}
+    assert sync.state_dict() == {"loader": start(3, 2), "first_batch": 3, "pending": [], "read_until": 3}
     groups = sync.read()
     assert [key for key, _ in groups] == [(3, row) for row in range(BATCH)]
     assert groups[0][1].tensors["index"].tolist() == [3] * N
@@ -167,4 +181,4 @@ def test_state_is_consistent_while_another_thread_reads():
         break
     thread.join()
     f.retire(seen)
-    assert f.state_dict() == {"loader": start(300, 10), "first_batch": 300, "pending": []}
+    assert f.state_dict() == {"loader": start(300, 10), "first_batch": 300, "pending": [], "read_until": 300}

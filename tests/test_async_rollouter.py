@@ -3,9 +3,11 @@ per request and engine step, stamped with the version they hold, and finish a re
 
 The budget (window + extra prompts outstanding after a sync), the staleness bound of staleness.py (reached, never
 exceeded), pausing with and without draining (partial rollout), first-in-first-out groups trained in key order, and
-dropping stale groups with their budget returned; the feed's pending groups are those read and not taken."""
+dropping stale groups with their budget returned; the feed's pending groups are those read and not taken; a
+checkpoint drains, and a rollouter restored from it takes what the first one goes on to take."""
 
 import math
+import pickle
 from collections.abc import Callable
 from types import SimpleNamespace
 
@@ -16,7 +18,7 @@ import torch
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.data.rl_dataset import PromptLoader
 from shardrl.trainer.prompt_feed import PromptFeed
-from shardrl.trainer.rollouter import ENGINE_KEYS, Rollouter
+from shardrl.trainer.rollouter import ENGINE_KEYS, Rollouter, RolloutState
 from shardrl.trainer.staleness import Budget
 from shardrl.trainer.tracking import Timeline
 from shardrl.workers.rollout import RolloutWorker
@@ -88,10 +90,13 @@ def sample_rows(prompts: Batch, k: int) -> Batch:
     return Batch({"sample_seed": 100 * k + torch.arange(len(prompts) * N)}, {"uid": as_object_array(uids)})
 
 
-def rollouter(fake: FakeRollout, window: int, extra: int, in_order: bool = False) -> Rollouter:
+def rollouter(fake: FakeRollout, window: int, extra: int, in_order: bool = False,
+              restored: RolloutState | None = None) -> Rollouter:
     budget = Budget(per_step=0, trigger=0, window=window, extra=extra)  # the rollouter reads window and extra
     feed = PromptFeed(PromptLoader(Prompts(), PROMPTS_PER_BATCH, shuffle=False), sample_rows, N)
     r = Rollouter(fake, fake.layout.dp, feed, budget, Timeline(), lambda: 0, in_order)
+    if restored is not None:
+        r.restore(restored)
     r.thread.start()
     return r
 
@@ -191,6 +196,44 @@ def test_pending_groups_are_every_group_read_and_not_taken():
         assert pending(r) == sorted(set(read) - {g.key for g in groups})
     finally:
         r.close()
+
+
+@pytest.mark.parametrize("in_order", [False, True])
+def test_a_checkpoint_drains_and_a_restored_rollouter_takes_what_the_first_goes_on_to_take(in_order):
+    """At the save requests run and groups (1, 1), (1, 2) are read but not started. The checkpoint finishes the
+    running requests; a rollouter restored from it (pickled, as a checkpoint holds it) takes the same groups, with the
+    same samples and versions, as the first one goes on to take, over a sync: the unstarted groups are read again."""
+    def done(seed: int, versions: list[int]) -> bool:
+        return len(versions) == 2 + seed % 5
+
+    def go_on(r: Rollouter, fake: FakeRollout) -> list[tuple[tuple[int, int], list, list]]:
+        taken = r.take(3, version=0, bound=0)[0]
+        r.pause(drain=True)
+        fake.version = 1
+        r.resume(new_window=True)
+        taken += r.take(4, version=1, bound=1)[0]
+        return [(g.key, g.samples.tensors["sample_seed"].tolist(), g.samples.tensors["policy_versions"].tolist())
+                for g in taken]
+
+    fake = FakeRollout(num_replicas=2, done=done)
+    r = rollouter(fake, window=4, extra=0, in_order=in_order)  # batch 0 and (1, 0) start
+    try:
+        wait_until(r, lambda: fake.new_rows_per_call)
+        state = r.checkpoint()
+        assert fake.in_flight() == 0 and sorted(g.key for g in state.queue) == [(0, 0), (0, 1), (0, 2), (1, 0)]
+        saved = pickle.dumps(state)
+        r.resume(new_window=False)
+        first = go_on(r, fake)
+    finally:
+        r.close()
+    fake_again = FakeRollout(num_replicas=2, done=done)
+    restored = rollouter(fake_again, window=4, extra=0, in_order=in_order, restored=pickle.loads(saved))
+    try:
+        assert go_on(restored, fake_again) == first
+    finally:
+        restored.close()
+    assert fake_again.new_rows_per_call[0] == 3 * N  # the restored one started only the window after the sync
+    assert {key for key, _, _ in first} >= {(1, 1), (1, 2)}
 
 
 def pending(r: Rollouter) -> list[tuple[int, int]]:

@@ -179,7 +179,7 @@ def filtered_run(paths: dict[str, str], overrides: list[str], num_steps: int) ->
     steps, metrics, states = trainer.schedule(), [], []
     for _ in range(num_steps):
         metrics.append({k: v for k, v in next(steps).items() if k.startswith(("train/", "critic/score"))})
-        states.append(trainer.loader_state())
+        states.append(trainer.schedule_state()["dataloader"])
         trainer.global_step += 1
     return {"generated": trainer.generated, "trained": trainer.trained, "metrics": metrics, "states": states}
 

@@ -15,11 +15,14 @@ One-step-off (one_step_off.py) is this schedule with a batch per step, a sync ev
 the batches taken whole, in loader order.
 
 Prompts and checkpoints: when the schedule starts, the trainer hands its loader to a prompt feed (prompt_feed.py)
-that the rollouter owns and reads on its thread; from then on the trainer asks the feed (its own lock) for what a
-checkpoint saves and for the epoch, and never touches the loader. The rollouter reads prompts ahead of the trainer,
-so the saved position is the start of the oldest loader batch with a group not yet trained, with the keys (loader
-batch, row) of every such group; a resumed run generates exactly those groups again (under the checkpoint's weights,
-with their original sampling seeds) before reading on.
+that the rollouter owns and reads on its thread; from then on the trainer asks the feed (its own lock) for the epoch
+and never touches the loader. A save pauses the rollouter with its requests finished (`Rollouter.checkpoint`) and
+keeps the finished groups not yet trained (samples, scores, versions), the budget and the feed's position (the
+start of the oldest loader batch with a group not trained, and which groups read ahead were not started). It also
+syncs the rollout when the save falls between two syncs, so the rollout holds the saved weights, the only ones a
+resumed run has. A resumed run so takes the same groups and starts the same requests as the run it continues: on
+CPU its metrics equal an uninterrupted run's bit for bit, where that run is itself reproducible (no partial
+rollout: where a partial-rollout sync cuts a running request depends on timing).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from shardrl.trainer import batch_ops, staleness
 from shardrl.trainer.ppo import PPOTrainer
 from shardrl.trainer.prompt_feed import PromptFeed
 from shardrl.trainer.reward_loop import concat_scored
-from shardrl.trainer.rollouter import Rollouter
+from shardrl.trainer.rollouter import Rollouter, RolloutState
 
 IDLE_PHASES = ("wait_rollout", "pause_rollout")  # the trainer's phases that wait for the rollouter
 
@@ -40,7 +43,7 @@ IDLE_PHASES = ("wait_rollout", "pause_rollout")  # the trainer's phases that wai
 class FullyAsyncTrainer(PPOTrainer):
     rollouter: Rollouter | None = None
     in_order = False  # take groups first finished first (fully async) or whole batches in loader order
-    restored_loader: dict[str, Any] | None = None  # a checkpoint's loader state, for the feed the schedule builds
+    restored: dict[str, Any] | None = None  # a checkpoint's schedule state, for the rollouter the schedule builds
 
     def partial_rollout(self) -> bool:
         """Whether a sync pauses the requests in flight (continued under the new weights) instead of draining."""
@@ -50,11 +53,13 @@ class FullyAsyncTrainer(PPOTrainer):
         budget = staleness.budget(self.plan)
         # Batch k trains at step k unless an async checkpoint says otherwise; the feed owns the loader from now on.
         feed = PromptFeed(self.loader, self.sample_rows, self.loop.samples_per_prompt, self.global_step)
-        if self.restored_loader is not None:
-            feed.load_state_dict(self.restored_loader)
         scorer = self.score_samples if self.plan.reward.while_generating else None
         self.rollouter = Rollouter(self.workers.rollout, self.workers.rollout.layout.dp, feed, budget, self.timeline,
                                    lambda: self.global_step, self.in_order, scorer)
+        if self.restored is not None and "rollouter" in self.restored:  # an async checkpoint
+            self.rollouter.restore(self.restored["rollouter"])
+        elif self.restored is not None:  # a synchronous one: nothing was in flight
+            feed.load_state_dict(self.restored["dataloader"])
         self.rollouter.thread.start()
         try:
             while True:
@@ -95,16 +100,25 @@ class FullyAsyncTrainer(PPOTrainer):
         finally:
             self.rollouter.resume(new_window=False)
 
-    def loader_state(self) -> dict[str, Any]:
-        """The feed's state (see prompt_feed.py): where a resumed run reads on, and the groups it generates again."""
-        if self.rollouter is None:
-            return super().loader_state()
-        return self.rollouter.feed.state_dict()
+    def save(self) -> None:
+        """The checkpoint with what is in flight (`schedule_state`, which pauses the rollouter), then go on."""
+        try:
+            super().save()
+        finally:
+            if self.rollouter is not None:
+                self.rollouter.resume(new_window=False)
 
-    def restore_loader(self, state: dict[str, Any]) -> None:
-        """Kept for the feed, which loads it when the schedule starts (an async checkpoint's state or a synchronous
-        one's, the loader's own)."""
-        self.restored_loader = state
+    def schedule_state(self) -> dict[str, Any]:
+        """The rollouter's state, paused with its requests finished; the rollout synced to the weights saved."""
+        if self.rollouter is None:
+            return super().schedule_state()
+        state: RolloutState = self.rollouter.checkpoint()
+        self.sync_weights(self.global_step)  # a no-op on a sync step
+        return {"rollouter": state}
+
+    def restore_schedule(self, state: dict[str, Any]) -> None:
+        """Kept for the rollouter the schedule builds (an async checkpoint's state or a synchronous one's)."""
+        self.restored = state
 
     def epoch(self) -> int:
         if self.rollouter is None:

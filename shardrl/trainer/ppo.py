@@ -258,9 +258,8 @@ class PPOTrainer:
 
     def save(self) -> None:
         """Every role's checkpoint of this step, then (all written) the `latest` pointer: atomic as a whole."""
-        state = {"step": self.global_step, "dataloader": self.loader_state(),
-                 "policy_version": self.policy_version,
-                 "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None}
+        state = {"step": self.global_step, "policy_version": self.policy_version,
+                 "kl_coef": self.kl_ctrl.value if self.kl_ctrl is not None else None} | self.schedule_state()
         root = self.tracker.run_dir
         self.workers.actor.call(ActorRefWorker.save_checkpoint, str(root), self.global_step, state)
         if self.loop.save_hf:  # "hf_model" in actor.checkpoint.save_contents, verl's key for it
@@ -273,12 +272,14 @@ class PPOTrainer:
         """The actor as an HF checkpoint transformers loads."""
         self.workers.actor.call(ActorRefWorker.save_hf, out_dir)
 
-    def loader_state(self) -> dict[str, Any]:
-        """Where a resumed run continues reading prompts (synchronous: the loader's position after this step)."""
-        return self.loader.state_dict()
+    def schedule_state(self) -> dict[str, Any]:
+        """What the schedule needs to continue exactly (synchronous: the loader's position after this step,
+        `dataloader`; the async modes add what is in flight)."""
+        return {"dataloader": self.loader.state_dict()}
 
-    def restore_loader(self, state: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state)
+    def restore_schedule(self, state: dict[str, Any]) -> None:
+        """A checkpoint's `schedule_state()` (the trainer state it was saved in)."""
+        self.loader.load_state_dict(state["dataloader"])
 
     def epoch(self) -> int:
         """The loader's epoch (the async modes ask their prompt feed: its thread reads the loader)."""
@@ -295,7 +296,7 @@ class PPOTrainer:
         if self.workers.critic is not None:
             self.workers.critic.call(CriticWorker.load_checkpoint, str(step_dir))
         self.global_step, self.policy_version = state["step"], state["policy_version"]
-        self.restore_loader(state["dataloader"])
+        self.restore_schedule(state)
         self.rollout_version = None  # the rollout still holds the initial weights: fit() syncs
         if self.kl_ctrl is not None:
             self.kl_ctrl.value = state["kl_coef"]

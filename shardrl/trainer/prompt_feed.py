@@ -4,9 +4,11 @@ run reads on.
 The rollouter (rollouter.py) reads prompts ahead of the trainer, so the loader's own position would skip the groups
 queued or generating at a save. The feed instead keeps the loader's state before every loader batch that still has a
 group not yet trained, and the keys (loader batch, row) of all such groups: `state_dict()` is the start of the oldest
-of those batches (`loader`, `first_batch`) with the keys (`pending`). A feed restored from it reads on from there and
-gives exactly the pending groups of the batches up to the last one with any (with their original sampling seeds: a
-batch's rows are seeded by its index, as the synchronous step k seeds batch k), then every group of later batches.
+of those batches (`loader`, `first_batch`) with the keys (`pending`) and the first batch never read (`read_until`). A
+feed restored from it reads on from there and gives exactly the pending groups of the batches read before the save
+(with their original sampling seeds: a batch's rows are seeded by its index, as the synchronous step k seeds batch
+k), less those the rollouter restores itself (`held`: the finished groups a checkpoint keeps, rollouter.py), then
+every group of later batches.
 
 Threads, owners, locks. The trainer builds the feed from its loader (before the schedule starts, nothing else runs)
 and hands it to the Rollouter, which owns it from then on; the trainer never touches the loader again. All the feed
@@ -47,19 +49,21 @@ class PromptFeed:
         self.batch_starts: dict[int, dict[str, int]] = {}  # the loader's state before each batch read, from the
         # oldest with a pending group on
         self.pending: set[Key] = set()  # read, not retired
-        self.resumed: dict[int, set[int]] = {}  # after a resume: rows of batches not read yet to generate again
+        self.resumed: dict[int, set[int]] = {}  # after a resume: per batch read before the save and not yet again,
+        # the rows to give (none: the batch is read and skipped)
         self.batches: Iterator[Batch] | None = None  # the loader's batches from its position, epoch after epoch
 
     def read(self) -> list[tuple[Key, Batch]]:
         """The groups of the next loader batch with any to give, each with its `group_size` sample rows: after a
-        resume only the resumed rows while any are left (a batch without any is read and skipped), then all rows."""
+        resume only the resumed rows of the batches read before the save (a batch without any is read and
+        skipped), then all rows."""
         with self.lock:
             while True:
                 k = self.next_batch
                 self.batch_starts[k] = self.loader.state_dict()
                 samples = self.sample_rows(next(self._batches()), k)
                 self.next_batch = k + 1
-                rows = sorted(self.resumed.pop(k, ())) if self.resumed else range(len(samples) // self.group_size)
+                rows = sorted(self.resumed.pop(k)) if k in self.resumed else range(len(samples) // self.group_size)
                 if rows:
                     break
             n = self.group_size
@@ -77,24 +81,31 @@ class PromptFeed:
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint saves: `loader` (its state before `first_batch`), `first_batch` (the oldest loader
         batch with a group not trained, or the next to read), `pending` (the keys of every group read or resumed
-        and not trained, in key order)."""
+        and not trained, in key order), `read_until` (the first batch not read before: later ones give all their
+        groups)."""
         with self.lock:
             first = self._first_batch()
             loader = self.batch_starts[first] if first < self.next_batch else self.loader.state_dict()
             pending = sorted(self.pending | {(k, row) for k, rows in self.resumed.items() for row in rows})
-        return {"loader": dict(loader), "first_batch": first, "pending": [list(key) for key in pending]}
+            read_until = max([self.next_batch, *(k + 1 for k in self.resumed)])
+        return {"loader": dict(loader), "first_batch": first, "pending": [list(key) for key in pending],
+                "read_until": read_until}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def load_state_dict(self, state: dict[str, Any], held: Iterable[Key] = ()) -> None:
         """A `state_dict()` of an async checkpoint, or a synchronous one's (the loader's own: nothing was in
-        flight, reading goes on at `first_batch`)."""
+        flight, reading goes on at `first_batch`). `held`: pending groups the rollouter restores itself (finished
+        before the save): pending still, never read again."""
         with self.lock:
             if "first_batch" not in state:
-                state = {"loader": state, "first_batch": self.next_batch, "pending": []}
+                state = {"loader": state, "first_batch": self.next_batch, "pending": [],
+                         "read_until": self.next_batch}
             self.loader.load_state_dict(state["loader"])
             self.next_batch, self.batches = state["first_batch"], None
-            self.batch_starts, self.pending, self.resumed = {}, set(), {}
+            self.batch_starts, self.pending = {}, set(map(tuple, held))
+            self.resumed = {k: set() for k in range(state["first_batch"], state["read_until"])}
             for k, row in state["pending"]:
-                self.resumed.setdefault(k, set()).add(row)
+                if (k, row) not in self.pending:
+                    self.resumed[k].add(row)
 
     def epoch(self) -> int:
         """The loader's epoch (of the next prompt to read)."""
@@ -102,9 +113,9 @@ class PromptFeed:
             return self.loader.state_dict()["epoch"]
 
     def _first_batch(self) -> int:
-        """The oldest batch with a group read and not retired, else the next to read (groups resumed and not read
-        yet are of that batch or later ones)."""
-        return min((k for k, _ in self.pending), default=self.next_batch)
+        """The oldest batch with a group read (or held) and not retired, or the next to read if older: groups
+        resumed and not read yet are of that batch or later ones."""
+        return min([self.next_batch, *(k for k, _ in self.pending)])
 
     def _batches(self) -> Iterator[Batch]:
         if self.batches is None:

@@ -14,6 +14,14 @@ from: its thread reads groups from it, `take` retires those the trainer took or 
 feed's checkpoint state and epoch through the feed's methods (`feed.state_dict()`, `feed.epoch()`), never the loader.
 The feed has its own lock, taken after `cond` where both are held.
 
+Checkpoints (`checkpoint`, `restore`): a save first lets the requests in flight finish (a drain, as a sync without
+partial rollout does) and waits for their scores, so what is in flight is only finished groups: the checkpoint keeps
+them whole (samples, scores, versions) in take order, with the budget left and the drop count, and the feed's state
+(which also re-reads the groups read ahead and not started). A resumed run takes exactly the groups, and starts
+exactly the requests, of the run it continues. Keeping a half-generated sequence instead would change its later
+log-probs: restarted, it is prefilled again rather than decoded on from its cache, at a point of the run that
+depends on timing.
+
 It also accounts where the rollout pool's time goes (`take_stats`): engine steps (prefill, decode, the decode batch
 size), the call overhead around them (Ray, packing samples) and the time it stood idle between calls (budget spent,
 paused for a sync).
@@ -25,7 +33,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
 import torch
@@ -67,6 +75,17 @@ class Group:
         versions = self.samples.tensors["policy_versions"]  # [n, R], -1 on padding
         self.oldest_version = int(versions[self.samples.tensors["response_mask"].bool()].min())
         return True
+
+
+@dataclass
+class RolloutState:
+    """What a checkpoint keeps of the rollouter (`Rollouter.checkpoint`): pickled whole into the trainer state."""
+
+    feed: dict  # PromptFeed.state_dict()
+    queue: list[Group]  # finished, not taken: in take order (first finished first)
+    started: list[tuple[int, int]]  # the keys of `queue` in start order (`take` with `in_order`)
+    budget: int  # groups it may still start before the next sync
+    dropped: int  # samples dropped so far (`async/dropped_samples`)
 
 
 class Rollouter:
@@ -162,6 +181,26 @@ class Rollouter:
                 self.budget = self.window + self.extra - len(self.outstanding)
             self.pausing = False
             self.cond.notify_all()
+
+    def checkpoint(self) -> RolloutState:
+        """Pause (draining the requests in flight), wait for their scores and return what a checkpoint keeps; the
+        caller resumes (`resume(new_window=False)`) once the checkpoint is written."""
+        self.pause(drain=True)
+        with self.cond:
+            while self.being_scored:
+                self._raise_error()
+                self.cond.wait()
+            queue = [replace(g, done=[]) for g in self.queue]  # finished: `samples` (or `scored`) hold them
+            return RolloutState(self.feed.state_dict(), queue, [g.key for g in self.outstanding], self.budget,
+                                self.dropped)
+
+    def restore(self, state: RolloutState) -> None:
+        """Before the thread starts: the groups, budget and drop count of a checkpoint, and the feed's state."""
+        self.feed.load_state_dict(state.feed, held=[g.key for g in state.queue])
+        by_key = {g.key: g for g in state.queue}
+        self.queue.extend(state.queue)
+        self.outstanding.extend(by_key[key] for key in state.started)
+        self.budget, self.dropped = state.budget, state.dropped
 
     def close(self) -> None:
         with self.cond:
