@@ -100,6 +100,7 @@ def assert_partition(*parts: set[int]) -> None:
     assert union == set(range((max(union) // LOADER_BATCH + 1) * LOADER_BATCH)), sorted(union)
 
 
+@pytest.mark.slow  # 97 s; the default suite resumes fully async exactly (tests/test_async_resume.py)
 def test_resume_trains_every_prompt_group_once_with_its_original_seeds(tmp_path):
     """Run A trains 6 steps and saves at step 3, with groups read ahead (queued, generating, not started) in the
     rollouter; run B resumes from that save to step 6. A's first 3 steps and B's steps train disjoint groups, and

@@ -80,6 +80,7 @@ def compute_score(data_source, solution_str, ground_truth, extra_info=None):
 """
 
 
+@pytest.mark.slow  # 53 s; the exact resume of tests/test_async_resume.py (fully async in the default suite) implies it
 def test_resume_generates_the_prompts_that_were_in_flight_at_the_save(tmp_path):
     """Unshuffled data, so step k trains prompts 32k..32k+31 (the reward function logs each sample's prompt index).
     At the save after step 2, batch 2 is generating on the rollout pool (and more may be read): the resumed run

@@ -2,7 +2,7 @@
 
 A `Batch` holds three things, mirroring verl's `DataProto` (`batch`, `non_tensor_batch`, `meta_info`):
 
-- `tensors`: a `TensorDict` with batch size `[B]` (input ids, masks, logprobs, advantages, ...);
+- `tensors`: `TensorColumns`, a dict of tensors with B rows each (input ids, masks, logprobs, advantages, ...);
 - `non_tensors`: per-sample Python objects as numpy object arrays of length B (raw prompts, `data_source`,
   `reward_model`, `uid`, ...);
 - `meta`: batch-level values that are not per sample (global token counts, temperature, metrics).
@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from tensordict import TensorDict
 
 METRICS_KEY = "metrics"
 NUM_PAD_KEY = "num_pad"
@@ -40,17 +39,46 @@ def as_object_array(values: Sequence[Any]) -> np.ndarray:
     return out
 
 
+class TensorColumns(dict[str, torch.Tensor]):
+    """A batch's tensor columns: a dict whose every value has `num_rows` rows (its first dimension), which it
+    checks as a column is set. It knows its row count without any column (a batch of only non-tensor columns).
+
+    A plain dict rather than tensordict's TensorDict: the batch needs no more than this, and importing tensordict
+    imports torch._dynamo, over a second of start-up in every process (driver, each Ray worker)."""
+
+    def __init__(self, columns: Mapping[str, torch.Tensor], num_rows: int) -> None:
+        super().__init__()
+        self.num_rows = num_rows
+        for key, value in columns.items():
+            self[key] = value
+
+    def __setitem__(self, key: str, value: torch.Tensor) -> None:
+        if value.dim() == 0 or value.shape[0] != self.num_rows:
+            raise BatchError(f"tensor column {key!r} of shape {tuple(value.shape)}: the batch has {self.num_rows} rows")
+        super().__setitem__(key, value)
+
+    def __reduce__(self):  # pickled (Ray, checkpoints) as its class, columns and row count
+        return TensorColumns, (dict(self), self.num_rows)
+
+    def rows(self, index: torch.Tensor | slice | Sequence[int]) -> TensorColumns:
+        """The columns' rows `index` (a slice: views; indices: copies, in that order)."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, dtype=torch.long)
+        num_rows = len(range(self.num_rows)[index]) if isinstance(index, slice) else len(index)
+        return TensorColumns({k: v[index] for k, v in self.items()}, num_rows)
+
+
 class Batch:
     """Tensors + per-sample non-tensor columns + meta, all with the same number of rows."""
 
     def __init__(
         self,
-        tensors: Mapping[str, torch.Tensor] | TensorDict | None = None,
+        tensors: Mapping[str, torch.Tensor] | None = None,
         non_tensors: Mapping[str, Sequence[Any]] | None = None,
         meta: dict[str, Any] | None = None,
     ) -> None:
-        # A TensorDict without keys still knows its row count (e.g. a batch of only non-tensor columns).
-        lengths = {"tensors": tensors.batch_size[0]} if isinstance(tensors, TensorDict) and tensors.batch_dims else {}
+        # Columns without keys still know their row count (e.g. a batch of only non-tensor columns).
+        lengths = {"tensors": tensors.num_rows} if isinstance(tensors, TensorColumns) and not tensors else {}
         tensors = dict(tensors.items()) if tensors is not None else {}
         non_tensors = {k: as_object_array(v) for k, v in (non_tensors or {}).items()}
         lengths |= {f"tensors[{k!r}]": v.shape[0] for k, v in tensors.items()}
@@ -58,12 +86,12 @@ class Batch:
         if len(set(lengths.values())) > 1:
             raise BatchError(f"batch columns have different numbers of rows: {lengths}")
         num_rows = next(iter(lengths.values()), 0)
-        self.tensors = TensorDict(tensors, batch_size=[num_rows])
+        self.tensors = TensorColumns(tensors, num_rows)
         self.non_tensors = non_tensors
         self.meta = meta if meta is not None else {}
 
     def __len__(self) -> int:
-        return self.tensors.batch_size[0]
+        return self.tensors.num_rows
 
     def __repr__(self) -> str:
         shapes = {k: tuple(v.shape) for k, v in self.tensors.items()}
@@ -73,7 +101,7 @@ class Batch:
         """A new batch holding `rows` of this one (a slice or an index tensor); meta is deep-copied."""
         np_rows = rows.numpy() if isinstance(rows, torch.Tensor) else rows
         return Batch(
-            self.tensors[rows],
+            self.tensors.rows(rows),
             {k: v[np_rows] for k, v in self.non_tensors.items()},
             copy.deepcopy(self.meta),
         )
@@ -94,7 +122,8 @@ class Batch:
             missing = sorted(set(keys or ()) - set(have))
             if missing:
                 raise BatchError(f"select: {kind} has no keys {missing}; it has {sorted(have)}")
-        tensors = self.tensors if tensor_keys is None else self.tensors.select(*tensor_keys)
+        tensors = self.tensors if tensor_keys is None else TensorColumns(
+            {k: self.tensors[k] for k in tensor_keys}, len(self))
         non_tensors = self.non_tensors if non_tensor_keys is None else {k: self.non_tensors[k] for k in non_tensor_keys}
         return Batch(tensors, non_tensors, copy.deepcopy(self.meta))
 
@@ -167,7 +196,8 @@ class Batch:
 
     def to(self, device: torch.device | str) -> Batch:
         """Tensors moved to `device`; non-tensor values and meta values are shared, not copied."""
-        return Batch(self.tensors.to(device), dict(self.non_tensors), dict(self.meta))
+        return Batch(TensorColumns({k: v.to(device) for k, v in self.tensors.items()}, len(self)),
+                     dict(self.non_tensors), dict(self.meta))
 
     @staticmethod
     def concat(batches: Sequence[Batch]) -> Batch:
@@ -182,7 +212,8 @@ class Batch:
                     f"concat: column keys differ: {sorted(first.tensors.keys())} + {sorted(first.non_tensors)} vs "
                     f"{sorted(b.tensors.keys())} + {sorted(b.non_tensors)}"
                 )
-        tensors = torch.cat([b.tensors for b in batches])
+        tensors = TensorColumns({k: torch.cat([b.tensors[k] for b in batches]) for k in first.tensors},
+                                sum(len(b) for b in batches))
         non_tensors = {k: np.concatenate([b.non_tensors[k] for b in batches]) for k in first.non_tensors}
         return Batch(tensors, non_tensors, _merge_meta([b.meta for b in batches]))
 

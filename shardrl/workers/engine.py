@@ -176,7 +176,7 @@ def make_micro_batches(batch: Batch, keys: Sequence[str], device: torch.device, 
     response_length = batch.tensors["responses"].shape[1]
     out = []
     for rows in groups:
-        t = batch.tensors[rows]
+        t = batch.tensors.rows(rows)
         packed = pack(t["input_ids"], t["attention_mask"], t["position_ids"], response_length).to(device)
         mb = MicroBatch(packed, {k: t[k].to(device) for k in keys}, rows, max(lengths[r] for r in rows))
         if routing is not None:
