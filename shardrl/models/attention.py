@@ -6,6 +6,7 @@ token attends causally to earlier tokens of its own sequence only.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -43,6 +44,13 @@ class PackedSeqs:
     def num_tokens(self) -> int:
         return self.cos.shape[0]
 
+    @functools.cached_property
+    def query_spans(self) -> tuple[Tensor, Tensor, Tensor]:
+        """Each sequence's first token, token count and first position ([N] int32 each): the batch-invariant
+        attention's description of a packed micro batch, built once per forward for all layers."""
+        starts = self.cu_seqlens[:-1]
+        return starts, self.cu_seqlens[1:] - starts, torch.zeros_like(starts)
+
 
 def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float, bitwise: bool = False) -> Tensor:
     """q [T, nq, D], k and v [T, nkv, D] (nq a multiple of nkv) -> [T, nq, D].
@@ -52,8 +60,9 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: f
     `reference_attention`, which the tests compare against.
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
-        flash = _BitwiseAttention if bitwise else _FlashVarlen
-        return flash.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale)
+        if bitwise:
+            return _BitwiseAttention.apply(q, k, v, seqs, scale)
+        return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale)
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
 
 
@@ -101,13 +110,12 @@ class _BitwiseAttention(torch.autograd.Function):
     (a gradient of the same function up to rounding; backward bits need not match the rollout's)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
-        starts = cu_seqlens[:-1]
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+        starts, lengths, first_positions = seqs.query_spans
         lse = q.new_empty(q.shape[1], q.shape[0], dtype=torch.float32)  # [nq, T], as flash's varlen forward's
-        out = bitwise_attention(q, k, v, starts, cu_seqlens[1:] - starts, torch.zeros_like(starts), starts,
-                                max_seqlen, scale, lse)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+        out = bitwise_attention(q, k, v, starts, lengths, first_positions, starts, seqs.max_seqlen, scale, lse)
+        ctx.save_for_backward(q, k, v, out, lse, seqs.cu_seqlens)
+        ctx.max_seqlen, ctx.scale = seqs.max_seqlen, scale
         return out
 
     @staticmethod
@@ -115,7 +123,7 @@ class _BitwiseAttention(torch.autograd.Function):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         no_dropout_rng = torch.empty((), dtype=torch.int64)  # what flash's forward returns without dropout
         return *_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, no_dropout_rng, no_dropout_rng,
-                                ctx.max_seqlen, ctx.scale), None, None, None
+                                ctx.max_seqlen, ctx.scale), None, None
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:

@@ -43,8 +43,9 @@ class RMSNorm(nn.Module):
 
 class _BitwiseRMSNorm(torch.autograd.Function):
     """Forward: the batch-invariant kernel (one program per row), which also keeps each row's reciprocal RMS.
-    Backward: torch's fused RMSNorm backward from it, as the default path's autograd runs it (the same function up
-    to rounding; backward bits need not match anything), in a few launches: training is host-bound at these sizes."""
+    Backward: both gradients from it in two Triton launches (`bitwise_kernels.rms_norm_backward`; the same function
+    as the default path's autograd up to rounding: backward bits need not match anything): training is host-bound
+    at small widths, where each launch counts."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weight: Tensor, eps: float) -> Tensor:
@@ -57,15 +58,9 @@ class _BitwiseRMSNorm(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: Tensor):
+        from shardrl.parallel.bitwise_kernels import rms_norm_backward  # Triton: CUDA installs only
+
         x, weight, rstd = ctx.saved_tensors
-        rows, grad_rows = x.reshape(-1, x.shape[-1]), grad.reshape(-1, x.shape[-1])
+        grad_x, grad_weight = rms_norm_backward(grad, x, weight, rstd)
         wants_x, wants_weight, _ = ctx.needs_input_grad
-        grad_weight = None
-        if wants_weight:  # y = w * normed, normed rounded to x's dtype as in the forward
-            grad_weight = (grad_rows * (rows.float() * rstd).to(x.dtype)).sum(0)
-        grad_x = None
-        if wants_x:
-            grad_x, _ = torch.ops.aten._fused_rms_norm_backward(grad_rows * weight, rows, [x.shape[-1]], rstd, None,
-                                                                [True, False])
-            grad_x = grad_x.view(x.shape)
-        return grad_x, grad_weight, None
+        return grad_x if wants_x else None, grad_weight if wants_weight else None, None

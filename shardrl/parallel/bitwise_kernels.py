@@ -19,13 +19,15 @@ What makes each one invariant:
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import functools
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 from torch import Tensor
+
+from shardrl.parallel.triton_launch import FastKernel
 
 # GEMM tile configurations (BLOCK_M, BLOCK_N, warps, stages), all with BLOCK_K = 64: the K steps, hence every
 # element's order of additions, are the same in each, and on H200 their bits are equal (tests/test_bitwise_gpu.py
@@ -87,6 +89,9 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, first_row_ptr
     tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(rows < end)[:, None] & col_ok[None, :])
 
 
+_MATMUL = FastKernel(_matmul_kernel)
+
+
 def _rows_contiguous(x: Tensor) -> Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
@@ -96,12 +101,16 @@ def _block_m(num_rows: int) -> int:
     return 16 if num_rows <= 16 else 64 if num_rows <= 64 else 128
 
 
-def _gemm_config(row_tiles: Callable[[int], int], num_cols: int, heights: tuple[int, ...]) -> tuple[int, int, int, int]:
-    """The largest configuration of a tile height in `heights` whose grid (`row_tiles(block_m)` x column tiles)
-    reaches MIN_PROGRAMS, else the smallest of them."""
+@functools.lru_cache(maxsize=4096)
+def _gemm_config(num_rows: int, num_cols: int, heights: tuple[int, ...],
+                 row_tiles: int | None = None) -> tuple[int, int, int, int]:
+    """The largest configuration of a tile height in `heights` whose grid (row tiles x column tiles) reaches
+    MIN_PROGRAMS, else the smallest of them. Row tiles: `row_tiles` (a grouped GEMM's tile map: pass num_rows 0),
+    else num_rows / the tile height. Cached: a step asks for the same few shapes in every layer."""
     allowed = [c for c in GEMM_CONFIGS if c[0] in heights]
     for config in allowed:
-        if row_tiles(config[0]) * triton.cdiv(num_cols, config[1]) >= MIN_PROGRAMS:
+        tiles = row_tiles if row_tiles is not None else triton.cdiv(num_rows, config[0])
+        if tiles * triton.cdiv(num_cols, config[1]) >= MIN_PROGRAMS:
             return config
     return allowed[-1]
 
@@ -115,13 +124,11 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
     y = x.new_empty(num_rows, num_cols)
     if num_rows and num_cols:
         heights = (128, 64) if num_rows > 64 else (_block_m(num_rows),)
-        block_m, block_n, warps, stages = config or _gemm_config(lambda m: triton.cdiv(num_rows, m), num_cols,
-                                                                 heights)
+        block_m, block_n, warps, stages = config or _gemm_config(num_rows, num_cols, heights)
         grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
-        _matmul_kernel[grid](x, weight, bias if bias is not None else weight, y, x, x, x, num_rows, num_cols, depth,
-                             0, x.stride(0), 0, weight.stride(0), y.stride(0), GROUPED=False,
-                             HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                             num_warps=warps, num_stages=stages)
+        _MATMUL.launch(grid, (x, weight, bias if bias is not None else weight, y, x, x, x),
+                       (num_rows, num_cols, depth, 0, x.stride(0), 0, weight.stride(0), y.stride(0)), warps, stages,
+                       GROUPED=False, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
     return y
 
 
@@ -137,7 +144,7 @@ class ExpertTiles:
     block_m: int
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_experts", "max_tiles"])
 def _expert_tiles_kernel(counts_ptr, expert_ptr, first_row_ptr, expert_end_ptr, num_experts, max_tiles,
                          BLOCK_M: tl.constexpr, EXPERTS: tl.constexpr, BLOCK_T: tl.constexpr):
     """One program: each expert's rows cut into BLOCK_M tiles, numbered expert by expert."""
@@ -158,6 +165,9 @@ def _expert_tiles_kernel(counts_ptr, expert_ptr, first_row_ptr, expert_end_ptr, 
         tl.store(first_row_ptr + t, first, mask=t < max_tiles)
 
 
+_EXPERT_TILES = FastKernel(_expert_tiles_kernel)
+
+
 def expert_tiles(counts: Tensor, num_rows: int, block_m: int | None = None) -> ExpertTiles:
     """The tile map of `num_rows` rows grouped by expert, counts [E] rows per expert, built on the device by one
     kernel (no host read: CUDA graphs and no sync) for the most tiles any split of the rows needs. The tile height
@@ -166,11 +176,11 @@ def expert_tiles(counts: Tensor, num_rows: int, block_m: int | None = None) -> E
     per_expert = num_rows / num_experts
     block_m = block_m or (16 if per_expert <= 32 else 64 if per_expert <= 128 else 128)
     max_tiles = triton.cdiv(num_rows, block_m) + num_experts
-    expert = torch.empty(max_tiles, dtype=torch.int32, device=counts.device)
-    first_row = torch.empty_like(expert)
-    expert_end = torch.empty(num_experts, dtype=torch.int32, device=counts.device)
-    _expert_tiles_kernel[(1,)](counts, expert, first_row, expert_end, num_experts, max_tiles, BLOCK_M=block_m,
-                               EXPERTS=triton.next_power_of_2(num_experts), BLOCK_T=64)
+    stride = triton.cdiv(max_tiles, 4) * 4  # one allocation for the three, each part 16-byte aligned
+    parts = torch.empty(2 * stride + num_experts, dtype=torch.int32, device=counts.device)
+    expert, first_row, expert_end = parts[:max_tiles], parts[stride:stride + max_tiles], parts[2 * stride:]
+    _EXPERT_TILES.launch((1,), (counts, expert, first_row, expert_end), (num_experts, max_tiles), 4, 3,
+                         BLOCK_M=block_m, EXPERTS=triton.next_power_of_2(num_experts), BLOCK_T=64)
     return ExpertTiles(expert, first_row, expert_end, block_m)
 
 
@@ -186,12 +196,12 @@ def grouped_matmul(x: Tensor, weights: Tensor, tiles: ExpertTiles,
     if not num_rows or not num_cols:
         return y
     max_tiles = tiles.expert.shape[0]
-    block_m, block_n, warps, stages = config or _gemm_config(lambda m: max_tiles, num_cols, (tiles.block_m,))
+    block_m, block_n, warps, stages = config or _gemm_config(0, num_cols, (tiles.block_m,), max_tiles)
     grid = (max_tiles, triton.cdiv(num_cols, block_n))
-    _matmul_kernel[grid](x, weights, weights, y, tiles.expert, tiles.first_row, tiles.expert_end, num_rows,
-                         num_cols, depth, num_experts, x.stride(0), weights.stride(0), weights.stride(1), y.stride(0),
-                         GROUPED=True, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K,
-                         num_warps=warps, num_stages=stages)
+    _MATMUL.launch(grid, (x, weights, weights, y, tiles.expert, tiles.first_row, tiles.expert_end),
+                   (num_rows, num_cols, depth, num_experts, x.stride(0), weights.stride(0), weights.stride(1),
+                    y.stride(0)), warps, stages,
+                   GROUPED=True, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
     return y
 
 
@@ -212,20 +222,92 @@ def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, num_cols, stride_x, stride_y
     tl.store(y_ptr + row * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=inside)
 
 
+_RMS_NORM = FastKernel(_rms_norm_kernel)
+
+
 def rms_norm(x: Tensor, weight: Tensor, eps: float, rstd: Tensor | None = None) -> Tensor:
     """x [..., H] -> the same shape, normalised per row of H; `rstd` [rows, 1] fp32: filled with each row's
     reciprocal RMS (training)."""
     rows = _rows_contiguous(x).reshape(-1, x.shape[-1])
     y = torch.empty_like(rows)
     if rows.shape[0]:
-        _rms_norm_kernel[(rows.shape[0],)](rows, weight, y, rstd if rstd is not None else y, rows.shape[1],
-                                           rows.stride(0), y.stride(0), eps,
-                                           BLOCK=triton.next_power_of_2(rows.shape[1]), STORE_RSTD=rstd is not None,
-                                           num_warps=4)
+        _RMS_NORM.launch((rows.shape[0],), (rows, weight, y, rstd if rstd is not None else y),
+                         (rows.shape[1], rows.stride(0), y.stride(0), eps), 4,
+                         BLOCK=triton.next_power_of_2(rows.shape[1]), STORE_RSTD=rstd is not None)
     return y.view(x.shape)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_rows", "num_cols", "rows_per_program"])
+def _rms_norm_backward_kernel(x_ptr, w_ptr, grad_ptr, rstd_ptr, grad_x_ptr, partial_ptr, num_rows, num_cols,
+                              rows_per_program, stride_x, stride_grad, stride_grad_x, BLOCK_R: tl.constexpr,
+                              BLOCK: tl.constexpr):
+    """Program p, rows p * rows_per_program.. (BLOCK_R at a time): the input gradient of each row, and the sum over
+    its rows of grad * normed (the weight's gradient, normed rounded as in the forward) into partial[p], fp32."""
+    program = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    col_ok = cols < num_cols
+    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+    grad_w = tl.zeros((BLOCK,), dtype=tl.float32)
+    first = program * rows_per_program
+    for start in range(0, rows_per_program, BLOCK_R):
+        rows = first + start + tl.arange(0, BLOCK_R)
+        row_ok = rows < num_rows
+        inside = row_ok[:, None] & col_ok[None, :]
+        at = rows.to(tl.int64)[:, None]
+        x = tl.load(x_ptr + at * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        grad = tl.load(grad_ptr + at * stride_grad + cols[None, :], mask=inside, other=0.0).to(tl.float32)
+        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
+        x_hat = x * rstd[:, None]
+        grad_w += tl.sum(grad * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32), axis=0)
+        grad_normed = grad * w[None, :]
+        mean = tl.sum(grad_normed * x_hat, axis=1) / num_cols
+        grad_x = rstd[:, None] * (grad_normed - x_hat * mean[:, None])
+        tl.store(grad_x_ptr + at * stride_grad_x + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
+                 mask=inside)
+    tl.store(partial_ptr + program * num_cols + cols, grad_w, mask=col_ok)
+
+
+@triton.jit(do_not_specialize=["num_rows", "num_cols"])
+def _column_sum_kernel(partial_ptr, out_ptr, num_rows, num_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
+    """Program c: out[cols of block c] = sum over the rows of partial [num_rows, num_cols] fp32, in row order."""
+    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
+    col_ok = cols < num_cols
+    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
+    for start in range(0, num_rows, BLOCK_R):
+        rows = start + tl.arange(0, BLOCK_R)
+        inside = (rows < num_rows)[:, None] & col_ok[None, :]
+        total += tl.sum(tl.load(partial_ptr + rows[:, None] * num_cols + cols[None, :], mask=inside, other=0.0), 0)
+    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
+
+
+_RMS_NORM_BACKWARD = FastKernel(_rms_norm_backward_kernel)
+_COLUMN_SUM = FastKernel(_column_sum_kernel)
+NORM_BACKWARD_PROGRAMS = 528  # 4 per SM of an H200: enough rows in flight, few partial sums to add
+
+
+def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
+    """The gradients of `rms_norm` (which filled `rstd`) w.r.t. x and weight, in two launches: every row's input
+    gradient with per-program partial weight gradients, then their sum (fixed order: deterministic). Not batch
+    invariant, nor meant to be: no rollout runs a backward."""
+    rows, grad_rows = _rows_contiguous(x).reshape(-1, x.shape[-1]), _rows_contiguous(grad).reshape(-1, x.shape[-1])
+    num_rows, num_cols = rows.shape
+    grad_x = torch.empty_like(rows)
+    grad_weight = torch.empty_like(weight)
+    block = triton.next_power_of_2(num_cols)
+    block_r = min(64, max(1, 4096 // block))
+    per_program = triton.cdiv(triton.cdiv(max(num_rows, 1), NORM_BACKWARD_PROGRAMS), block_r) * block_r
+    programs = triton.cdiv(num_rows, per_program)
+    partial = torch.empty(programs, num_cols, dtype=torch.float32, device=x.device)
+    if num_rows:
+        _RMS_NORM_BACKWARD.launch((programs,), (rows, weight, grad_rows, rstd, grad_x, partial),
+                                  (num_rows, num_cols, per_program, rows.stride(0), grad_rows.stride(0),
+                                   grad_x.stride(0)), 4 if block <= 2048 else 8, BLOCK_R=block_r, BLOCK=block)
+    _COLUMN_SUM.launch((triton.cdiv(num_cols, 64),), (partial, grad_weight), (programs, num_cols), 4,
+                       BLOCK_R=32, BLOCK_C=64)
+    return grad_x.view(x.shape), grad_weight
+
+
+@triton.jit(do_not_specialize=["stride_lse_h"])
 def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_start_ptr, q_len_ptr, q_pos_ptr, k_start_ptr,
                       stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh, stride_ot, stride_oh,
                       stride_lse_h, scale_log2, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -277,6 +359,9 @@ def _attention_kernel(q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, q_start_ptr, q_len_pt
     tl.store(o_ptr + o_rows, out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
+_ATTENTION = FastKernel(_attention_kernel)
+
+
 def attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: Tensor, q_pos: Tensor,
               k_start: Tensor, max_q_len: int, scale: float, lse: Tensor | None = None,
               block_m: int | None = None) -> Tensor:
@@ -295,10 +380,9 @@ def attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: T
     group = num_heads // keys.shape[1]
     block_m = block_m or ATTN_BLOCK_M
     grid = (num_seqs, triton.cdiv(max_q_len * group, block_m), keys.shape[1])
-    _attention_kernel[grid](q, keys, values, out, lse if lse is not None else out, q_start, q_len, q_pos, k_start,
-                            q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0),
-                            values.stride(1), out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
-                            scale * 1.4426950408889634, GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                            BLOCK_N=ATTN_BLOCK_N, STORE_LSE=lse is not None,
-                            num_warps=ATTN_WARPS if block_m <= 64 else 2 * ATTN_WARPS)
+    _ATTENTION.launch(grid, (q, keys, values, out, lse if lse is not None else out, q_start, q_len, q_pos, k_start),
+                      (q.stride(0), q.stride(1), keys.stride(0), keys.stride(1), values.stride(0), values.stride(1),
+                       out.stride(0), out.stride(1), lse.stride(0) if lse is not None else 0,
+                       scale * 1.4426950408889634), ATTN_WARPS if block_m <= 64 else 2 * ATTN_WARPS,
+                      GROUP=group, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=ATTN_BLOCK_N, STORE_LSE=lse is not None)
     return out
