@@ -90,6 +90,7 @@ def launch_costs(tokens: int, hidden: int) -> None:
     kernels = {
         "matmul": lambda: bk.matmul(x, w),
         "grouped_matmul": lambda: bk.grouped_matmul(x, experts, tiles),
+        "grouped_matmul_pair (gate and up)": lambda: bk.grouped_matmul_pair(x, experts, experts, tiles),
         "expert_tiles": lambda: bk.expert_tiles(counts, tokens),
         "rms_norm (+rstd)": lambda: bk.rms_norm(x, norm_w, 1e-6, rstd),
         "rms_norm_backward": lambda: bk.rms_norm_backward(x, x, norm_w, rstd),

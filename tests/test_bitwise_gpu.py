@@ -34,7 +34,7 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float = 2e-2) -> bool:
 
 
 def test_matmul_rows_do_not_depend_on_the_batch():
-    from shardrl.parallel.bitwise_kernels import GEMM_CONFIGS, expert_tiles, grouped_matmul, matmul
+    from shardrl.parallel.bitwise_kernels import GEMM_CONFIGS, expert_tiles, grouped_matmul, grouped_matmul_pair, matmul
 
     g = torch.Generator("cuda").manual_seed(0)
     x = torch.randn(777, 896, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -52,7 +52,11 @@ def test_matmul_rows_do_not_depend_on_the_batch():
     for counts in ([777, 0, 0, 0], [1, 300, 0, 476], [200, 200, 200, 177], [0, 0, 0, 777]):
         counts = torch.tensor(counts, device="cuda")
         for block_m in (None, 16, 64, 128):  # the tile height follows the rows per expert
-            out = grouped_matmul(x, experts, expert_tiles(counts, x.shape[0], block_m))
+            tiles = expert_tiles(counts, x.shape[0], block_m)
+            out = grouped_matmul(x, experts, tiles)
+            others = experts.flip(0)  # gate and up in one launch: each as it is alone
+            assert all(map(torch.equal, grouped_matmul_pair(x, experts, others, tiles),
+                           (out, grouped_matmul(x, others, tiles))))
             start = 0
             for e, n in enumerate(counts.tolist()):
                 assert torch.equal(out[start:start + n], matmul(x[start:start + n], experts[e])), (counts, e)

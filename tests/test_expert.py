@@ -148,6 +148,24 @@ def test_matches_per_token_reference_with_an_idle_expert():
     assert layer.last_tokens_per_expert[3] == 0 and layer.last_tokens_per_expert.sum() == 7 * K
 
 
+@pytest.mark.parametrize("top_k", [1, 3])
+def test_bitwise_choice_sum_has_the_default_gradients(top_k):
+    """Bitwise mode adds a token's top-k probabilities in choice order (one autograd node): the default's output and
+    gradients up to float rounding."""
+    w = full_weights(5, H, F_SIZE, E)
+    x = torch.randn(9, H)
+    grads = []
+    for bitwise in (False, True):
+        layer = MoELayer(H, F_SIZE, E, top_k, Layout.single(), NAMES, norm_topk_prob=True, bitwise=bitwise)
+        load_full(layer, w)
+        inputs = x.clone().requires_grad_()
+        out = layer(inputs)
+        (out * torch.arange(H)).sum().backward()
+        grads.append((out.detach(), inputs.grad, layer.router.weight.grad))
+    for default, ordered in zip(*grads):
+        torch.testing.assert_close(ordered, default, **ATOL)
+
+
 def test_zero_tokens():
     layer = make_layer(norm_topk=True, aux_loss_coef=0.1, z_loss_coef=0.1)
     x = torch.zeros(0, H, requires_grad=True)

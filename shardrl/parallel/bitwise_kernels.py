@@ -44,11 +44,13 @@ ATTN_BLOCK_M, ATTN_BLOCK_N, ATTN_WARPS = 64, 64, 4
 
 
 @triton.jit(do_not_specialize=["num_rows"])
-def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, first_row_ptr, expert_end_ptr,
+def _matmul_kernel(x_ptr, w_ptr, w2_ptr, bias_ptr, y_ptr, y2_ptr, tile_expert_ptr, first_row_ptr, expert_end_ptr,
                    num_rows, num_cols, depth, num_experts, stride_xm, stride_we, stride_wn, stride_ym,
-                   GROUPED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   GROUPED: tl.constexpr, PAIRED: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """Program (row tile, column tile): y[rows, cols] = x[rows] @ w[e][cols]^T (+ bias), fp32 accumulation.
+    `PAIRED`: the column tiles past w's run a second weight of the same shape and strides, w2, into y2 (an expert
+    FFN's gate and up projections in one launch; each tile is computed as it would be alone).
 
     Dense: tile t holds rows t*BLOCK_M.. of expert 0. Grouped: tile t holds rows first_row[t].. of expert
     tile_expert[t] (up to that expert's end row); a tile past the last one (tile_expert >= the number of experts)
@@ -68,8 +70,15 @@ def _matmul_kernel(x_ptr, w_ptr, bias_ptr, y_ptr, tile_expert_ptr, first_row_ptr
         first = tile * BLOCK_M
         end = num_rows
         steps_end = depth
+    column_tile = tl.program_id(1)
+    if PAIRED:
+        col_tiles = tl.cdiv(num_cols, BLOCK_N)
+        if column_tile >= col_tiles:
+            column_tile -= col_tiles
+            w_ptr = w2_ptr
+            y_ptr = y2_ptr
     rows = first + tl.arange(0, BLOCK_M)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = column_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     x_tile = x_ptr + tl.minimum(rows, num_rows - 1).to(tl.int64)[:, None] * stride_xm + ks[None, :]
     w_tile = (w_ptr + expert.to(tl.int64) * stride_we
@@ -126,9 +135,10 @@ def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
         heights = (128, 64) if num_rows > 64 else (_block_m(num_rows),)
         block_m, block_n, warps, stages = config or _gemm_config(num_rows, num_cols, heights)
         grid = (triton.cdiv(num_rows, block_m), triton.cdiv(num_cols, block_n))
-        _MATMUL.launch(grid, (x, weight, bias if bias is not None else weight, y, x, x, x),
+        _MATMUL.launch(grid, (x, weight, weight, bias if bias is not None else weight, y, y, x, x, x),
                        (num_rows, num_cols, depth, 0, x.stride(0), 0, weight.stride(0), y.stride(0)), warps, stages,
-                       GROUPED=False, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
+                       GROUPED=False, PAIRED=False, HAS_BIAS=bias is not None, BLOCK_M=block_m, BLOCK_N=block_n,
+                       BLOCK_K=BLOCK_K)
     return y
 
 
@@ -188,21 +198,37 @@ def grouped_matmul(x: Tensor, weights: Tensor, tiles: ExpertTiles,
                    config: tuple[int, int, int, int] | None = None) -> Tensor:
     """x [R, K] (rows of expert 0, then expert 1, ...), weights [E, N, K], `tiles` the map of those rows
     (`expert_tiles`) -> [R, N], row r through its expert's weight."""
+    return _grouped(x, weights, None, tiles, config)[0]
+
+
+def grouped_matmul_pair(x: Tensor, first: Tensor, second: Tensor, tiles: ExpertTiles,
+                        config: tuple[int, int, int, int] | None = None) -> tuple[Tensor, Tensor]:
+    """`grouped_matmul` of x through two weight sets of one shape [E, N, K] (an expert FFN's gate and up) in one
+    launch -> two [R, N], each bit for bit what `grouped_matmul` gives it alone."""
+    return _grouped(x, first.contiguous(), second.contiguous(), tiles, config)
+
+
+def _grouped(x: Tensor, weights: Tensor, second: Tensor | None, tiles: ExpertTiles,
+             config: tuple[int, int, int, int] | None) -> tuple[Tensor, Tensor | None]:
     x = _rows_contiguous(x)
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     num_rows, depth = x.shape
     num_experts, num_cols, _ = weights.shape
     y = x.new_empty(num_rows, num_cols)
+    y2 = None if second is None else x.new_empty(num_rows, num_cols)
     if not num_rows or not num_cols:
-        return y
+        return y, y2
     max_tiles = tiles.expert.shape[0]
-    block_m, block_n, warps, stages = config or _gemm_config(0, num_cols, (tiles.block_m,), max_tiles)
-    grid = (max_tiles, triton.cdiv(num_cols, block_n))
-    _MATMUL.launch(grid, (x, weights, weights, y, tiles.expert, tiles.first_row, tiles.expert_end),
+    pairs = 1 if second is None else 2
+    block_m, block_n, warps, stages = config or _gemm_config(0, pairs * num_cols, (tiles.block_m,), max_tiles)
+    grid = (max_tiles, pairs * triton.cdiv(num_cols, block_n))
+    _MATMUL.launch(grid, (x, weights, weights if second is None else second, weights, y, y if y2 is None else y2,
+                          tiles.expert, tiles.first_row, tiles.expert_end),
                    (num_rows, num_cols, depth, num_experts, x.stride(0), weights.stride(0), weights.stride(1),
                     y.stride(0)), warps, stages,
-                   GROUPED=True, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=BLOCK_K)
-    return y
+                   GROUPED=True, PAIRED=second is not None, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n,
+                   BLOCK_K=BLOCK_K)
+    return y, y2
 
 
 @triton.jit(do_not_specialize=["num_cols"])

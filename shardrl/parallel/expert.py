@@ -151,10 +151,7 @@ class MoELayer(nn.Module):
         order by the tensor's shape)."""
         if not self.bitwise:
             return top_probs.sum(dim=-1, keepdim=True)
-        total = top_probs[:, :1]
-        for j in range(1, self.top_k):
-            total = total + top_probs[:, j:j + 1]
-        return total
+        return _ChoiceSum.apply(top_probs)
 
     def _choose(self, probs: Tensor, num_tokens: int | None) -> tuple[Tensor, Tensor]:
         """Each token's k experts and their router probabilities: its own top-k, or as an attached routing table
@@ -245,6 +242,23 @@ def attached(model: nn.Module, table: RoutingTable) -> Iterator[RoutingTable]:
     finally:
         for layer in layers:
             layer.routing = None
+
+
+class _ChoiceSum(torch.autograd.Function):
+    """[T, k] -> [T, 1], the k choices added in order, as one autograd node whose backward is a broadcast (a slice
+    and an add per choice were 2k - 1 nodes, each a kernel or two: the small models' steps are host-bound)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor) -> Tensor:
+        ctx.num_choices = x.shape[1]
+        total = x[:, :1] + x[:, 1:2] if x.shape[1] > 1 else x.clone()
+        for j in range(2, x.shape[1]):
+            total += x[:, j:j + 1]
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> Tensor:
+        return grad.expand(-1, ctx.num_choices)
 
 
 class _PermuteRows(torch.autograd.Function):

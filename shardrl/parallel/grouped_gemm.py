@@ -47,8 +47,7 @@ def expert_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: 
         from shardrl.parallel.bitwise_kernels import expert_tiles  # Triton: CUDA installs only
 
         tiles = expert_tiles(counts, x.shape[0])  # one tile map for the three GEMMs
-        gate = _BitwiseGrouped.apply(x, w_gate, tiles)
-        up = _BitwiseGrouped.apply(x, w_up, tiles)
+        gate, up = _BitwiseGroupedPair.apply(x, w_gate, w_up, tiles)
         return _BitwiseGrouped.apply(gated_silu(gate, up), w_down, tiles)
     if grouped is None:
         grouped = can_use_grouped_mm(x, w_gate, w_down, adapters)
@@ -136,10 +135,36 @@ class _BitwiseGrouped(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weights, offsets = ctx.saved_tensors
-        grad = grad.contiguous()
         wants_x, wants_weights, _ = ctx.needs_input_grad
-        grad_x = F.grouped_mm(grad, weights, offs=offsets) if wants_x else None  # [N, in]
-        grad_weights = None
-        if wants_weights:  # [E, out, in]: expert e's grad^T @ x over its rows
-            grad_weights = F.grouped_mm(grad.t(), x, offs=offsets)
+        grad_x, grad_weights = _grouped_backward(grad.contiguous(), x, weights, offsets, wants_x, wants_weights)
         return grad_x, grad_weights, None
+
+
+class _BitwiseGroupedPair(torch.autograd.Function):
+    """`_BitwiseGrouped` of the same rows through two weight sets (gate and up) in one launch and one autograd node
+    (the small models' steps are host-bound: each launch and node counts)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, w_first: Tensor, w_second: Tensor, tiles) -> tuple[Tensor, Tensor]:
+        from shardrl.parallel.bitwise_kernels import grouped_matmul_pair  # Triton: CUDA installs only
+
+        ctx.save_for_backward(x, w_first, w_second, tiles.expert_end)
+        return grouped_matmul_pair(x, w_first, w_second, tiles)
+
+    @staticmethod
+    def backward(ctx, grad_first: Tensor, grad_second: Tensor):
+        x, w_first, w_second, offsets = ctx.saved_tensors
+        wants_x, wants_first, wants_second, _ = ctx.needs_input_grad
+        grad_x, grad_w_first = _grouped_backward(grad_first.contiguous(), x, w_first, offsets, wants_x, wants_first)
+        more_x, grad_w_second = _grouped_backward(grad_second.contiguous(), x, w_second, offsets, wants_x,
+                                                  wants_second)
+        return grad_x + more_x if wants_x else None, grad_w_first, grad_w_second, None
+
+
+def _grouped_backward(grad: Tensor, x: Tensor, weights: Tensor, offsets: Tensor, wants_x: bool,
+                      wants_weights: bool) -> tuple[Tensor | None, Tensor | None]:
+    """Gradients of y = x_e @ w[e]^T per expert's rows (offsets [E]: each expert's end row) from grad [N, out]:
+    x's [N, in] and the weights' [E, out, in] (expert e's grad^T @ x over its rows)."""
+    grad_x = F.grouped_mm(grad, weights, offs=offsets) if wants_x else None
+    grad_weights = F.grouped_mm(grad.t(), x, offs=offsets) if wants_weights else None
+    return grad_x, grad_weights

@@ -54,8 +54,7 @@ class FastKernel:
                     unusual |= value & 15  # 1 is specialised too (as a constant)
             elif kind is not float:
                 unusual = 1
-        if (unusual or not _INT32_MIN <= every <= _INT32_MAX or knobs.runtime.launch_enter_hook is not None
-                or torch.compiler.is_compiling()):
+        if unusual or not _INT32_MIN <= every <= _INT32_MAX or _launch_hooked() or torch.compiler.is_compiling():
             self.launch_through_triton(grid, tensors, scalars, num_warps, num_stages, constexprs)
             return
         device = _driver().get_current_device()
@@ -74,6 +73,15 @@ class FastKernel:
                               num_warps: int, num_stages: int, constexprs: dict):
         """Triton's own launch (binding, specialisation, a compile on a miss); returns the compiled kernel."""
         return self.fn[tuple(grid)](*tensors, *scalars, **constexprs, num_warps=num_warps, num_stages=num_stages)
+
+
+def _launch_hooked() -> bool:
+    """Whether a Triton launch hook (a profiler) is set: Triton 3.6 keeps them in a HookChain, never None."""
+    hook = knobs.runtime.launch_enter_hook
+    return bool(hook.calls) if isinstance(hook, _HOOK_CHAIN) else hook is not None
+
+
+_HOOK_CHAIN = getattr(knobs, "HookChain", ())
 
 
 def _driver():
