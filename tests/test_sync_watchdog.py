@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import socket
 import time
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ from shardrl.rollout.engine import Engine, EngineConfig, EngineError
 from shardrl.rollout.request import SamplingParams
 from shardrl.sync.detached import DetachedSync
 from shardrl.sync.transport import Transport
-from shardrl.sync.watch import DEADLINE_SHARE, SyncStalledError, SyncWatch, Transfer
+from shardrl.sync.watch import DEADLINE_SHARE, SyncStalledError, SyncWatch, Transfer, step_transfers
 from shardrl.workers.engine import ModelEngine
 
 TIMEOUT = datetime.timedelta(seconds=4)
@@ -126,9 +127,9 @@ def test_on_gpu_the_host_runs_ahead_and_the_first_pending_transfer_is_named_at_t
     watch.start()
     done, stuck, later = Pending(done_after=3), Pending(), Pending()
     start = time.monotonic()
-    watch.finish([Transfer(done, True, "global rank 2 (rollout on h)", 0)])
-    watch.finish([Transfer(stuck, False, "global rank 0 (trainer on h)", 1),
-                  Transfer(later, False, "global rank 1 (trainer on h)", 2)])
+    watch.finish([Transfer(done, "sending to global rank 2 (rollout on h)", 0)])
+    watch.finish([Transfer(stuck, "receiving from global rank 0 (trainer on h)", 1),
+                  Transfer(later, "receiving from global rank 1 (trainer on h)", 2)])
     assert time.monotonic() - start < 0.1  # finish only ordered streams: nothing blocked the host
     assert [done.waited, stuck.waited] == [[None], [None]]
     with pytest.raises(SyncStalledError, match=r"^weight sync step 1: receiving from global rank 0 \(trainer on h\) "
@@ -142,13 +143,24 @@ def test_on_cpu_each_wait_gets_the_time_left_and_a_closed_peer_is_named():
     watch = SyncWatch(datetime.timedelta(seconds=1), poll_at_end=False)
     watch.start()
     fine = Pending(done_after=0)
-    watch.finish([Transfer(fine, False, "global rank 0 (trainer on h)", 0)])
+    watch.finish([Transfer(fine, "receiving from global rank 0 (trainer on h)", 0)])
     assert 0.8 < fine.waited[0].total_seconds() <= 0.9
     closed = Pending(done_after=0)
     closed.wait = lambda timeout: (_ for _ in ()).throw(RuntimeError("Connection closed by peer [10.0.0.7]:4242"))
     with pytest.raises(SyncStalledError, match=r"^weight sync step 3: sending to global rank 5 \(rollout on h\) "
                                                r"failed: Connection closed by peer \[10.0.0.7\]:4242; the rollout"):
-        watch.finish([Transfer(closed, True, "global rank 5 (rollout on h)", 3)])
+        watch.finish([Transfer(closed, "sending to global rank 5 (rollout on h)", 3)])
+
+
+def test_a_step_coalesced_into_one_work_names_every_peer_of_the_step():
+    ops = [SimpleNamespace(op=dist.isend, peer=1), SimpleNamespace(op=dist.irecv, peer=0)]
+    peers = {0: "global rank 0 (trainer on h)", 1: "global rank 1 (rollout on h)"}
+    gloo = step_transfers(["w0", "w1"], ops, peers, 4)
+    assert [t.describe() for t in gloo] == ["step 4: sending to global rank 1 (rollout on h)",
+                                            "step 4: receiving from global rank 0 (trainer on h)"]
+    (nccl,) = step_transfers(["w"], ops, peers, 4)
+    assert nccl.describe() == ("step 4: sending to global rank 1 (rollout on h) and receiving from global rank 0 "
+                               "(trainer on h)")
 
 
 class _Group:

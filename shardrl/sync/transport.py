@@ -40,7 +40,7 @@ from shardrl.sync.copies import CopyBatch, CopyReplay, HostStaging
 from shardrl.sync.plan import Bucket, Piece, RankPlan, trailer_bytes
 from shardrl.sync.shards import Shards
 from shardrl.sync.verify import check_checksums, check_full, checksum
-from shardrl.sync.watch import SyncStalledError, SyncWatch, Transfer
+from shardrl.sync.watch import SyncStalledError, SyncWatch, Transfer, step_transfers
 
 
 @dataclass
@@ -291,8 +291,7 @@ class Transport:
                 slot, buf = recv_ring.acquire()
                 ops.append(dist.P2POp(dist.irecv, buf[:bucket.wire_bytes], bucket.src, self.group))
                 received = (slot, i, bucket)
-            works = self._post(step, ops)
-            transfers = [Transfer(work, op.op is dist.isend, self.peers[op.peer], step) for work, op in zip(works, ops)]
+            transfers = step_transfers(self._post(step, ops), ops, self.peers, step)
             if in_flight is not None:
                 self._finish(*in_flight, send_ring, recv_ring, sums, compared)
             in_flight = (transfers, sent, received)

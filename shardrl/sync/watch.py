@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import datetime
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch.distributed as dist
@@ -28,15 +29,24 @@ class SyncStalledError(RuntimeError):
 
 @dataclass(frozen=True)
 class Transfer:
-    """One send or receive of a sync step: what `SyncStalledError` names when it does not finish."""
+    """What a sync step waits for: a `dist.Work` and what `SyncStalledError` names when it does not finish."""
 
     work: dist.Work
-    sending: bool
-    peer: str  # the peer's global rank, role and host (`WeightSync`'s description of every rank)
+    what: str  # "sending to <peer>" / "receiving from <peer>" (both, joined, for NCCL's one work per step)
     step: int
 
     def describe(self) -> str:
-        return f"step {self.step}: {'sending to' if self.sending else 'receiving from'} {self.peer}"
+        return f"step {self.step}: {self.what}"
+
+
+def step_transfers(works: list[dist.Work], ops: list[dist.P2POp], peers: Mapping[int, str], step: int
+                   ) -> list[Transfer]:
+    """The transfers of one step's `batch_isend_irecv`: one per op on gloo; NCCL coalesces a step's ops into one
+    work, which then names every peer of the step."""
+    whats = [f"{'sending to' if op.op is dist.isend else 'receiving from'} {peers[op.peer]}" for op in ops]
+    if len(works) != len(whats):
+        whats = [" and ".join(whats)] * len(works)
+    return [Transfer(work, what, step) for work, what in zip(works, whats)]
 
 
 class SyncWatch:
