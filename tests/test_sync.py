@@ -122,7 +122,7 @@ def _inject_fault(case: Case, sync) -> None:
               "wrong_version": AheadTransport if weights.target is not None else None}.get(case.fault)
     if faulty is not None:
         t = weights.transport
-        weights.transport = faulty(t.plan, t.group, t.device, t.source, t.target)
+        weights.transport = faulty(t.plan, t.group, t.device, t.source, t.target, t.watch, t.peers)
 
 
 def run_case(case: Case, checkpoints: dict[str, str], export_dir: str, group, registry: GroupRegistry

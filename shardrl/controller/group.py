@@ -113,24 +113,28 @@ class PendingCall:
             try:
                 results[rank_of[done[0]]] = ray.get(done[0])
             except RayError as exc:
-                self._report({rank_of[done[0]]: exc} | self._late_failures(pending, rank_of))
+                late, stuck = self._late_failures(pending, rank_of)
+                self._report({rank_of[done[0]]: exc} | late, stuck)
         return self._collect(results)
 
     @staticmethod
-    def _late_failures(pending: list[ray.ObjectRef], rank_of: dict[ray.ObjectRef, int]) -> dict[int, RayError]:
-        """Failures among the other ranks that arrive within the grace period."""
+    def _late_failures(pending: list[ray.ObjectRef], rank_of: dict[ray.ObjectRef, int]
+                       ) -> tuple[dict[int, RayError], list[int]]:
+        """Failures among the other ranks that arrive within the grace period, and the ranks still running then."""
         if not pending:
-            return {}
-        ready, _ = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
+            return {}, []
+        ready, running = ray.wait(pending, num_returns=len(pending), timeout=FAILURE_GRACE_S)
         failures = {}
         for ref in ready:
             try:
                 ray.get(ref)
             except RayError as exc:
                 failures[rank_of[ref]] = exc
-        return failures
+        return failures, sorted(rank_of[ref] for ref in running)
 
-    def _report(self, failures: dict[int, RayError]) -> None:
+    def _report(self, failures: dict[int, RayError], stuck: list[int]) -> None:
+        """Fail the call naming each failed rank and, when some failed on a collective, the ranks still inside the
+        call: a peer that stopped responding is the one that neither returned nor failed."""
         # Deaths first (the usual root cause), then by rank.
         order = sorted(failures, key=lambda r: (not isinstance(failures[r], RayActorError), r))
         ranks_by_text: dict[str, list[int]] = {}
@@ -140,6 +144,9 @@ class PendingCall:
             f"rank {ranks[0]}{self.group.where(ranks[0])} {desc}" if len(ranks) == 1 else f"ranks {ranks} {desc}"
             for desc, ranks in ranks_by_text.items()
         )
+        if stuck and not any(_is_user_error(exc) for exc in failures.values()):
+            text += f"; still inside {self.method!r} {FAILURE_GRACE_S:g} s later, neither done nor failed: " + ", ".join(
+                f"rank {rank}{self.group.where(rank)}" for rank in stuck)
         self._fail(text, order[0], failures[order[0]])
 
     def _fail(self, text: str, rank: int, cause: BaseException | None) -> None:

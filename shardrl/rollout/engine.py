@@ -92,6 +92,7 @@ class Engine:
         self.model = self.runner.model  # weight sync writes into its parameters' shards (by their specs)
         self._names = hf_name_index(self.model)
         self.policy_version = 0
+        self.torn_by: str | None = None  # why the weights hold a mix of two versions (a failed sync), if they do
         self.eos_ids = frozenset(_eos_ids(model_config) if config.eos_token_ids is None else config.eos_token_ids)
         decode_slots = self.runner.num_decode_slots
         self.scheduler = Scheduler(decode_slots, config.max_num_seqs, config.max_num_batched_tokens,
@@ -139,6 +140,12 @@ class Engine:
         self.scheduler.release_parked()  # their keys and values came from the old weights
         self.runner.fold_adapters(rewritten)
         self.policy_version = self.policy_version + 1 if version is None else version
+        self.torn_by = None
+
+    def refuse_torn_weights(self, reason: str) -> None:
+        """A weight sync into these shards failed part-way (`reason`), leaving a mix of two versions: every `step`
+        raises until new weights are complete (`set_policy_version`), so no token is sampled from them."""
+        self.torn_by = reason
 
     def sleep(self, offload_weights: bool = False) -> None:
         """Free the KV cache (and with `offload_weights` move the weights to pinned host memory) so training can
@@ -228,6 +235,9 @@ class Engine:
         """
         if not self.runner.cache.allocated:
             raise EngineError("step: the engine is asleep; call wake_up() first")
+        if self.torn_by is not None:
+            raise EngineError(f"step: the last weight sync failed part-way ({self.torn_by}), so the weights mix two "
+                              f"policy versions; generation waits for a sync that completes")
         captures, capture_seconds = self.runner.graph_captures, self.runner.graph_capture_seconds
         finished = self._step()
         self.stats.graph_captures += self.runner.graph_captures - captures

@@ -19,7 +19,7 @@ from shardrl.parallel.layout import Layout
 from shardrl.parallel.layout_spec import LayoutError
 from shardrl.parallel.offload import HostBuffers
 from shardrl.sync.shards import Shards
-from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync, rewritten_by
+from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync, applied_to, rewritten_by
 
 
 class SleepingRollout(SyncedRollout, Protocol):
@@ -42,12 +42,15 @@ class ColocatedSync:
                               "GroupRegistry objects; pass one registry to both Layout.create calls")
         group = registry.sync_group(layout.ranks + rollout.layout.ranks, timeout)
         source = Shards(chunks, sending=True, first_stage=layout.is_first_stage, host=host)
-        self.weights = WeightSync(group, rollout.layout.device, bucket_bytes, verify, source, Shards(rollout.model))
+        self.weights = WeightSync(group, rollout.layout.device, bucket_bytes, verify, source, Shards(rollout.model),
+                                  timeout)
 
     def sync(self, version: int | None = None) -> dict[str, float]:
-        """Actor -> rollout; the rollout's `policy_version` becomes `version` (default: one more)."""
+        """Actor -> rollout; the rollout's `policy_version` becomes `version` (default: one more). A sync that
+        fails leaves the rollout refusing to generate until one completes (`applied_to`)."""
         self.rollout.wake_up(kv_cache=False)
-        metrics = self.weights.sync()
+        with applied_to(self.rollout):
+            metrics = self.weights.sync()
         self.rollout.set_policy_version(version, rewritten_by(self.weights, self.rollout))
         self.rollout.wake_up()
         return metrics

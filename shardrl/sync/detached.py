@@ -12,6 +12,7 @@ loops (the rollout with no request mid-step: abort/resume around it for partial 
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Sequence
 
 import torch.distributed as dist
@@ -20,7 +21,7 @@ from torch import nn
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.offload import HostBuffers
 from shardrl.sync.shards import Shards
-from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync, rewritten_by
+from shardrl.sync.weight_sync import SyncedRollout, Verify, WeightSync, applied_to, rewritten_by
 
 
 class DetachedSync:
@@ -29,22 +30,28 @@ class DetachedSync:
 
     @classmethod
     def sender(cls, chunks: Sequence[nn.Module], layout: Layout, host: HostBuffers, group: dist.ProcessGroup,
-               bucket_bytes: int, verify: Verify = "checksum") -> DetachedSync:
+               bucket_bytes: int, verify: Verify = "checksum",
+               timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> DetachedSync:
         """The trainer side, on every actor rank: its model `chunks`, their `layout` and `host`, where its offloaded
-        params are. Collective over the group (with `receiver` on the rollout ranks)."""
+        params are; `timeout`: the group's. Collective over the group (with `receiver` on the rollout ranks)."""
         source = Shards(chunks, sending=True, first_stage=layout.is_first_stage, host=host)
-        return cls(WeightSync(group, layout.device, bucket_bytes, verify, source=source), None)
+        return cls(WeightSync(group, layout.device, bucket_bytes, verify, source=source, timeout=timeout), None)
 
     @classmethod
     def receiver(cls, rollout: SyncedRollout, group: dist.ProcessGroup, bucket_bytes: int,
-                 verify: Verify = "checksum") -> DetachedSync:
+                 verify: Verify = "checksum",
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> DetachedSync:
         """The rollout side, on every rollout rank."""
         target = Shards(rollout.model)
-        return cls(WeightSync(group, rollout.layout.device, bucket_bytes, verify, target=target), rollout)
+        return cls(WeightSync(group, rollout.layout.device, bucket_bytes, verify, target=target, timeout=timeout),
+                   rollout)
 
     def sync(self, version: int | None = None) -> dict[str, float]:
-        """Trainer -> rollout; on the rollout side `policy_version` becomes `version` (default: one more)."""
-        metrics = self.weights.sync()
-        if self.rollout is not None:
-            self.rollout.set_policy_version(version, rewritten_by(self.weights, self.rollout))
+        """Trainer -> rollout; on the rollout side `policy_version` becomes `version` (default: one more). A sync
+        that fails leaves the rollout refusing to generate until one completes (`applied_to`)."""
+        if self.rollout is None:
+            return self.weights.sync()
+        with applied_to(self.rollout):
+            metrics = self.weights.sync()
+        self.rollout.set_policy_version(version, rewritten_by(self.weights, self.rollout))
         return metrics

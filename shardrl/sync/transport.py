@@ -7,7 +7,8 @@ Double-buffered pipeline, one iteration per step this rank takes part in:
     finish step i-1: wait, free its send buffer, checksum the received bucket, copy its pieces into the rollout
         shards, free its receive buffer
     a share of the local (same-rank) copies
-so packing, the transfer in flight and unpacking overlap. On GPU everything that reads the trainer's shards
+so packing, the transfer in flight and unpacking overlap. Every transfer finishes before the sync's deadline or the
+run fails naming its peer (`watch.SyncWatch`). On GPU everything that reads the trainer's shards
 (packing, local copies: device copies or pinned host -> device DMA) runs on a side stream, the transfer on NCCL's
 stream and the unpacking on the current stream, so PCIe, NVLink and HBM work at once; CUDA events order them. With
 gloo the transfer runs in gloo's background threads against this thread. Each direction has two buffers handed out
@@ -28,7 +29,7 @@ themselves on an H200.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -39,6 +40,7 @@ from shardrl.sync.copies import CopyBatch, CopyReplay, HostStaging
 from shardrl.sync.plan import Bucket, Piece, RankPlan, trailer_bytes
 from shardrl.sync.shards import Shards
 from shardrl.sync.verify import check_checksums, check_full, checksum
+from shardrl.sync.watch import SyncStalledError, SyncWatch, Transfer, step_transfers
 
 
 @dataclass
@@ -87,9 +89,12 @@ def piece_view(buf: Tensor, piece: Piece) -> Tensor:
 
 class Transport:
     def __init__(self, plan: RankPlan, group: dist.ProcessGroup | None, device: torch.device,
-                 source: Shards | None, target: Shards | None) -> None:
+                 source: Shards | None, target: Shards | None, watch: SyncWatch, peers: Mapping[int, str]) -> None:
+        """`watch`: the deadline every transfer of a run must meet; `peers`: each global rank of the group as a
+        `SyncStalledError` names it."""
         self.plan, self.group, self.device = plan, group, device
         self.source, self.target = source, target
+        self.watch, self.peers = watch, peers
         self.staged_names = self._staged_names()
         # Staging for offloaded params: the largest param's bytes (the "+ largest tensor" of the memory bound). When
         # smaller params are staged it holds several, so a param sent to several ranks in consecutive steps is
@@ -274,6 +279,7 @@ class Transport:
         if self.side is not None:  # the trainer's last update and the rollout's padding zeroing come first
             self.side.wait_stream(torch.cuda.current_stream(self.device))
         in_flight = None
+        self.watch.start()
         for step in steps:
             ops, sent, received = [], None, None
             if step in sends:
@@ -285,10 +291,10 @@ class Transport:
                 slot, buf = recv_ring.acquire()
                 ops.append(dist.P2POp(dist.irecv, buf[:bucket.wire_bytes], bucket.src, self.group))
                 received = (slot, i, bucket)
-            works = dist.batch_isend_irecv(ops)
+            transfers = step_transfers(self._post(step, ops), ops, self.peers, step)
             if in_flight is not None:
                 self._finish(*in_flight, send_ring, recv_ring, sums, compared)
-            in_flight = (works, sent, received)
+            in_flight = (transfers, sent, received)
             with self._reading():
                 self._copy_local(*next(local), compared)
         if in_flight is not None:
@@ -297,6 +303,7 @@ class Transport:
             self._copy_local(*next(local), compared)
         if self.side is not None:
             torch.cuda.current_stream(self.device).wait_stream(self.side)
+        self.watch.drain()
         self.staging.clear()
         host_read, self.staging.read_bytes = self.staging.read_bytes, 0
         check_checksums(plan.recvs, [s[0] for s in sums], [s[1] for s in sums])
@@ -306,11 +313,20 @@ class Transport:
                              sum(p.nbytes for p in plan.local), len(plan.sends) + len(plan.recvs),
                              sum(b.numel() for b in send_ring.buffers + recv_ring.buffers), host_read, self.launches)
 
-    def _finish(self, works: list, sent: int | None, received: tuple[int, int, Bucket] | None, send_ring: Ring,
-                recv_ring: Ring, sums: Sequence[Tensor], compared: list | None) -> None:
-        """Wait for a step; free its send buffer, then check and unpack its received bucket and free that buffer."""
-        for work in works:
-            work.wait()
+    def _post(self, step: int, ops: list[dist.P2POp]) -> list[dist.Work]:
+        """Start a step's transfers (gloo may already fail here, on a peer that is gone)."""
+        try:
+            return dist.batch_isend_irecv(ops)
+        except RuntimeError as exc:
+            peers = ", ".join(self.peers[op.peer] for op in ops)
+            raise SyncStalledError(f"weight sync step {step}: starting the transfers with {peers} failed: "
+                                   f"{str(exc).splitlines()[0]}") from exc
+
+    def _finish(self, transfers: list[Transfer], sent: int | None, received: tuple[int, int, Bucket] | None,
+                send_ring: Ring, recv_ring: Ring, sums: Sequence[Tensor], compared: list | None) -> None:
+        """Wait for a step (within the sync's deadline); free its send buffer, then check and unpack its received
+        bucket and free that buffer."""
+        self.watch.finish(transfers)
         if sent is not None:
             send_ring.release(sent, self._event())
         if received is not None:

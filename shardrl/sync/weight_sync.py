@@ -10,8 +10,11 @@ buffers of offloaded params) and the rollout engine as `SyncedRollout`: the few 
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import socket
 import time
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Literal, Protocol
 
 import torch
@@ -22,6 +25,7 @@ from shardrl.parallel.layout import Layout
 from shardrl.sync.plan import SyncPlan, plan_transfers
 from shardrl.sync.shards import Shards
 from shardrl.sync.transport import Transport
+from shardrl.sync.watch import SyncWatch
 
 Verify = Literal["checksum", "full"]
 
@@ -38,6 +42,8 @@ class SyncedRollout(Protocol):
 
     def set_policy_version(self, version: int | None = None, rewritten: Iterable[nn.Parameter] = ()) -> None: ...
 
+    def refuse_torn_weights(self, reason: str) -> None: ...
+
 
 def _gather(group: dist.ProcessGroup | None, item: object) -> tuple[list[int], list]:
     """(global ranks, each rank's item) over `group`; just this process without one."""
@@ -48,25 +54,39 @@ def _gather(group: dist.ProcessGroup | None, item: object) -> tuple[list[int], l
     return dist.get_process_group_ranks(group), items
 
 
+def describe_ranks(ranks: Sequence[int], every: Sequence[tuple]) -> dict[int, str]:
+    """Each rank of the sync group as an error names it: global rank, role in the sync and host (the last item of
+    what it contributed to the plan; the first two are its trainer and rollout slices)."""
+    roles = {(True, False): "trainer", (False, True): "rollout", (True, True): "trainer+rollout",
+             (False, False): "idle"}
+    return {rank: f"global rank {rank} ({roles[item[0] is not None, item[1] is not None]} on {item[-1]})"
+            for rank, item in zip(ranks, every)}
+
+
 class WeightSync:
     def __init__(self, group: dist.ProcessGroup | None, device: torch.device, bucket_bytes: int,
-                 verify: Verify = "checksum", source: Shards | None = None, target: Shards | None = None) -> None:
+                 verify: Verify = "checksum", source: Shards | None = None, target: Shards | None = None,
+                 timeout: datetime.timedelta = datetime.timedelta(minutes=10)) -> None:
         """`source`: this rank's trainer shards (None on rollout-only ranks); `target`: its rollout shards (None on
         trainer-only ranks). `bucket_bytes`: the most buffer memory a transfer direction uses, double-buffered.
+        `timeout`: the group's collective timeout (`trainer.collective_timeout_s`); a sync whose peer stops is
+        reported, naming it, before it runs out (`watch.SyncWatch`).
 
         With LoRA adapters in the model the first sync moves every tensor and later ones the adapters alone (the
         base weights are frozen, so the rollout's copy stays right): a second plan over the adapters' slices."""
         self.device, self.verify, self.source, self.target = torch.device(device), verify, source, target
         adapters = (source.adapters_only() if source else None, target.adapters_only() if target else None)
         mine = tuple(shards.slices() if shards else None for shards in (source, target, *adapters))
-        ranks, every = _gather(group, mine)
+        ranks, every = _gather(group, (*mine, socket.gethostname()))
         self.rank = ranks[0] if group is None else dist.get_rank()
+        peers = describe_ranks(ranks, every)
+        watch = SyncWatch(timeout, poll_at_end=self.device.type == "cuda")
 
         def transport(held_at: int, sending: Shards | None, receiving: Shards | None) -> tuple[SyncPlan, Transport]:
             holdings = {r: item[held_at] for r, item in zip(ranks, every) if item[held_at] is not None}
             needs = {r: item[held_at + 1] for r, item in zip(ranks, every) if item[held_at + 1] is not None}
             plan = plan_transfers(holdings, needs, bucket_bytes)
-            return plan, Transport(plan.for_rank(self.rank), group, self.device, sending, receiving)
+            return plan, Transport(plan.for_rank(self.rank), group, self.device, sending, receiving, watch, peers)
 
         self.plan, self.transport = transport(0, source, target)
         has_adapters = any(item[2] or item[3] for item in every)
@@ -103,6 +123,20 @@ class WeightSync:
                 "sync/bytes_sent": float(stats.bytes_sent), "sync/bytes_received": float(stats.bytes_received),
                 "sync/bytes_local": float(stats.bytes_local), "sync/bytes_host_read": float(stats.host_read_bytes),
                 "sync/copy_launches": float(stats.copy_launches)}
+
+
+@contextlib.contextmanager
+def applied_to(rollout: SyncedRollout) -> Iterator[None]:
+    """Run a sync into `rollout`'s shards: if it fails, the shards hold a mix of two versions (they are written in
+    place as buckets arrive), so the rollout is told to refuse generating until a later sync completes. It does not
+    keep a copy of its previous weights to fall back on: that would double the rollout's weight memory or move
+    every synced byte over PCIe a second time, and no run goes on past a failed sync (a resumed run syncs the
+    rollout to the checkpoint's weights before it generates)."""
+    try:
+        yield
+    except BaseException as exc:
+        rollout.refuse_torn_weights(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        raise
 
 
 def rewritten_by(sync: WeightSync, rollout: SyncedRollout) -> Iterable[nn.Parameter]:

@@ -23,7 +23,7 @@ class DetachedActorWorker(ActorRefWorker):
         group = registry.sync_group(weight_sync.ranks, collective_timeout())
         super().__init__(actor, ref, model_path, registry, teacher)
         self.weight_sync = DetachedSync.sender(self.actor.chunks, self.actor.layout, self.actor.host_buffers, group,
-                                               weight_sync.bucket_bytes, weight_sync.verify)
+                                               weight_sync.bucket_bytes, weight_sync.verify, collective_timeout())
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def sync_weights(self, version: int) -> dict[str, float]:

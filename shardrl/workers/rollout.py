@@ -40,7 +40,8 @@ class RolloutWorker:
         # Weights arrive by the first sync; until then the engine holds a random init.
         model_config = ModelConfig.from_pretrained(model_path, overrides=options.override_config)
         self.engine = Engine(model_config, layout, options.engine)
-        self.weight_sync = DetachedSync.receiver(self.engine, group, sync.bucket_bytes, sync.verify)
+        self.weight_sync = DetachedSync.receiver(self.engine, group, sync.bucket_bytes, sync.verify,
+                                                 collective_timeout())
         self.agents = None if options.agent is None else build_runner(self.engine, options.agent)
         self.samples = SampleStream(self.engine, self.agents, self.response_length, pad_token_id)  # `stream`'s
 
