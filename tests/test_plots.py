@@ -8,8 +8,10 @@ import random
 import numpy as np
 import pytest
 
+from shardrl.job.load import compose
+from shardrl.job.plan import plan_job
 from shardrl.trainer import plots
-from shardrl.trainer.plots import Pictures, curves_figure, ema, step_times, timeline_figure
+from shardrl.trainer.plots import Pictures, curves_figure, ema, run_title, step_times, timeline_figure
 from shardrl.trainer.tracking import Timeline
 
 TRAINER_PHASES = ("wait_rollout", "reward", "balance", "values", "adv", "update_critic", "update_actor")
@@ -102,6 +104,8 @@ def test_curves_have_a_title_smoothing_and_a_critic_panel_only_with_a_critic(cri
     assert len(raw.get_xdata()) == len(smooth.get_xdata()) == 128 and len(val.get_xdata()) == 8
     assert np.std(np.diff(smooth.get_ydata())) < np.std(np.diff(raw.get_ydata()))
     assert all(float(t).is_integer() for t in reward.get_xticks())
+    resumed = synthetic_rows(128, critic)[:100] + synthetic_rows(128, critic)[90:]  # steps 91..100 logged twice
+    assert len(curves_figure(resumed, "t").axes[0].get_lines()[0].get_xdata()) == 128
     few = curves_figure(synthetic_rows(5, critic), "t")
     assert all(len(ax.get_lines()) == len(ax.get_legend().get_lines()) for ax in few.axes if ax.get_visible())
 
@@ -122,3 +126,10 @@ def test_pictures_are_written_atomically_when_due(tmp_path, monkeypatch):
     pictures.refresh()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["curves.png", "metrics.jsonl", "timeline.png"]
     assert pictures.cost_s > 0
+
+
+def test_the_title_tells_a_grpo_run_from_a_gae_one():
+    grpo = run_title(plan_job(compose("ppo_trainer", ["trainer.experiment_name=a"])))
+    gae = run_title(plan_job(compose("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae"])))
+    assert grpo == "shardrl/a: grpo, sync, model built-in task model"
+    assert gae == "shardrl/default: gae, fully_async, model built-in task model, with a critic"

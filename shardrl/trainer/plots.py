@@ -59,7 +59,8 @@ MAX_OVERHEAD = 0.05  # ... and at most this share of the run's time spent redraw
 def run_title(plan: JobPlan) -> str:
     """What tells two runs' pictures apart: the run's name, the schedule, the advantage estimator and the models."""
     tracking, model = plan.tracking, plan.model_path or "built-in task model"
-    critic = f", critic {plan.critic_model_path or model}" if plan.critic is not None else ""
+    critic = "" if plan.critic is None else (f", critic {plan.critic_model_path}" if plan.critic_model_path
+                                             not in (None, plan.model_path) else ", with a critic")
     return (f"{tracking.project}/{tracking.experiment}: {plan.algorithm.adv_estimator}, {plan.mode}, "
             f"model {model}{critic}")
 
@@ -88,9 +89,10 @@ def curves_figure(rows: Sequence[dict[str, Any]], title: str) -> Figure | None:
         left=0.08, right=0.98, top=1 - 0.7 / height, bottom=0.5 / height, hspace=0.45, wspace=0.2)).ravel()
     for ax, panel in zip(axes, panels):
         for i, (key, label) in enumerate(panel.keys):
-            points = [(r["step"], r[key]) for r in rows if isinstance(r.get(key), (int, float))]
+            # by step, the last value logged: a resumed run appends the steps after its checkpoint again
+            points = {r["step"]: r[key] for r in rows if isinstance(r.get(key), (int, float))}
             if points:
-                _series(ax, np.array(points, dtype=float), label, f"C{i}")
+                _series(ax, np.array(sorted(points.items()), dtype=float), label, f"C{i}")
         ax.set_title(panel.title, fontsize=10)
         ax.grid(alpha=0.3)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
