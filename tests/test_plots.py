@@ -79,6 +79,8 @@ def test_timeline_has_a_bar_per_step_for_every_phase_and_the_last_steps_lanes():
     assert [t.get_text() for t in zoom.texts] == [" step 126", " step 127", " step 128"]
     lanes_drawn = {round(c.get_paths()[0].vertices[:, 1].mean()) for c in zoom.collections if c.get_paths()}
     assert lanes_drawn == {0, 1, 2}  # generation (rollout lane) beside training (trainer lane)
+    legend = [t.get_text() for t in zoom.get_legend().get_texts()]
+    assert legend[:2] == ["generate", "score"] and legend[2].startswith("between steps")  # logging between steps
 
 
 def test_timeline_of_a_short_run_and_of_a_long_one():

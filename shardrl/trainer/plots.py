@@ -25,6 +25,7 @@ import numpy as np
 from matplotlib import colormaps
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
+from matplotlib.patches import Patch
 from matplotlib.ticker import MaxNLocator
 
 from shardrl.job.plan import JobPlan
@@ -207,19 +208,26 @@ def _draw_zoom(ax, spans: Sequence[dict[str, Any]], lanes: list[str], colors: di
     for (lane, phase), xs in sorted(pieces.items(), key=lambda item: -np.mean([w for _, w in item[1]])):
         ax.broken_barh(xs, (lanes.index(lane) - 0.4, 0.8), facecolors=colors[phase], edgecolors=colors[phase],
                        linewidth=0.5)  # the edge keeps sub-pixel spans visible
-    for step, (lo, _) in sorted(bounds.items()):
+    ordered = sorted(bounds.items())
+    for step, (lo, _) in ordered:
         ax.axvline(lo, color="black", linewidth=0.8, linestyle="--")
         ax.text(lo, -0.55, f" step {step + 1}", fontsize=8, va="bottom")
+    gaps = [(hi, lo - hi) for (_, (_, hi)), (_, (lo, _)) in zip(ordered, ordered[1:]) if lo > hi]
+    ax.broken_barh(gaps, (-0.4, 0.8), facecolors="none", edgecolors="0.6", hatch="//", linewidth=0)
     ax.set_yticks(range(len(lanes)), lanes)
     ax.set_ylim(len(lanes) - 0.5, -0.7)
     ax.set_xlim(begin, end)
     ax.set_xlabel("seconds since the run started")
     ax.set_title(f"the last {len(shown)} steps, every lane (colours as above)", fontsize=10)
     ax.grid(axis="x", alpha=0.3)
-    lane_phases = [p for p in colors if p not in {s["phase"] for s in spans if s["lane"] == "trainer"}
-                   and any(s["phase"] == p for s in inside)]
-    if lane_phases:  # the other lanes' phases have no bar above to name their colour
-        handles = [ax.broken_barh([], (0, 0), facecolors=colors[p], label=p) for p in lane_phases]
+    trainer_phases = {s["phase"] for s in spans if s["lane"] == "trainer"}
+    # what the bars above do not name: the other lanes' phases, and the trainer's time outside a step
+    handles = [Patch(facecolor=colors[p], label=p) for p in colors
+               if p not in trainer_phases and any(s["phase"] == p for s in inside)]
+    if gaps:
+        handles.append(Patch(facecolor="none", edgecolor="0.6", hatch="//", linewidth=0,
+                             label="between steps\n(validation, saving,\nlogging, pictures)"))
+    if handles:
         ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
