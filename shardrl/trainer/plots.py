@@ -23,6 +23,7 @@ from typing import Any
 
 import numpy as np
 from matplotlib import colormaps
+from matplotlib.axes import Axes
 from matplotlib.collections import PolyCollection
 from matplotlib.figure import Figure
 from matplotlib.patches import Patch
@@ -106,7 +107,7 @@ def curves_figure(rows: Sequence[dict[str, Any]], title: str) -> Figure | None:
     return fig
 
 
-def _series(ax, points: np.ndarray, label: str, color: str) -> None:
+def _series(ax: Axes, points: np.ndarray, label: str, color: str) -> None:
     """Raw points (light) and, when there are enough of them, their moving average (solid) in one colour."""
     steps, values = points[:, 0], points[:, 1]
     span = min(100, len(points) // POINTS_PER_SPAN)
@@ -127,7 +128,7 @@ class StepTimes:
 
 
 def step_times(spans: Sequence[dict[str, Any]]) -> StepTimes:
-    """The trainer lane's phases per step ("step" itself left out: it is their sum). The sync before the first step
+    """The trainer lane's phases per step ("step" itself left out: it holds them). The sync before the first step
     (step -1) is not a training step and is left out."""
     trainer = [s for s in spans if s["lane"] == "trainer" and s["phase"] != "step" and s["step"] >= 0]
     phases = list(dict.fromkeys(s["phase"] for s in trainer))
@@ -157,7 +158,7 @@ def timeline_figure(spans: Sequence[dict[str, Any]]) -> Figure | None:
     return fig
 
 
-def _draw_bars(ax, times: StepTimes, colors: dict[str, Any]) -> None:
+def _draw_bars(ax: Axes, times: StepTimes, colors: dict[str, Any]) -> None:
     """One bar per step (or per `k` steps' mean beyond `MAX_BARS`), the trainer's phases stacked in order. A phase
     is one collection of rectangles, not a patch per bar: ten times faster to draw at a few hundred steps."""
     k = -(-len(times.steps) // MAX_BARS)
@@ -189,7 +190,7 @@ def _draw_bars(ax, times: StepTimes, colors: dict[str, Any]) -> None:
     ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 
 
-def _draw_zoom(ax, spans: Sequence[dict[str, Any]], lanes: list[str], colors: dict[str, Any]) -> None:
+def _draw_zoom(ax: Axes, spans: Sequence[dict[str, Any]], lanes: list[str], colors: dict[str, Any]) -> None:
     """The spans of every lane during the last steps (from the first one's start to the last one's end), with the
     steps' boundaries: a rollout bar beside a trainer phase is generation overlapping training."""
     shown = sorted({s["step"] for s in spans if s["lane"] == "trainer" and s["step"] >= 0})[-ZOOM_STEPS:]
@@ -254,8 +255,8 @@ class Pictures:
 
     def write(self) -> None:
         start = time.perf_counter()
-        path = self.run_dir / "metrics.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+        text = (self.run_dir / "metrics.jsonl").read_text()  # the Tracker's, created before the first step
+        rows = [json.loads(line) for line in text.splitlines() if line.strip()]
         for name, fig in (("curves.png", curves_figure(rows, self.title)),
                           ("timeline.png", timeline_figure(self.timeline.snapshot()))):
             if fig is not None:
