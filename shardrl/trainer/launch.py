@@ -30,7 +30,6 @@ from shardrl.models.config import ModelConfig
 from shardrl.rewards.registry import builtin_sources, default_compute_score, has_scorer
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
-from shardrl.trainer.plots import write_plots
 from shardrl.trainer.ppo import PPOTrainer, Workers
 from shardrl.trainer.tracking import Tracker
 from shardrl.workers.critic import CriticWorker
@@ -142,7 +141,6 @@ def train(plan: JobPlan) -> None:
             ppo.save_hf(str(paths.run_dir / "hf_export"))
         finally:
             tracker.close()
-            write_plots(paths.run_dir, ppo.timeline)
             group.shutdown()
 
 

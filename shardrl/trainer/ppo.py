@@ -25,6 +25,7 @@ from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
 from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
+from shardrl.trainer.plots import Pictures, run_title
 from shardrl.trainer.reward_loop import ScoringThread, stream_generation
 from shardrl.trainer.tracking import Timeline, Tracker
 from shardrl.workers.actor import ActorRefWorker
@@ -311,8 +312,9 @@ class PPOTrainer:
             self.tracker.log(self.global_step, self.validate())
         start = time.perf_counter()
         progress = self.tracker.progress(self.total_steps, self.global_step, self.timeline)
-        # closing() stops an async schedule's rollouter
-        with progress as step_done, contextlib.closing(self.schedule()) as steps:
+        pictures = Pictures(self.tracker.run_dir, run_title(self.plan), self.timeline)
+        # closing() stops an async schedule's rollouter, then draws the pictures a last time (failed or not)
+        with contextlib.closing(pictures), progress as step_done, contextlib.closing(self.schedule()) as steps:
             for metrics in steps:
                 step_done()
                 self.global_step += 1
@@ -329,6 +331,7 @@ class PPOTrainer:
                 if last:
                     return
                 start = time.perf_counter()
+                pictures.refresh()  # when due; its time counts in the next step's timing_s/step_total
 
 
 def _prefixed(role: str, per_replica: list[dict[str, list[float]]]) -> dict[str, float]:
