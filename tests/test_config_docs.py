@@ -2,19 +2,16 @@
 back, and docs/config.md documents every key with the yaml's own default (per config file: all keys of
 ppo_trainer.yaml, and for each other file exactly the keys whose default it adds or changes)."""
 
-from pathlib import Path
-
 import pytest
 import yaml
 from hydra import compose, initialize_config_dir
 from omegaconf import OmegaConf
 
-from shardrl.job.load import CONFIG_DIR
-
-from shardrl.job.schema import PPOConfig
 from shardrl.job.build import field_paths
+from shardrl.job.load import CONFIG_DIR
+from shardrl.job.reference import DOC, config_purposes, key_tables
+from shardrl.job.schema import PPOConfig
 
-DOC = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 FIELDS = set(field_paths(PPOConfig))
 GROUPS = {".".join(p.split(".")[:i]) for p in FIELDS for i in range(1, p.count(".") + 1)}
 CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
@@ -45,29 +42,13 @@ def parent_of(name: str) -> str | None:
     return parents[0] if parents else None
 
 
-def doc_sections() -> dict[str, dict[str, list[str]]]:
-    """Sections headed '## `<file>.yaml` ...' -> {key: cells} of their table rows."""
-    sections, current = {}, None
-    for line in DOC.read_text().splitlines():
-        if line.startswith("## "):
-            current = line.split("`")[1].removesuffix(".yaml") if ".yaml`" in line else None
-            if current:
-                sections[current] = {}
-        elif current and line.startswith("| `"):
-            cells = [c.strip() for c in line.strip().strip("|").split("|")]
-            key = cells[0].strip("`")
-            assert key not in sections[current], f"{key} documented twice in the {current} section"
-            sections[current][key] = cells[1:]
-    return sections
-
-
 def doc_value(cell: str):
     assert cell.startswith("`") and cell.endswith("`"), f"default cell {cell!r} is not in backticks"
     return OmegaConf.to_container(OmegaConf.create(f"v: {cell[1:-1]}"), resolve=False)["v"]
 
 
 TREES = {name: leaves(raw_tree(name)) for name in CONFIG_NAMES}
-SECTIONS = doc_sections()
+SECTIONS = key_tables(DOC.read_text())
 
 
 def test_every_schema_field_is_a_yaml_key_of_some_config():
@@ -92,3 +73,7 @@ def test_every_key_has_a_unit_and_a_meaning():
                  if len(cells) == 3 and cells[1] and cells[2]}
     every_key = set().union(*TREES.values())
     assert sorted(every_key - described) == []
+
+
+def test_the_table_of_configs_names_every_packaged_config_once():
+    assert sorted(config_purposes(DOC.read_text())) == CONFIG_NAMES

@@ -1,11 +1,14 @@
 """Dry-run planner: layouts, rank tables, normalised batch sizes and model-config checks, against hand-computed
 values; every invalid layout or batch size fails with one line naming the dotted key."""
 
+import itertools
 import json
 
 import pytest
+from hydra import compose as hydra_compose, initialize_config_dir
+from omegaconf import OmegaConf
 
-from shardrl.job.load import compose
+from shardrl.job.load import CONFIG_DIR, compose, load_config
 from shardrl.job.batches import MicroBatching
 from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.errors import ConfigError
@@ -109,9 +112,80 @@ def test_train_batch_not_a_multiple_of_mini_batch():
     assert error_of(["data.train_batch_size=12"]).key == "data.train_batch_size"
 
 
-def test_no_micro_batch_key_set():
-    err = error_of(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"])
-    assert err.key == "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu"
+def test_no_micro_batch_key_set_derives_the_largest_that_fits_the_token_budget():
+    # 32 samples per rank of 66 tokens (64 prompt + 2 response); 1000 tokens hold 15: the largest divisor is 8
+    plan = plan_of(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=1000"])
+    update = plan.roles["actor"].batches["update"]
+    assert update == MicroBatching(32, 8, 4, None, derived=True)
+    assert "micro batch 8 (derived: its keys are null) -> 4 micro batches" in update.describe()
+    tiny = plan_of(["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null",
+                    "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=10"])  # not one sequence: one a micro batch
+    assert tiny.roles["actor"].batches["update"] == MicroBatching(32, 1, 32, None, derived=True)
+
+
+def test_default_job_plans_for_every_group_size():
+    """The yaml defaults alone (no BASE): any rollout.n from 1 to 8, on one or two ranks (one composition, the
+    keys set on its tree: Hydra's composition costs more than the plan)."""
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        default = hydra_compose(config_name="ppo_trainer")
+    for dp, n in itertools.product((1, 2), range(1, 9)):
+        tree = OmegaConf.merge(default, {"actor_rollout_ref": {"rollout": {"n": n}},
+                                         "trainer": {"n_gpus_per_node": dp, "device": "cpu"}})
+        update = plan_job(load_config(tree)).roles["actor"].batches["update"]
+        assert update.samples_per_rank == 16 * n // dp and update.derived
+    assert plan_job(load_config(default)).roles["actor"].batches["update"] == MicroBatching(128, 64, 2, None, True)
+
+
+# Every divisibility error proposes `set key=value ...`; applying the proposal must plan.
+PROPOSALS = {
+    "micro": ["actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=3"],
+    "global_micro": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.ppo_micro_batch_size=3",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
+    "log_prob_micro": ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=3",
+                       "actor_rollout_ref.actor.ppo_mini_batch_size=4",
+                       "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
+    "mini_over_dp": ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=3", "data.train_batch_size=24",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1"],
+    "mini_and_step_over_dp": ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=6",
+                              "actor_rollout_ref.actor.ppo_mini_batch_size=2",
+                              "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
+    "step_over_dp": ["trainer.n_gpus_per_node=4", "actor_rollout_ref.rollout.n=1", "data.train_batch_size=6",
+                     "actor_rollout_ref.actor.ppo_mini_batch_size=6",
+                     "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=null"],
+    "step_not_multiple": ["data.train_batch_size=12"],
+    "mini_over_step": ["data.train_batch_size=4"],
+    "critic_step": ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=6"],
+    "async_critic_step": ["algorithm.adv_estimator=gae", "critic.ppo_mini_batch_size=12",
+                          "async_training.require_batches=1"],
+    "rollout_tp": ["trainer.n_gpus_per_node=2", "actor_rollout_ref.rollout.tensor_model_parallel_size=4"],
+    "judge_tp": ["trainer.n_gpus_per_node=2", "reward_model.judge.enable=true",
+                 "reward_model.judge.model_path=/nonexistent/judge",
+                 "reward_model.judge.tensor_model_parallel_size=4"],
+}
+
+
+def proposed(reason: str) -> list[str]:
+    """The `key=value` overrides after the error's `set`."""
+    _, _, fix = reason.partition("; set ")
+    return [word.rstrip(",;)") for word in fix.split() if "=" in word]
+
+
+@pytest.mark.parametrize("case", sorted(PROPOSALS))
+def test_divisibility_error_proposes_a_value_that_plans(case):
+    """Following the proposals (a later check may propose a value of its own) reaches a plan; no check fails twice."""
+    name = "fully_async_ppo_trainer" if case.startswith("async") else "ppo_trainer"
+    overrides, failed = list(PROPOSALS[case]), []
+    for _ in range(5):
+        try:
+            plan_of(overrides, name)
+            return
+        except ConfigError as err:
+            fix = proposed(err.reason)
+            assert fix and any(f.startswith(f"{err.key}=") for f in fix) and err.reason not in failed, err
+            overrides, failed = overrides + fix, failed + [err.reason]
+    pytest.fail(f"still failing after {failed}")
 
 
 def test_deprecated_global_micro_batch_is_divided_by_dp():
@@ -125,8 +199,8 @@ def test_deprecated_global_micro_batch_is_divided_by_dp():
 
 def test_dynamic_batch_size_uses_token_budget():
     plan = plan_of(["actor_rollout_ref.actor.use_dynamic_bsz=true"])
-    assert plan.roles["actor"].batches["update"] == MicroBatching(32, None, None, 4096)
-    assert plan.roles["actor"].batches["log_prob"] == MicroBatching(64, None, None, 4096)  # interpolated keys follow
+    assert plan.roles["actor"].batches["update"] == MicroBatching(32, None, None, 8192)
+    assert plan.roles["actor"].batches["log_prob"] == MicroBatching(64, None, None, 8192)  # interpolated keys follow
     err = error_of(["actor_rollout_ref.actor.use_dynamic_bsz=true",
                     "data.max_response_length=32", "actor_rollout_ref.actor.ppo_max_token_len_per_gpu=95"])
     assert err.key == "actor_rollout_ref.actor.ppo_max_token_len_per_gpu"  # 64 prompt + 32 response = 96 tokens

@@ -7,7 +7,7 @@
 # command line, e.g. `bash run_gsm8k_grpo.sh trainer.total_training_steps=20 trainer.logger=[console,wandb]`.
 set -euo pipefail
 
-PYTHON=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/../python_env.sh"  # PYTHON: the repository's .venv unless set
 MODEL_PATH=${MODEL_PATH:-$HOME/models/SmolLM2-135M-Instruct}  # HF directory: config.json, safetensors, tokenizer
 DATA_DIR=${DATA_DIR:-$HOME/data/gsm8k}                         # train.parquet and test.parquet (data_preprocess)
 RUN_DIR=${RUN_DIR:-checkpoints/shardrl_gsm8k/grpo}             # metrics.jsonl, plots, checkpoints, hf_export

@@ -10,7 +10,7 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
-export PYTHON=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/../python_env.sh"  # PYTHON: the repository's .venv unless set
 SHARED_DATA=${SHARED_DATA:-$REPO/../shared/data}        # gsm8k/*.jsonl and tokenizers/qwen3
 WORK_DIR=${WORK_DIR:-$(mktemp -d /tmp/shardrl_gsm8k_smoke.XXXXXX)}
 LIMIT=${LIMIT:-64}                                      # GSM8K rows per split

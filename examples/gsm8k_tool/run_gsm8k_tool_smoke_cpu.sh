@@ -8,7 +8,7 @@ set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
 REPO=$(cd "$HERE/../.." && pwd)
-PYTHON=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/../python_env.sh"  # PYTHON: the repository's .venv unless set
 SHARED_DATA=${SHARED_DATA:-$REPO/../shared/data}
 WORK_DIR=${WORK_DIR:-$(mktemp -d /tmp/shardrl_gsm8k_tool_smoke.XXXXXX)}
 

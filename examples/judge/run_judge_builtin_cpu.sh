@@ -8,7 +8,7 @@
 set -euo pipefail
 
 HERE=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
-PYTHON=${PYTHON:-python3}
+source "$(dirname "${BASH_SOURCE[0]}")/../python_env.sh"  # PYTHON: the repository's .venv unless set
 WORK_DIR=${WORK_DIR:-$(mktemp -d /tmp/shardrl_judge.XXXXXX)}
 if [[ -z "${JUDGE:-}" ]]; then
     JUDGE=$("$PYTHON" -c "from shardrl.data import builtin_task; print(builtin_task.prepare('$WORK_DIR/judge')['model'])")

@@ -25,11 +25,13 @@ class MicroBatching:
     micro_batch_size: int | None  # samples per micro batch; None with dynamic batch size
     num_micro_batches: int | None  # None with dynamic batch size (depends on the lengths)
     max_token_len: int | None  # token budget of one micro batch (dynamic batch size only)
+    derived: bool = False  # the micro batch keys were null: `micro_batch_size` was derived from the token budget
 
     def describe(self) -> str:
         if self.micro_batch_size is None:
             return f"{self.samples_per_rank} samples/rank in micro batches of <= {self.max_token_len} tokens"
-        return (f"{self.samples_per_rank} samples/rank, micro batch {self.micro_batch_size} "
+        how = " (derived: its keys are null)" if self.derived else ""
+        return (f"{self.samples_per_rank} samples/rank, micro batch {self.micro_batch_size}{how} "
                 f"-> {self.num_micro_batches} micro batches")
 
     def forward(self) -> ForwardBatching:
@@ -187,12 +189,26 @@ def plan_step(config: PPOConfig, shared: SharedKeys, mode: Mode, async_training:
         step_key, step = "async_training.require_batches", async_training.require_batches * actor_mini
     else:
         step_key, step = "data.train_batch_size", train_batch_size
+    size = StepSize(step, step // actor_mini, step_key, actor_mini, critic_mini, train_batch_size)
     for key, mini in minis:
         if mini > step:
-            raise ConfigError(key, f"{mini} prompts is larger than the {step} prompts of a step ({step_key})")
+            raise ConfigError(key, f"{mini} prompts is larger than the {step} prompts of a step ({step_key}); "
+                                   f"set {key}={step}")
         if step % mini:
-            raise ConfigError(step_key, f"a step of {step} prompts is not a multiple of {key}={mini}")
-    return StepSize(step, step // actor_mini, step_key, actor_mini, critic_mini, train_batch_size)
+            raise ConfigError(step_key, f"a step of {step} prompts is not a multiple of {key}={mini}; "
+                                        f"{_fitting_step(size, 1)}")
+    return size
+
+
+def _fitting_step(step: StepSize, multiple: int) -> str:
+    """`set <step key>=<value>`: the nearest step up from `step` that every mini batch divides and whose prompts are
+    a multiple of `multiple`."""
+    minis = [m for m in (step.actor_mini, step.critic_mini) if m]
+    if step.key == "data.train_batch_size":
+        return f"set {step.key}={_round_up(step.prompts, math.lcm(multiple, *minis))}"
+    # fully async: the step is async_training.require_batches actor mini batches
+    unit = math.lcm(*(m // math.gcd(m, step.actor_mini) for m in (multiple, *minis)))
+    return f"set {step.key}={_round_up(step.mini_batches, unit)}"
 
 
 @dataclass(frozen=True)
@@ -240,20 +256,23 @@ def train_role(config: PPOConfig, shared: SharedKeys, role: str, key: str, ranks
         raise ConfigError(key, f"{err} (the trainer pool trainer.nnodes x trainer.n_gpus_per_node has "
                                f"{len(ranks)} ranks)") from None
     seq_len = math.ceil((shared.prompt_length + shared.response_length) / spec.cp)  # tokens per CP rank
-    batches = {phase: normalize_batch(config, batch, shared.samples_per_prompt, spec.dp, seq_len)
+    batches = {phase: normalize_batch(config, batch, shared.samples_per_prompt, spec.dp, seq_len, step)
                for phase, batch in _batches_of(shared, role, step).items()}
     return RolePlan(role, spec, ranks, rank_tables(spec, ranks), batches)
 
 
-def normalize_batch(config: PPOConfig, batch: _BatchKeys, n: int, dp: int, seq_len: int) -> MicroBatching:
+def normalize_batch(config: PPOConfig, batch: _BatchKeys, n: int, dp: int, seq_len: int,
+                    step: StepSize) -> MicroBatching:
     """`batch.prompts` (global) x n samples -> per DP rank -> micro batches (verl's megatron normalisation; the
-    deprecated global micro batch is divided by DP)."""
+    deprecated global micro batch is divided by DP). Both micro batch keys null (verl requires one): the fewest
+    equal micro batches that each hold at most the token budget `batch.tokens` of full-length sequences, so that
+    the default works for any rollout.n and DP."""
     node = config.at(batch.group)
     samples = batch.prompts * n
     if samples % dp:
         split = f"{samples // dp} per rank" if samples < dp else "an uneven split"
         raise ConfigError(batch.prompts_key, f"{batch.prompts} prompts x rollout.n {n} = {samples} samples do not "
-                                             f"split evenly over DP={dp} ({split})")
+                                             f"split evenly over DP={dp} ({split}); {_even_split(batch, n, dp, step)}")
     per_rank = samples // dp
     if getattr(node, batch.dynamic):
         max_tokens = getattr(node, batch.tokens)
@@ -264,19 +283,46 @@ def normalize_batch(config: PPOConfig, batch: _BatchKeys, n: int, dp: int, seq_l
     total, per_gpu = getattr(node, batch.micro), getattr(node, f"{batch.micro}_per_gpu")
     key = f"{batch.group}.{batch.micro}"
     if total is None and per_gpu is None:
-        raise ConfigError(f"{key}_per_gpu", f"must be set (samples per micro batch on one rank), or enable "
-                                            f"{batch.group}.{batch.dynamic}")
+        per_gpu = divisor_at_most(per_rank, getattr(node, batch.tokens) // seq_len)
+        return MicroBatching(per_rank, per_gpu, per_rank // per_gpu, None, derived=True)
     if per_gpu is None:
-        if total % dp:
-            raise ConfigError(key, f"global micro batch {total} does not split over DP={dp}; set "
-                                   f"{batch.micro}_per_gpu instead")
+        if total % dp or per_rank % (total // dp):
+            fits = dp * divisor_at_most(per_rank, total // dp)
+            raise ConfigError(key, f"global micro batch {total} / DP={dp} does not cut the {per_rank} samples per "
+                                   f"DP rank evenly; set {key}={fits} (or {batch.micro}_per_gpu instead)")
         per_gpu = total // dp
-    else:
-        key = f"{key}_per_gpu"
-    if per_rank % per_gpu:
-        raise ConfigError(key, f"the {per_rank} samples per DP rank ({samples} samples / DP={dp}) are not divisible "
-                               f"by the micro batch {per_gpu}")
+    elif per_rank % per_gpu:
+        raise ConfigError(f"{key}_per_gpu", f"the {per_rank} samples per DP rank ({samples} samples / DP={dp}) are "
+                                            f"not divisible by the micro batch {per_gpu}; set "
+                                            f"{key}_per_gpu={divisor_at_most(per_rank, per_gpu)} (or null to derive "
+                                            f"it from {batch.group}.{batch.tokens})")
     return MicroBatching(per_rank, per_gpu, per_rank // per_gpu, None)
+
+
+def divisor_at_most(value: int, cap: int) -> int:
+    """The largest divisor of `value` not above `cap` (at least 1): the size to propose (or derive) for something
+    that must cut `value` evenly."""
+    return max(d for d in range(1, max(1, min(value, cap)) + 1) if value % d == 0)
+
+
+def _even_split(batch: _BatchKeys, n: int, dp: int, step: StepSize) -> str:
+    """What to set so that `batch`'s prompts x n samples split evenly over DP (`set <key>=<value> ...`): a mini
+    batch that still divides the step (changing the step too when none does), or a step the mini batches divide."""
+    multiple = dp // math.gcd(n, dp)  # the prompts must be a multiple of this
+    if batch.prompts_key == step.key:
+        return _fitting_step(step, multiple)
+    if step.key != "data.train_batch_size":  # fully async: the step follows the actor's mini batch
+        return f"set {batch.prompts_key}={_round_up(batch.prompts, multiple)}"
+    fitting = [d for d in range(multiple, step.prompts + 1, multiple) if step.prompts % d == 0]
+    if fitting:
+        return f"set {batch.prompts_key}={min(fitting, key=lambda d: (abs(d - batch.prompts), d))}"
+    other = step.critic_mini if batch.prompts_key.startswith("actor_rollout_ref.") else step.actor_mini
+    return (f"set {batch.prompts_key}={multiple} {step.key}="
+            f"{_round_up(step.prompts, math.lcm(multiple, other or 1))}")
+
+
+def _round_up(value: int, unit: int) -> int:
+    return math.ceil(value / unit) * unit
 
 
 def rollout_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
@@ -286,8 +332,8 @@ def rollout_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
             else "the rollout pool rollout.nnodes x rollout.n_gpus_per_node")
     world, tp = len(ranks), rollout.tensor_model_parallel_size
     if world % tp:
-        raise ConfigError("actor_rollout_ref.rollout.tensor_model_parallel_size",
-                          f"TP {tp} does not divide {pool} of {world} ranks")
+        key = "actor_rollout_ref.rollout.tensor_model_parallel_size"
+        raise ConfigError(key, f"TP {tp} does not divide {pool} of {world} ranks; set {key}={divisor_at_most(world, tp)}")
     try:
         spec = rollout.layout(world)
     except LayoutError as err:
@@ -302,7 +348,8 @@ def judge_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
     """The generative judge's engine over the trainer pool: TP inside a replica, replicas = pool / TP."""
     tp = config.reward_model.judge.tensor_model_parallel_size
     if len(ranks) % tp:
-        raise ConfigError("reward_model.judge.tensor_model_parallel_size",
-                          f"TP {tp} does not divide the trainer pool of {len(ranks)} ranks")
+        key = "reward_model.judge.tensor_model_parallel_size"
+        raise ConfigError(key, f"TP {tp} does not divide the trainer pool of {len(ranks)} ranks; set "
+                               f"{key}={divisor_at_most(len(ranks), tp)}")
     spec = LayoutSpec(world_size=len(ranks), tp=tp)
     return RolePlan("judge", spec, ranks, rank_tables(spec, ranks))

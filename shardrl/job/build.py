@@ -12,6 +12,7 @@ import types
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 
 from shardrl.job.errors import ConfigError
+from shardrl.job.keys import closest_key
 
 MISSING_VALUE = "???"  # OmegaConf's marker for a mandatory value (e.g. a user config leaving a key to the CLI)
 
@@ -57,7 +58,7 @@ def build(cls: type, tree: Any, prefix: str = "") -> Any:
     names = {f.name for f in dataclasses.fields(cls)}
     for key in tree:
         if key not in names:
-            raise ConfigError(_join(prefix, key), "unknown key (see docs/config.md for the accepted keys)")
+            raise unknown_key(_join(prefix, key), field_paths(cls, prefix))
     hints = get_type_hints(cls, include_extras=True)
     values = {}
     for f in dataclasses.fields(cls):
@@ -142,15 +143,32 @@ def _convert_scalar(hint: Any, value: Any, key: str) -> Any:
     raise TypeError(f"schema type {hint!r} of {key} is not supported")  # a bug in the schema, not user input
 
 
+def unknown_key(key: str, paths: list[str]) -> ConfigError:
+    """The error for `key`, which is none of `paths` (the known dotted leaves around it): the closest of them."""
+    guess = closest_key(key, paths)
+    return ConfigError(key, f"unknown key; did you mean {guess}?" if guess else
+                       "unknown key (docs/config.md lists every key; --help the most used)")
+
+
 def field_paths(cls: type, prefix: str = "") -> list[str]:
     """Dotted paths of every leaf field of `cls` (nested dataclasses expanded; free-form dicts are leaves)."""
-    paths = []
+    return [path for path, _ in _leaf_hints(cls, prefix)]
+
+
+def mapping_paths(cls: type, prefix: str = "") -> list[str]:
+    """The leaves of `cls` that are free-form mappings (`dict` fields: any entry, added with Hydra's `+`)."""
+    return [path for path, hint in _leaf_hints(cls, prefix)
+            if dict in (hint, get_origin(hint)) or dict in map(get_origin, get_args(hint))]
+
+
+def _leaf_hints(cls: type, prefix: str) -> list[tuple[str, Any]]:
+    leaves = []
     hints = get_type_hints(cls, include_extras=True)
     for f in dataclasses.fields(cls):
         inner = _dataclass_in(hints[f.name])
         key = _join(prefix, f.name)
-        paths.extend(field_paths(inner, key) if inner else [key])
-    return paths
+        leaves.extend(_leaf_hints(inner, key) if inner else [(key, hints[f.name])])
+    return leaves
 
 
 def _dataclass_in(hint: Any) -> type | None:

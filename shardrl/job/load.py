@@ -10,7 +10,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from shardrl.job.build import build
+from shardrl.job.build import build, field_paths, mapping_paths, unknown_key
 from shardrl.job.errors import ConfigError
 from shardrl.job.rules import validate
 from shardrl.job.schema import PPOConfig
@@ -89,3 +89,13 @@ def compose(config_name: str = "ppo_trainer", overrides: Sequence[str] = ()) -> 
 
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return load_config(hydra_compose(config_name=config_name, overrides=list(overrides)))
+
+
+def check_known_key(key: str) -> None:
+    """Raise the `did you mean` error when `key` (the key of a command-line `key=value`, which must exist) is neither
+    a key nor a group of the schema. An entry of a free-form mapping passes: what the yaml holds there decides."""
+    leaves = field_paths(PPOConfig)
+    known = {".".join(path.split(".")[:i]) for path in leaves for i in range(1, path.count(".") + 2)}
+    if key in known or any(key.startswith(f"{mapping}.") for mapping in mapping_paths(PPOConfig)):
+        return
+    raise unknown_key(key, leaves)

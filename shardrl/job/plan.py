@@ -9,7 +9,8 @@ normalisation, as verl's megatron workers do it):
   and generates `rollout.n` samples for each;
 * a mini batch is `ppo_mini_batch_size` prompts (global), i.e. `ppo_mini_batch_size * n / DP` samples per DP rank,
   cut into micro batches of `ppo_micro_batch_size_per_gpu` samples (or, with dynamic batch size, of at most
-  `ppo_max_token_len_per_gpu` tokens);
+  `ppo_max_token_len_per_gpu` tokens; with both micro batch keys null, of the most samples that cut the rank's
+  share evenly and fit that token budget);
 * log-prob and value passes split the whole step's samples over DP the same way.
 
 Placement: in sync mode all roles share the trainer pool (colocated). In the async modes actor/ref/critic use the

@@ -2,7 +2,8 @@
 
 Configs live in `shardrl/job/config/`. A relative ``--config-path`` (verl users pass ``--config-path=./config``)
 is looked up in this package first and then in the current directory, whatever the cwd is. With
-``trainer.dry_run=true`` the config is validated and the plan printed. A failure the user can fix (`UserError`: a
+``trainer.dry_run=true`` the config is validated and the plan printed. ``--help`` lists the configs and the most used
+keys (`command_line`); a ``key=value`` whose key does not exist fails before Hydra composes, naming the closest. A failure the user can fix (`UserError`: a
 config key, a data or model file, a reward function or tool of theirs, also when a worker raised it) prints one line
 ``error: <key or file>: <reason>`` on stderr and exits 2; any other failure one line and exit 1. ``SHARDRL_DEBUG=1``
 adds the traceback.
@@ -15,12 +16,14 @@ import sys
 from pathlib import Path
 
 import hydra
+from hydra._internal.utils import get_args_parser
 from omegaconf import DictConfig
 
 from shardrl.errors import DEBUG_ENV, UserError, first_line
 from shardrl.job.load import CONFIG_DIR, load_config
 from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.preflight import check_launch
+from shardrl.trainer.command_line import DEFAULT_CONFIG, check_overrides, help_text
 
 PACKAGE_DIR = CONFIG_DIR.parent  # a relative --config-path is looked up here first (`./config`: the packaged ones)
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
@@ -80,13 +83,23 @@ def absolute_config_args(argv: list[str], cwd: Path) -> list[str]:
     return out
 
 
-@hydra.main(config_path=str(CONFIG_DIR), config_name="ppo_trainer", version_base=None)
+@hydra.main(config_path=str(CONFIG_DIR), config_name=DEFAULT_CONFIG, version_base=None)
 def _hydra_main(cfg: DictConfig) -> None:
     sys.exit(run(cfg))
 
 
 def main() -> None:
     sys.argv = absolute_config_args(sys.argv, Path.cwd())
+    # Hydra's own parser, so flags and overrides are read as Hydra reads them; its stock --help (a yaml dump) is
+    # replaced, and an unknown key fails here with the closest one instead of Hydra's bare "not in struct".
+    args = get_args_parser().parse_args(sys.argv[1:])
+    try:
+        check_overrides(args.overrides)
+        if args.help:
+            print(help_text(args.config_path or str(CONFIG_DIR), args.config_name or DEFAULT_CONFIG))
+            sys.exit(0)
+    except UserError as err:
+        sys.exit(_report(err, 2))
     _hydra_main()
 
 
