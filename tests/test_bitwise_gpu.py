@@ -186,8 +186,8 @@ def test_bitwise_rollout_logprobs_equal_the_trainers(tmp_path, family, shape, te
 
 @pytest.mark.parametrize("family, shape", [("qwen2", MODEL), ("qwen3_moe", MOE)], ids=["dense", "moe"])
 def test_bitwise_gradients_match_the_default_kernels(tmp_path, family, shape):
-    """The bitwise forward's backward (torch's GEMMs, flash attention's from a rerun forward, autograd through the
-    reference norm) is the gradient of the same function: every parameter's gradient is the default mode's up to
+    """The bitwise forward's backward (torch's GEMMs, flash attention's from the kernel's log-sum-exp, the norm's
+    Triton backward) is the gradient of the same function: every parameter's gradient is the default mode's up to
     bf16 rounding."""
     from shardrl.models.hf_bridge import load_hf_weights
     from shardrl.models.transformer import Transformer

@@ -39,7 +39,7 @@ def expert_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down: 
     x [N, H] holds the rows of expert 0, then expert 1, ...; counts [E] (int) gives each expert's number of rows.
     w_gate, w_up [E, F, H]; w_down [E, H, F] (F may be this rank's ETP slice: the result is then a partial sum).
     `grouped` picks the path; None picks the grouped GEMM where it is supported. `bitwise` (CUDA): the
-    batch-invariant grouped GEMM forward (`_BitwiseGrouped`). `adapters`: LoRA on the experts. Returns [N, H].
+    batch-invariant grouped GEMM forward (`_BitwiseGroupedPair` for gate and up, `_BitwiseGrouped` for down). `adapters`: LoRA on the experts. Returns [N, H].
     """
     if bitwise and adapters is not None:
         raise ValueError("expert_ffn: bitwise mode has no batch-invariant LoRA GEMMs")
