@@ -72,6 +72,8 @@ def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_b
     models, a single-GPU reference, several layouts in one process; `lora` trains adapters (tests/test_lora.py),
     and `export_to` then also gets the trained model's log-probs, its PEFT adapter (`peft/`) and merged HF model
     (`merged/`)."""
+    sizes = dict(sizes)
+    sequence_parallel = sizes.pop("sp", False)
     spec = LayoutSpec(world_size=torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1,
                       **sizes)
     layout = Layout.create(spec, device=device, registry=registry)
@@ -79,7 +81,8 @@ def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_b
     # constant) and only reduction-order noise in practice; Adam with a tiny eps would blow that noise up to +-lr.
     optim = OptimOptions(lr=1e-2, eps=1e-3, weight_decay=0.1, clip_grad=0.5, distributed=distributed_optimizer)
     engine = ModelEngine(ModelConfig.from_pretrained(ckpt), layout,
-                         EngineOptions(dtype=dtype, optim=optim, lora=lora), hf_path=ckpt)
+                         EngineOptions(dtype=dtype, optim=optim, lora=lora, sequence_parallel=sequence_parallel),
+                         hf_path=ckpt)
     dp, dp_rank = layout.dp_size, layout.dp_rank
     batch = make_batch()
     share = batch.take(list(range(dp_rank * BATCH // dp, (dp_rank + 1) * BATCH // dp)))
@@ -109,7 +112,7 @@ def train_on_layout(ckpt: str, sizes: dict, distributed_optimizer: bool, micro_b
         result["final_log_probs"], _ = compute_log_prob(engine, share, ForwardBatching(micro_batch_size, None))
         save_peft_adapter(engine.chunks, layout, export_to / "peft", base_model=ckpt)
         save_hf_checkpoint(engine.chunks, layout, export_to / "merged")
-    return result if layout.tp_rank == 0 and layout.pp_rank == 0 and layout.cp_size == 1 else None
+    return result if layout.tp_rank == 0 and layout.pp_rank == 0 and layout.rank("cp") == 0 else None
 
 
 @pytest.fixture(scope="module")
@@ -169,7 +172,14 @@ LAYOUTS = [  # (model kinds, world, sizes, distributed optimizer, micro batch si
     (("moe",), 4, dict(tp=2, ep=2), False, 2),
     (("dense",), 4, dict(tp=2, pp=2), False, 1),
     (("moe",), 4, dict(pp=2, ep=2), False, 1),
+    # Context parallel: micro batches of 2-4 sequences of 3-11 tokens, so some are shorter than CP's 2*CP chunks.
+    (("dense", "moe"), 2, dict(cp=2), False, 2),
+    (("dense", "moe"), 4, dict(cp=2, tp=2, sp=True), False, 2),
+    (("dense",), 4, dict(cp=4), False, 4),
+    (("dense",), 4, dict(cp=2, pp=2), False, 1),
+    (("moe",), 4, dict(cp=2, ep=2), False, 2),
 ]
+SLOW = {"dense-cp4-w4", "dense-cp2-pp2-w4", "moe-cp2-ep2-w4"}  # CI time: CP2 and CP2 x TP2 (+SP) stay default
 
 
 def _layout_id(kinds, world, sizes, distributed_optimizer, _micro) -> str:
@@ -177,8 +187,9 @@ def _layout_id(kinds, world, sizes, distributed_optimizer, _micro) -> str:
                      *(["distopt"] if distributed_optimizer else [])])
 
 
-@pytest.mark.parametrize("kinds, world, sizes, distributed_optimizer, micro", LAYOUTS,
-                         ids=[_layout_id(*layout) for layout in LAYOUTS])
+@pytest.mark.parametrize("kinds, world, sizes, distributed_optimizer, micro", [
+    pytest.param(*layout, id=_layout_id(*layout), marks=[pytest.mark.slow] if _layout_id(*layout) in SLOW else [])
+    for layout in LAYOUTS])
 def test_layout_matches_single_process(checkpoints, references, kinds, world, sizes, distributed_optimizer, micro):
     for kind in kinds:
         results = run_distributed(world, train_on_layout, checkpoints[kind], sizes, distributed_optimizer, micro)
@@ -189,3 +200,9 @@ def test_layout_matches_single_process(checkpoints, references, kinds, world, si
 def test_eight_rank_layout_tp2_pp2_ep2(checkpoints, references):
     results = run_distributed(8, train_on_layout, checkpoints["moe"], dict(tp=2, pp=2, ep=2), False, 1)
     check_against_reference(results, references["moe"], False)
+
+
+@pytest.mark.slow
+def test_eight_rank_layout_cp2_tp2_pp2(checkpoints, references):
+    results = run_distributed(8, train_on_layout, checkpoints["dense"], dict(cp=2, tp=2, pp=2, sp=True), False, 1)
+    check_against_reference(results, references["dense"], False)

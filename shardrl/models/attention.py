@@ -18,6 +18,7 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.fast_paths import FastPaths
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import rotate
+from shardrl.parallel.context import ContextShard, context_attention_mask, gather_tokens
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 from shardrl.parallel.tensor_overlap import column_parallel, row_parallel
@@ -39,10 +40,17 @@ class PackedSeqs:
     cos: Tensor  # [T, head_dim] fp32 rotary angles of each token's position
     signed_sin: Tensor  # [T, head_dim] fp32, first half negated (`rope.RotaryEmbedding`)
     kv_cache: KVCacheHook | None = None  # set only by the rollout engine
+    context: ContextShard | None = None  # context parallel: the tokens are this CP rank's share of the micro batch
 
     @property
     def num_tokens(self) -> int:
+        """This rank's tokens (a CP share's with context parallelism)."""
         return self.cos.shape[0]
+
+    @functools.cached_property
+    def context_mask(self) -> Tensor:
+        """[T_r, T] which of the micro batch's keys each of this CP rank's queries sees: built once per forward."""
+        return context_attention_mask(self.cu_seqlens, self.context.local_index)
 
     @functools.cached_property
     def query_spans(self) -> tuple[Tensor, Tensor, Tensor]:
@@ -64,6 +72,18 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: f
             return _BitwiseAttention.apply(q, k, v, seqs, scale)
         return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale)
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+    """Context parallel: this CP rank's queries q [T_r, nq, D] against the whole micro batch's keys and values,
+    all-gathered over CP from every rank's k, v [T_r, nkv, D] (`parallel/context.py`) -> [T_r, nq, D]. SDPA with
+    the [T_r, T] causal mask of the queries' global positions, on every device: a fused kernel for CUDA (flash's
+    varlen with each query chunk's key prefix) waits for a multi-GPU machine to measure it on."""
+    keys = gather_tokens(k, seqs.context, replicated=False)  # [T, nkv, D]
+    values = gather_tokens(v, seqs.context, replicated=False)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+                                         attn_mask=seqs.context_mask, scale=scale, enable_gqa=True)  # [nq, T_r, D]
+    return out.transpose(0, 1)
 
 
 def bitwise_attention(q: Tensor, keys: Tensor, values: Tensor, q_start: Tensor, q_len: Tensor, q_pos: Tensor,
@@ -184,7 +204,9 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, k, seqs.cos, seqs.signed_sin, self.fast.compile)
-        if seqs.kv_cache is None:
+        if seqs.context is not None:
+            out = context_attention(q, k, v, seqs, self.scale)  # [T_r, nq/tp, D]
+        elif seqs.kv_cache is None:
             out = packed_attention(q, k, v, seqs, self.scale, self.fast.bitwise)  # [T, nq/tp, D]
         else:
             out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)

@@ -10,7 +10,8 @@ across pipeline stages the last stage holds its own copy under the same HF name,
 marked `tied_group` so the gradients of the two copies are summed.
 
 Inputs are packed sequences: `input_ids [T]`, `position_ids [T]`, `cu_seqlens [N+1]` int32 (no padding). Hidden
-states between stages are `[T, H]`, or this rank's token chunk `[T_r, H]` with sequence parallelism.
+states between stages are `[T, H]`, or this rank's token chunk `[T_r, H]` with sequence parallelism; with context
+parallelism every tensor holds only this CP rank's share of the tokens (`parallel/context.py`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from shardrl.models.attention import Attention, KVCacheHook, PackedSeqs
 from shardrl.models.config import ModelConfig
 from shardrl.models.fast_paths import FastPaths
 from shardrl.models.mlp import MLP, MoEBlock
+from shardrl.parallel.context import ContextShard
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import RotaryEmbedding
 from shardrl.parallel.expert import MoELayer
@@ -70,9 +72,6 @@ class Transformer(nn.Module):
                  sequence_parallel: bool = False, recompute: bool = False, dtype: torch.dtype = torch.float32,
                  moe_aux_loss_coef: float = 0.0, moe_z_loss_coef: float = 0.0, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
-        if layout.cp_size > 1:
-            raise NotImplementedError(f"context_parallel_size={layout.cp_size}: context parallelism is not built "
-                                      f"yet; use context_parallel_size=1")
         self.config, self.layout, self.bitwise = config, layout, fast.bitwise
         self.layer_ids = range(config.num_layers) if layer_ids is None else layer_ids
         self.pre_process, self.post_process, self.value_head = pre_process, post_process, value_head
@@ -99,17 +98,19 @@ class Transformer(nn.Module):
                 set_spec(self.lm_head, spec)
 
     def forward(self, x: Tensor, position_ids: Tensor, cu_seqlens: Tensor, kv_cache: KVCacheHook | None = None,
-                max_seqlen: int | None = None) -> Tensor:
+                max_seqlen: int | None = None, context: ContextShard | None = None) -> Tensor:
         """x: input_ids [T] on the first stage, else the previous stage's hidden states.
 
         Returns hidden states [T, H] ([T_r, H] with sequence parallelism), after the final norm on the last stage;
         feed those to `compute_logprobs`, `compute_logits` or `compute_values`. The rollout engine passes its
         `kv_cache` hook, and `max_seqlen` when it knows it (computing it is a host sync a CUDA graph cannot hold).
+        With context parallelism `x` and `position_ids` are this CP rank's share (`context`) of the micro batch
+        that `cu_seqlens` describes, and so is everything returned.
         """
         cos, signed_sin = self.rotary(position_ids)
         if max_seqlen is None:
             max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        seqs = PackedSeqs(cu_seqlens, max_seqlen, cos, signed_sin, kv_cache)
+        seqs = PackedSeqs(cu_seqlens, max_seqlen, cos, signed_sin, kv_cache, context)
         h = self.embed_tokens(x) if self.pre_process else x
         for layer in self.layers:
             h = checkpoint(layer, h, seqs, use_reentrant=False) if self.recompute else layer(h, seqs)

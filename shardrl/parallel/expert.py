@@ -209,9 +209,10 @@ class MoELayer(nn.Module):
     def _router_losses(self, logits: Tensor, probs: Tensor, counts: Tensor) -> tuple[Tensor, Tensor]:
         """This rank's share of the load-balancing and z losses of the micro batch its TP group holds.
 
-        The model splits a micro batch's tokens over TP before this layer; both losses are defined over the whole
-        micro batch (as at one process), so the counts are summed over TP first. The returned shares sum over TP
-        to the micro batch's losses, and so do their gradients (the router's are summed over TP by its spec).
+        The model splits a micro batch's tokens over TP (and CP) before this layer; both losses are defined over
+        the whole micro batch (as at one process), so the counts are summed over TP x CP first. The returned shares
+        sum over TP x CP to the micro batch's losses, and so do their gradients (the router's are summed over TP by
+        its spec, over CP with the data-parallel reduction).
         Switch load balancing: E * sum_e f_e * P_e, f_e the fraction of top-k assignments routed to expert e and
         P_e its mean router probability; ST-MoE z-loss: mean over tokens of logsumexp(logits)^2.
         """
@@ -220,8 +221,8 @@ class MoELayer(nn.Module):
         num_experts = self.num_experts
         totals = torch.cat([counts.to(probs.dtype), prob_sum.detach(), lse_sq.sum().detach().view(1),
                             torch.full((1,), probs.shape[0], dtype=probs.dtype, device=probs.device)])  # [2E + 2]
-        if self.layout.tp_group is not None:
-            dist.all_reduce(totals, group=self.layout.tp_group)
+        if self.layout.tp_cp_group is not None:
+            dist.all_reduce(totals, group=self.layout.tp_cp_group)
         group_counts, group_prob_sum = totals[:num_experts], totals[num_experts:2 * num_experts]
         num_tokens = totals[-1].clamp(min=1)
         fraction = group_counts / (num_tokens * self.top_k)  # [E]

@@ -241,6 +241,12 @@ class Layout:
         return self.group("dp_cp")
 
     @property
+    def tp_cp_group(self) -> dist.ProcessGroup | None:
+        """Tensor- and context-parallel ranks together: the ranks whose tokens make up one replica's micro batch
+        (sequence parallelism cuts it over TP, context parallelism over CP)."""
+        return self.group("tp_cp")
+
+    @property
     def ep_size(self) -> int:
         """Expert-parallel ranks: how many ways an MoE layer's experts are divided."""
         return self.size("ep")

@@ -25,6 +25,7 @@ GROUP_DIMS: dict[str, tuple[str, ...]] = {
     "dp": ("dp",),
     "pp": ("pp",),
     "dp_cp": ("cp", "dp"),  # dense gradient reduction when context parallel is on
+    "tp_cp": ("tp", "cp"),  # the ranks sharing one DP replica's micro batch tokens (MoE router loss statistics)
     "mp": ("tp", "pp"),  # model-parallel group: one full copy of the dense weights (for CP=1)
     "etp": ("etp",),
     "ep": ("ep",),

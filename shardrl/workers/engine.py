@@ -8,6 +8,7 @@ critic.py). It ties together the pieces that each know one thing: `Transformer` 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -110,11 +111,15 @@ class ModelEngine:
     def run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Tensor]]:
         """Forward (+ backward) every micro batch through the pipeline; per-micro-batch outputs on every rank."""
         last = self.chunks[-1]
+        if self.layout.cp_size > 1:  # each CP rank runs its share of every micro batch's tokens
+            micro_batches = [dataclasses.replace(mb, packed=mb.packed.context_share(self.layout))
+                             for mb in micro_batches]
 
         def forward_step(chunk: Transformer, mb: MicroBatch, x: Tensor | None) -> Tensor:
             p = mb.packed
             with attached(chunk, mb.routing) if mb.routing is not None else contextlib.nullcontext():
-                return chunk(p.input_ids if x is None else x, p.position_ids, p.cu_seqlens, max_seqlen=mb.max_seqlen)
+                return chunk(p.input_ids if x is None else x, p.position_ids, p.cu_seqlens, max_seqlen=mb.max_seqlen,
+                             context=p.context)
 
         outputs = forward_backward(self.chunks, micro_batches, self.layout, forward_step,
                                    lambda hidden, mb: loss_fn(last, hidden, mb), forward_only=forward_only,
@@ -280,14 +285,14 @@ def global_counts(minis: list[Batch], layout: Layout) -> list[list[float]]:
     """(num_tokens, num_seqs) of each mini batch over all DP replicas: counted on the host from the response masks,
     then one all-reduce (and one read back) for the whole update when there are DP replicas."""
     counts = torch.stack([loss_counts(mini.tensors["response_mask"]) for mini in minis])  # [steps, 2] float64
-    if layout.dp_cp_group is not None:
+    if layout.dp_group is not None:
         counts = all_reduce_sum(counts.to(layout.device), layout)
     return counts.tolist()
 
 
 def all_reduce_sum(values: Tensor, layout: Layout) -> Tensor:
-    """Sum over the data-parallel replicas (each replica's TP/PP ranks hold the same data)."""
-    group = layout.dp_cp_group
+    """Sum over the data-parallel replicas (each replica's TP/CP/PP ranks hold the same rows)."""
+    group = layout.dp_group
     if group is not None:
         dist.all_reduce(values, group=group)
     return values

@@ -14,6 +14,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from shardrl.parallel.context import ContextShard, gather_tokens, shard_micro_batch
+from shardrl.parallel.layout import Layout
+
 
 @dataclass
 class Packed:
@@ -22,14 +25,29 @@ class Packed:
     cu_seqlens: Tensor  # [N+1] int32
     targets: Tensor  # [T] the next token of every position (garbage at each sequence's last token, never read)
     response_index: Tensor  # [B, R] packed position predicting responses[b, j] (0 where the response is padding)
+    # With context parallelism: this CP rank's share. input_ids, position_ids and targets are then its tokens only
+    # [T_r]; cu_seqlens and response_index still describe the whole micro batch.
+    context: ContextShard | None = None
 
     @property
     def num_tokens(self) -> int:
         return self.input_ids.shape[0]
 
     def to(self, device: torch.device) -> Packed:
+        assert self.context is None, "a CP share is cut on its device"
         return Packed(*(t.to(device) for t in (self.input_ids, self.position_ids, self.cu_seqlens, self.targets,
                                                self.response_index)))
+
+    def context_share(self, layout: Layout) -> Packed:
+        """This CP rank's share of the micro batch (itself without context parallelism): see `parallel/context.py`."""
+        if layout.cp_size == 1:
+            return self
+        lengths = (self.cu_seqlens[1:] - self.cu_seqlens[:-1]).tolist()
+        shard = shard_micro_batch(lengths, layout.rank("cp"), layout.cp_size, layout.group("cp"),
+                                  self.input_ids.device)
+        index = shard.local_index
+        return Packed(self.input_ids[index], self.position_ids[index], self.cu_seqlens, self.targets[index],
+                      self.response_index, shard)
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, response_length: int) -> Packed:
@@ -47,6 +65,13 @@ def pack(input_ids: Tensor, attention_mask: Tensor, position_ids: Tensor, respon
     return Packed(ids, position_ids[mask], cu_seqlens, torch.roll(ids, -1), response_index)
 
 
+def whole_micro_batch(per_token: Tensor, packed: Packed) -> Tensor:
+    """Per-token values of this rank's tokens -> of all T tokens of the micro batch: gathered over CP when the
+    micro batch is a CP share (what consumes them then runs alike on every CP rank), else as they are."""
+    return per_token if packed.context is None else gather_tokens(per_token, packed.context, replicated=True)
+
+
 def unpack_responses(per_token: Tensor, packed: Packed) -> Tensor:
-    """[T] values at packed positions -> [B, R] aligned with `responses` (differentiable gather)."""
-    return per_token[packed.response_index]
+    """[T] (or a CP share's [T_r]) values at packed positions -> [B, R] aligned with `responses` (differentiable
+    gather)."""
+    return whole_micro_batch(per_token, packed)[packed.response_index]

@@ -23,6 +23,7 @@ from shardrl.parallel.layout import GroupRegistry
 from shardrl.rewards.manager import place_on_last_token
 from shardrl.workers.engine import MicroBatch, ModelEngine, make_micro_batches, stack_outputs
 from shardrl.workers.role_model import build_engine, resident
+from shardrl.workers.packing import whole_micro_batch
 
 SEQUENCE_KEYS = ("input_ids", "attention_mask", "position_ids")
 
@@ -31,6 +32,7 @@ def _last_token_scores(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> Te
     """The score head at each packed sequence's last token: [b]. Packing keeps a row's valid tokens in order, so
     sequence i ends at packed position cu_seqlens[i + 1] - 1."""
     values = chunk.compute_values(hidden, mb.packed.num_tokens).float()  # [T], gathered over TP with SP
+    values = whole_micro_batch(values, mb.packed)  # and over CP
     return values[mb.packed.cu_seqlens[1:].long() - 1]
 
 
