@@ -256,17 +256,18 @@ def train_role(config: PPOConfig, shared: SharedKeys, role: str, key: str, ranks
         raise ConfigError(key, f"{err} (the trainer pool trainer.nnodes x trainer.n_gpus_per_node has "
                                f"{len(ranks)} ranks)") from None
     seq_len = math.ceil((shared.prompt_length + shared.response_length) / spec.cp)  # tokens per CP rank
-    batches = {phase: normalize_batch(config, batch, shared.samples_per_prompt, spec.dp, seq_len, step)
+    batches = {phase: normalize_batch(config, batch, shared.samples_per_prompt, spec.dp, seq_len, step, spec.cp)
                for phase, batch in _batches_of(shared, role, step).items()}
     return RolePlan(role, spec, ranks, rank_tables(spec, ranks), batches)
 
 
 def normalize_batch(config: PPOConfig, batch: _BatchKeys, n: int, dp: int, seq_len: int,
-                    step: StepSize) -> MicroBatching:
+                    step: StepSize, cp: int = 1) -> MicroBatching:
     """`batch.prompts` (global) x n samples -> per DP rank -> micro batches (verl's megatron normalisation; the
     deprecated global micro batch is divided by DP). Both micro batch keys null (verl requires one): the fewest
     equal micro batches that each hold at most the token budget `batch.tokens` of full-length sequences, so that
-    the default works for any rollout.n and DP."""
+    the default works for any rollout.n and DP. `seq_len`: a full sequence's tokens per CP rank; the token
+    budgets are per GPU, so with `cp` ranks sharing a micro batch it holds `cp` times the budget (as verl's)."""
     node = config.at(batch.group)
     samples = batch.prompts * n
     if samples % dp:
@@ -279,7 +280,7 @@ def normalize_batch(config: PPOConfig, batch: _BatchKeys, n: int, dp: int, seq_l
         if max_tokens < seq_len:
             raise ConfigError(f"{batch.group}.{batch.tokens}", f"{max_tokens} tokens cannot hold one full sequence "
                                                                f"of {seq_len} tokens (prompt + response per CP rank)")
-        return MicroBatching(per_rank, None, None, max_tokens)
+        return MicroBatching(per_rank, None, None, max_tokens * cp)
     total, per_gpu = getattr(node, batch.micro), getattr(node, f"{batch.micro}_per_gpu")
     key = f"{batch.group}.{batch.micro}"
     if total is None and per_gpu is None:

@@ -292,6 +292,11 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
                          f"(VPP{s.vpp} CP{s.cp}, ranks {_span(role.ranks)})")
         for table in ROLLOUT_TABLES if name in ("rollout", "judge") else TRAIN_TABLES:
             lines.append(f"  {table:<9} {_groups(role.tables[table])}")
+        if s.cp > 1:
+            longest = config.data.max_prompt_length + config.data.max_response_length
+            lines.append(f"  context:  every sequence in {2 * s.cp} chunks, CP rank r holds chunks r and "
+                         f"{2 * s.cp - 1}-r: about 1/{s.cp} of each micro batch's tokens, <= "
+                         f"{2 * -(-longest // (2 * s.cp))} of a {longest}-token sequence")
         lines.extend(f"  {phase + ':':<9} {batching.describe()}" for phase, batching in role.batches.items())
     lines.extend(f"model: {note}" for note in plan.model_notes)
     lines.append("dry run: no workers started; launch checks (data files, optional packages, device) not run")
