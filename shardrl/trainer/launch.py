@@ -160,7 +160,7 @@ def announce_user_files(plan: JobPlan, paths: RunPaths) -> None:
     a log shows which code it trained with."""
     reward, agent = plan.reward, plan.rollout.agent
     if reward.custom_path:
-        print(f"loaded reward function {reward.custom_name} from {Path(reward.custom_path).expanduser().resolve()}")
+        print(f"loaded reward function {Path(reward.custom_path).expanduser().resolve()}:{reward.custom_name}")
     if agent is None:
         return
     for what, file in (("tool config", agent.tool_config_path), ("interaction config", agent.interaction_config_path),
