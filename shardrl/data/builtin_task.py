@@ -2,9 +2,10 @@
 
 Task "digit successor": the prompt is a short list of digits, the answer is the successor (mod 10) of the LAST one,
 then EOS: ``"3 8 1 ->"`` -> ``"2<eos>"``, so a model generating from the export stops after its answer. A random
-policy is right about once in `len(VOCAB)` tries (~0.05), so a rising reward means the policy learned it from reward
-alone. It is learnable by a 2-layer model in a few hundred samples: the
-answer is a fixed function of the last prompt token, which sits in the residual stream of the generating position.
+policy scores about 0.05 (the right digit about once in `len(VOCAB)` tries, half credit without the EOS), so a
+rising reward means the policy learned it from reward alone. It is learnable by a 2-layer model in a few hundred
+samples: the answer is a fixed function of the last prompt token, which sits in the residual stream of the
+generating position.
 Successor rather than "repeat the last digit" because a randomly initialised model with tied embeddings already
 tends to repeat its input token, which would make the untrained policy look good.
 

@@ -146,8 +146,8 @@ def copy_hf_extra_files(source: Path, dest: Path) -> None:
 
 
 def commit_directory(tmp: Path, path: Path) -> None:
-    """Make `tmp` durable, then rename it to `path`. An older checkpoint at `path` (a step saved again, e.g. after
-    resuming from an earlier one) is moved aside first and deleted after."""
+    """Make `tmp` durable, then rename it to `path`. An older directory at `path` (a step saved again, e.g. after
+    resuming from an earlier one; an earlier HF export) is moved aside first and deleted after."""
     for file in tmp.rglob("*"):
         if file.is_file():
             _fsync(file)

@@ -1,6 +1,6 @@
 """The flat-tensor all-gather and reduce-scatter under the installed torch's own names. torch 2.13 renamed
 `all_gather_into_tensor` / `reduce_scatter_tensor` to `all_gather_single` / `reduce_scatter_single` (same
-arguments) and warns on every call of the old names, which the torch of the GPU machine (2.11) alone has."""
+arguments) and warns on every call of the old names; an older torch (the GPU machine's is 2.11) has only those."""
 
 from __future__ import annotations
 

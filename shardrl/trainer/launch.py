@@ -27,11 +27,11 @@ from shardrl.job.plan import JobPlan
 from shardrl.rewards.guarded import GuardedScoreFn
 from shardrl.rewards.http_reward import HttpRewardClient
 from shardrl.rewards.outcomes import RewardFunctionError
+from shardrl.models.checkpoint import find_latest
 from shardrl.models.config import ModelConfig
 from shardrl.rewards.registry import builtin_sources, default_compute_score, has_scorer
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
-from shardrl.models.checkpoint import find_latest
 from shardrl.trainer.plots import write_plots
 from shardrl.trainer.ppo import PPOTrainer, Workers
 from shardrl.trainer.run_dir import start_run, summary
