@@ -22,9 +22,11 @@ def command(run_dir: Path, *overrides: str, config_name: str = "ppo_trainer") ->
 
 
 def metrics_by_step(run_dir: Path) -> dict[int, dict]:
-    """The last record of each step (a killed run may have logged a step it then repeated after resuming), without
-    the TIMING metrics."""
+    """Each step's record, without the TIMING metrics. The steps strictly increase: a run resumed in its own
+    directory continues its metrics file without the rows the killed run logged after the checkpoint."""
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows]
+    assert steps == sorted(set(steps)), steps
     return {r["step"]: {k: v for k, v in r.items() if not k.startswith(TIMING)} for r in rows}
 
 

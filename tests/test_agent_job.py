@@ -74,6 +74,8 @@ def test_user_tool_and_interaction_files_run_in_a_training_job(tmp_path):
            f"actor_rollout_ref.rollout.multi_turn.interaction_config_path={tmp_path / 'interactions.yaml'}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    for what, name in (("tool config", "tools.yaml"), ("interaction config", "interactions.yaml")):
+        assert f"loaded {what} {(tmp_path / name).resolve()}" in done.stdout.splitlines()  # the driver says which
     metrics = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     calls = (tmp_path / "calls.log").read_text().split()
     assert calls and set(calls) <= set("0123456789")  # the user's tool ran, on its samples' values
@@ -106,6 +108,7 @@ def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "fully_async mode: samples may be up to 2 versions old" in done.stdout
+    assert f"loaded agent loop config {EXAMPLE_LOOPS.resolve()}" in done.stdout.splitlines()
     metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert len(metrics) == 8
     assert max(m["async/staleness_max"] for m in metrics) <= 2

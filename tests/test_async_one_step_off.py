@@ -61,12 +61,12 @@ def test_resumed_run_syncs_the_checkpoint_to_the_rollout_pool(tmp_path):
     first, _ = run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=2")
     rows, out = run_job(tmp_path, "one_step_off_ppo_trainer", *args, "trainer.total_training_steps=3")
     assert "at step 2" in out
-    resumed = rows[len(first):]  # metrics.jsonl is appended to
-    val = [(r["step"], r["val-core/reward/mean"]) for r in first + resumed if "val-core/reward/mean" in r]
-    assert [step for step, _ in val] == [0, 2, 2, 3]
-    assert val[1][1] == val[2][1] != val[0][1]  # the trained weights, not the initial ones
+    # The resumed run continues the file; its validation before training lands in step 2's row (one row per step).
+    assert [r["step"] for r in rows] == [0, 1, 2, 3] and rows[:2] == first[:2]
+    val = [r["val-core/reward/mean"] for r in rows if "val-core/reward/mean" in r]
+    assert len(val) == 3 and val[1] == first[2]["val-core/reward/mean"] != val[0]  # the trained weights
     # The batch generated before the save (under step 1's weights) is restored with its versions, not generated again
-    assert resumed[-1]["step"] == 3 and resumed[-1]["async/staleness_max"] == 1
+    assert rows[-1]["step"] == 3 and rows[-1]["async/staleness_max"] == 1
 
 
 INDEX_LOGGING_REWARD = """

@@ -19,9 +19,16 @@ def test_prepare_dataset_and_scorer(tmp_path):
     for row, truth in zip(batch.non_tensors["raw_prompt"], batch.non_tensors["reward_model"]):
         last_digit = int(row[0]["content"].split()[-2])
         assert truth["ground_truth"] == str((last_digit + 1) % 10)
-    assert default_compute_score(DATA_SOURCE, " 3<eos>", "3") == 1.0
-    assert default_compute_score(DATA_SOURCE, "4", "3") == 0.0
-    assert default_compute_score(DATA_SOURCE, "", "3") == 0.0
+
+    def score(tokens: list[str]) -> float:  # as the reward manager scores: decoded without special tokens
+        ids = tokenizer.convert_tokens_to_ids(tokens)
+        return default_compute_score(DATA_SOURCE, tokenizer.decode(ids, skip_special_tokens=True), "3")
+
+    assert score(["3", "<eos>"]) == 1.0  # the answer, then EOS
+    assert score(["3", "3"]) == score(["3", "<pad>"]) == 0.5  # the answer without EOS ("<pad>" is not special)
+    assert score(["4", "<eos>"]) == score(["<eos>"]) == 0.0
+    assert tokenizer.pad_token_id == tokenizer.eos_token_id and tokenizer.convert_tokens_to_ids("<pad>") not in \
+        tokenizer.all_special_ids
 
 
 def test_untrained_policy_scores_well_below_threshold(tmp_path):

@@ -8,16 +8,27 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
 def run_job(run_dir, *overrides, timeout=600):
+    """The run's metrics rows."""
+    run_command(run_dir, *overrides, timeout=timeout)
+    return metrics_rows(run_dir)
+
+
+def run_command(run_dir, *overrides, timeout=600) -> str:
+    """Run the job; its stdout."""
     cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={run_dir}",
            "trainer.logger=[file]", *overrides]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stderr[-3000:]
+    return done.stdout
+
+
+def metrics_rows(run_dir):
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
@@ -26,7 +37,8 @@ def validation_rewards(rows):
 
 
 def test_default_job_learns_and_exports(tmp_path):
-    rows = run_job(tmp_path, "trainer.total_training_steps=60", "trainer.test_freq=30")
+    out = run_command(tmp_path, "trainer.total_training_steps=60", "trainer.test_freq=30")
+    rows = metrics_rows(tmp_path)
     val = validation_rewards(rows)
     assert val[0][0] == 0 and val[0][1] < 0.3, val  # the untrained policy
     assert val[-1][0] == 60 and val[-1][1] >= 0.9, val
@@ -38,6 +50,16 @@ def test_default_job_learns_and_exports(tmp_path):
     initial = AutoModelForCausalLM.from_pretrained(tmp_path / "builtin_task" / "model")
     changed = [not torch.equal(a, b) for a, b in zip(exported.parameters(), initial.parameters())]
     assert any(changed)
+    # The export alone (its own tokenizer and generation config) answers a question and stops: digit, then EOS.
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path / "hf_export")
+    prompt = tokenizer.apply_chat_template([{"role": "user", "content": "3 8 1 ->"}], add_generation_prompt=True,
+                                           return_tensors="pt", return_dict=True)
+    answer = exported.generate(**prompt, max_new_tokens=5, do_sample=False)[0, prompt["input_ids"].shape[1]:]
+    assert tokenizer.decode(answer) == "2<eos>"
+    lines = out.splitlines()
+    summary = lines[lines.index("run finished"):]  # the end-of-run block
+    assert summary[1] == f"  run directory   {tmp_path}", out[-2000:]
+    assert f"  curves.png      {tmp_path / 'curves.png'}" in summary
 
 
 def test_default_job_runs_gspo_with_verl_flags(tmp_path):
@@ -46,6 +68,15 @@ def test_default_job_runs_gspo_with_verl_flags(tmp_path):
                    "actor_rollout_ref.actor.loss_agg_mode=seq-mean-token-mean",
                    "actor_rollout_ref.actor.clip_ratio_low=0.0003", "actor_rollout_ref.actor.clip_ratio_high=0.0004")
     assert [r["step"] for r in rows] == [1, 2]
+    # A second, fresh run (no checkpoint to resume) into the same directory: its files are its own, the first run's
+    # moved aside whole; the summary names where everything is.
+    out = run_command(tmp_path, "trainer.total_training_steps=1", "trainer.val_before_train=false",
+                      "trainer.test_freq=-1")
+    assert [r["step"] for r in metrics_rows(tmp_path)] == [1]
+    (previous,) = (tmp_path / "previous_runs").iterdir()
+    assert [r["step"] for r in metrics_rows(previous)] == [1, 2] and (previous / "hf_export").is_dir()
+    assert f"the previous run's outputs are now in {previous}" in out.splitlines()[0]
+    assert f"curves.png      {tmp_path / 'curves.png'}" in out and f"run directory   {tmp_path}" in out
     # The gspo surrogate ran: it has no dual clip (vanilla always reports pg_clipfrac_lower), and its tiny clip range
     # clips some sequences once the first mini batch has moved the policy.
     assert all("actor/pg_clipfrac" in r and "actor/pg_clipfrac_lower" not in r for r in rows)

@@ -31,6 +31,7 @@ def test_a_hanging_reward_function_ends_the_run_with_one_line_within_its_timeout
     """(Raising and non-number returns take the same path: tests/test_guarded_rewards.py.)"""
     done, reward = run(tmp_path)
     assert done.returncode == 2 and "Traceback" not in done.stderr
+    assert f"loaded reward function {reward.resolve()}:compute_score" in done.stdout.splitlines()
     last = done.stderr.strip().splitlines()[-1]
     assert f"reward function {reward}:compute_score failed on sample" in last and "timed out after 3 s" in last, last
 

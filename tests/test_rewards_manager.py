@@ -80,8 +80,8 @@ def test_overlong_penalty_hand_computed():
 
 
 def test_overlong_shaping_reaches_the_last_token_score_and_logs(tmp_path):
-    """Three correct answers of 1, 2 and 4 generated tokens (digit, then EOS or more digits) against L = 4, B = 2:
-    penalties 0, 0, -1.5 (factor 1.5), added to the score on each response's last token."""
+    """Three correct answers of 1, 2 and 4 generated tokens (digit, then EOS or more digits: half credit) against
+    L = 4, B = 2: penalties 0, 0, -1.5 (factor 1.5), added to the score on each response's last token."""
     tokenizer = builtin_task.make_tokenizer(tmp_path)
     ids = [tokenizer.convert_tokens_to_ids(t) for t in ("3", "<eos>", "<pad>", "1")]
     three, eos, pad, one = ids
@@ -91,8 +91,8 @@ def test_overlong_shaping_reaches_the_last_token_score_and_logs(tmp_path):
                   {"data_source": [builtin_task.DATA_SOURCE] * 3,
                    "reward_model": [{"ground_truth": "3"}] * 3, "extra_info": [{}] * 3})
     scored = compute_token_level_scores(batch, tokenizer, default_compute_score, OverlongShaping(4, 2, 1.5, log=True))
-    assert scored.scores.tolist() == [1.0, 1.0, 1.0]  # the reward function's own scores, unshaped
-    assert scored.token_level.tolist() == [[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, -0.5]]
+    assert scored.scores.tolist() == [1.0, 1.0, 0.5]  # the reward function's own scores, unshaped
+    assert scored.token_level.tolist() == [[1.0, 0, 0, 0], [0, 1.0, 0, 0], [0, 0, 0, -1.0]]
     assert scored.extras == {"overlong_reward": [0.0, 0.0, -1.5], "overlong": [False, False, True]}
     quiet = compute_token_level_scores(batch, tokenizer, default_compute_score, OverlongShaping(4, 2, 1.5, log=False))
     assert torch.equal(quiet.token_level, scored.token_level) and quiet.extras == {}

@@ -12,6 +12,7 @@ from shardrl.data import builtin_task
 from shardrl.data.batch import Batch
 from shardrl.data.rl_dataset import RLDataset
 from shardrl.parallel.launch import run_distributed
+from shardrl.rewards import digits
 from shardrl.rewards.registry import default_compute_score
 from shardrl.trainer import batch_ops
 from shardrl.trainer.tracking import Tracker
@@ -90,8 +91,8 @@ def test_validation_logs_n_scored_generations_at_each_validation(paths, tmp_path
     rows = [json.loads(line) for line in (tmp_path / "val_generations.jsonl").read_text().splitlines()]
     assert [r["step"] for r in rows] == [0, 0, 0, 5, 5, 5]
     assert [r["input"] for r in rows[:3]] == [r["input"] for r in rows[3:]]  # the same prompts each time
-    for row in rows:  # the task: the answer is the successor of the prompt's last digit
-        last_digit = int(row["input"].replace(" ", "").removesuffix("->")[-1])
-        right = row["output"].replace(" ", "").startswith(str((last_digit + 1) % 10))
-        assert row["score"] == float(right), row
+    for row in rows:  # the input is the question; the task: its answer is the successor of its last digit
+        assert row["input"].endswith(" ->"), row
+        last_digit = int(row["input"].split()[-2])
+        assert row["score"] == digits.compute_score(row["output"], str((last_digit + 1) % 10)), row
     assert all(0.0 <= m["val-core/reward/mean"] <= 1.0 for m in metrics)

@@ -1,9 +1,11 @@
 """The default job's task: everything it needs (tokenizer, model, data, reward) made locally, offline, in seconds.
 
-Task "digit successor": the prompt is a short list of digits, the answer is the successor (mod 10) of the LAST one:
-``"3 8 1 ->"`` -> ``"2"``. A random policy is right about once in `len(VOCAB)` tries (~0.05), so a rising reward
-means the policy learned it from reward alone. It is learnable by a 2-layer model in a few hundred samples: the
-answer is a fixed function of the last prompt token, which sits in the residual stream of the generating position.
+Task "digit successor": the prompt is a short list of digits, the answer is the successor (mod 10) of the LAST one,
+then EOS: ``"3 8 1 ->"`` -> ``"2<eos>"``, so a model generating from the export stops after its answer. A random
+policy scores about 0.05 (the right digit about once in `len(VOCAB)` tries, half credit without the EOS), so a
+rising reward means the policy learned it from reward alone. It is learnable by a 2-layer model in a few hundred
+samples: the answer is a fixed function of the last prompt token, which sits in the residual stream of the
+generating position.
 Successor rather than "repeat the last digit" because a randomly initialised model with tied embeddings already
 tends to repeat its input token, which would make the untrained policy look good.
 
@@ -22,11 +24,13 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
+# A run directory made by an earlier version of the task is made again (2: the answer ends with EOS, pads are EOS)
+TASK_VERSION = 2
 DATA_SOURCE = "shardrl/digit_successor"  # scored by shardrl.rewards.digits
 LOOKUP_SOURCE = "shardrl/digit_lookup"  # the multi-turn variant, scored by shardrl.rewards.digits too
 
 
-SPECIAL = ["<pad>", "<eos>"]
+SPECIAL = ["<pad>", "<eos>"]  # "<pad>" is an ordinary token (the unknown one): padding is EOS, see make_tokenizer
 CHARS = list("0123456789->")  # spaces in the text are separators only: the pre-tokenizer drops them
 CHAT_TEMPLATE = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
 
@@ -58,12 +62,16 @@ LOOKUP_TOOL_CONFIG = f"""tools:
 
 def make_tokenizer(out_dir: str | Path, multi_turn: bool = False) -> PreTrainedTokenizerFast:
     """A character-level tokenizer with a trivial chat template (the prompt text itself), saved to `out_dir`;
-    `multi_turn` adds the tool tokens and a template with assistant and tool turns."""
+    `multi_turn` adds the tool tokens and a template with assistant and tool turns.
+
+    EOS is the only special token (pads with it, as Llama's and Qwen's base tokenizers do): a response is decoded for
+    scoring without special tokens, so were "<pad>" special, a sampled "<pad>" after the answer would read as the
+    EOS the scorer asks for."""
     vocab = {tok: i for i, tok in enumerate(SPECIAL + CHARS)}
     backend = Tokenizer(models.WordLevel(vocab, unk_token="<pad>"))
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Split("", behavior="isolated")])
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<pad>", eos_token="<eos>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, pad_token="<eos>", eos_token="<eos>")
     tokenizer.chat_template = CHAT_TEMPLATE
     if multi_turn:
         tokenizer.add_tokens(TOOL_TOKENS)
@@ -108,6 +116,7 @@ def make_model(out_dir: str | Path, vocab_size: int, seed: int = 0,
     """A randomly initialised 2-layer Qwen2-shaped model (~100k parameters), saved by HF transformers."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
 
     config = AutoConfig.for_model(
         "qwen2", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
@@ -115,22 +124,30 @@ def make_model(out_dir: str | Path, vocab_size: int, seed: int = 0,
         bos_token_id=None, eos_token_id=eos_token_ids[0] if len(eos_token_ids) == 1 else list(eos_token_ids),
         pad_token_id=0, architectures=["Qwen2ForCausalLM"])
     torch.manual_seed(seed)
-    AutoModelForCausalLM.from_config(config, dtype=torch.float32).save_pretrained(out_dir)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # its "Writing model shards" bar, for one file of 300 kB
+    try:
+        model.save_pretrained(out_dir)
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     return Path(out_dir)
 
 
 def prepare(root: str | Path, seed: int = 0, train_rows: int = 4096, val_rows: int = 256,
             multi_turn: bool = False) -> dict[str, str]:
-    """Create tokenizer + model + train/val parquet under `root` (idempotent); return their paths. `multi_turn`:
-    the digit-lookup variant, with its tool config (`tool_config`)."""
+    """Create tokenizer + model + train/val parquet under `root` (idempotent for one `TASK_VERSION`); return their
+    paths. `multi_turn`: the digit-lookup variant, with its tool config (`tool_config`)."""
     root = Path(root)
     marker = root / "builtin_task.json"
-    if marker.exists():
+    if marker.exists() and json.loads(marker.read_text()).get("version") == TASK_VERSION:
         return json.loads(marker.read_text())
     tokenizer = make_tokenizer(root / "model", multi_turn)
     eos = (SPECIAL.index("<eos>"), tokenizer.convert_tokens_to_ids(CALL)) if multi_turn else (SPECIAL.index("<eos>"),)
     make_model(root / "model", len(tokenizer), seed, eos)
     paths = {
+        "version": TASK_VERSION,
         "model": str(root / "model"),
         "train_files": str(write_dataset(root / "train.parquet", train_rows, seed, multi_turn)),
         "val_files": str(write_dataset(root / "val.parquet", val_rows, seed + 1, multi_turn)),

@@ -125,7 +125,7 @@ def save_checkpoint(path: str | Path, chunks: Sequence[nn.Module], layout: Layou
                     lora_adapters_only=len(params) < len(unique_params(chunks)),
                     contents=[*(["model"] if "model" in parts else []), *(["rng"] if save_rng else []), *objects])
         _write_side_files(tmp, meta, chunks[0].config.hf_config, hf_dir)
-        _commit(tmp, path)
+        commit_directory(tmp, path)
     _barrier(group)
     return path
 
@@ -145,9 +145,9 @@ def copy_hf_extra_files(source: Path, dest: Path) -> None:
             shutil.copyfile(source / name, dest / name)
 
 
-def _commit(tmp: Path, path: Path) -> None:
-    """Make `tmp` durable, then rename it to `path`. An older checkpoint at `path` (a step saved again, e.g. after
-    resuming from an earlier one) is moved aside first and deleted after."""
+def commit_directory(tmp: Path, path: Path) -> None:
+    """Make `tmp` durable, then rename it to `path`. An older directory at `path` (a step saved again, e.g. after
+    resuming from an earlier one; an earlier HF export) is moved aside first and deleted after."""
     for file in tmp.rglob("*"):
         if file.is_file():
             _fsync(file)
@@ -231,7 +231,13 @@ def _check_keep(key: str, keep: int | None) -> None:
 
 def _saved_steps(root: Path) -> list[int]:
     """The steps of the step directories under `root`, sorted."""
-    return sorted(int(m[1]) for d in root.iterdir() if (m := _STEP_DIR.fullmatch(d.name)) and d.is_dir())
+    return sorted(step for d in root.iterdir() if (step := step_of(d)) is not None and d.is_dir())
+
+
+def step_of(path: str | Path) -> int | None:
+    """The step of a directory named as `checkpoint_dir` names them, else None."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    return int(match[1]) if match else None
 
 
 def find_latest(root: str | Path) -> Path | None:

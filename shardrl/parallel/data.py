@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from shardrl.parallel.collectives import reduce_scatter_single
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec, get_spec
 
@@ -296,7 +297,7 @@ class GradBuffers:
         for bucket, (start, end) in enumerate(buf.buckets):
             if self.shard:
                 lo, hi = buf.chunk(bucket, rank, count)
-                dist.reduce_scatter_tensor(buf.data[lo:hi], buf.data[start:end], group=group)
+                reduce_scatter_single(buf.data[lo:hi], buf.data[start:end], group=group)
             else:
                 dist.all_reduce(buf.data[start:end], group=group)
 

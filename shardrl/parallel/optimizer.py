@@ -20,9 +20,9 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from torch import Tensor, nn
 
+from shardrl.parallel.collectives import all_gather_single
 from shardrl.parallel.data import GradBuffer, GradBuffers
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import get_spec
@@ -158,7 +158,7 @@ class AdamW:
                 current, pos = bucket, start // count
                 owned = state.master[pos:pos + (end - start) // count].to(buf.dtype)  # [bucket numel / dp]
                 values = torch.empty(end - start, dtype=buf.dtype, device=owned.device)  # [bucket numel]
-                dist.all_gather_into_tensor(values, owned, group=group)
+                all_gather_single(values, owned, group=group)
             base = start if group is not None else 0  # `values` is this bucket, or the whole unsharded master
             params.append(param)
             sources.append(values[offset - base:offset - base + param.numel()].view_as(param))

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardrl.parallel.collectives import all_gather_single, reduce_scatter_single
 from shardrl.parallel.data import accumulate_weight_grad
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec, set_spec
@@ -55,7 +56,7 @@ def all_gather_tokens(x: Tensor, group: dist.ProcessGroup, num_tokens: int) -> T
     sizes = token_split_sizes(num_tokens, group_size(group))
     pad = sizes[0]
     out = x.new_empty(pad * len(sizes), *x.shape[1:])
-    dist.all_gather_into_tensor(out, _pad_rows(x, pad), group=group)
+    all_gather_single(out, _pad_rows(x, pad), group=group)
     return torch.cat([chunk[:n] for chunk, n in zip(out.split(pad), sizes)])
 
 
@@ -66,7 +67,7 @@ def reduce_scatter_tokens(x: Tensor, group: dist.ProcessGroup, async_op: bool = 
     pad = sizes[0]
     chunks = [_pad_rows(c, pad) for c in x.split(sizes)]
     out = x.new_empty(pad, *x.shape[1:])
-    work = dist.reduce_scatter_tensor(out, torch.cat(chunks), group=group, async_op=async_op)
+    work = reduce_scatter_single(out, torch.cat(chunks), group=group, async_op=async_op)
     return out[: sizes[group_rank(group)]], work
 
 

@@ -21,6 +21,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor
 
+from shardrl.parallel.collectives import reduce_scatter_single
 from shardrl.parallel.data import accumulate_weight_grad
 from shardrl.parallel.tensor import (
     ColumnParallelLinear,
@@ -149,7 +150,7 @@ def _pipelined_reduce_scatter(x: Tensor, weight: Tensor, group: dist.ProcessGrou
     """x [T, in/tp] @ W^T reduce-scattered into this rank's SP token chunk [T_r, out], one piece at a time.
 
     Piece j holds the j-th slice of every rank's token chunk, laid out rank after rank and padded to the largest
-    slice, which is what `reduce_scatter_tensor` splits; padding rows are never written and only land in the
+    slice, which is what `reduce_scatter_single` splits; padding rows are never written and only land in the
     padding of the outputs, which is dropped.
     """
     num_ranks, me = group_size(group), group_rank(group)
@@ -169,7 +170,7 @@ def _pipelined_reduce_scatter(x: Tensor, weight: Tensor, group: dist.ProcessGrou
             torch.mm(x[first:first + size], weight.t(), out=send[r * pad: r * pad + size])
             offsets[r] += size
         out = x.new_empty(pad, weight.shape[0])  # [pad, out]
-        works.append(dist.reduce_scatter_tensor(out, send, group=group, async_op=True))
+        works.append(reduce_scatter_single(out, send, group=group, async_op=True))
         pieces.append(out[:slices[me][j]])
     for work in works:
         work.wait()

@@ -95,16 +95,29 @@ def reward_metrics(extras: dict[str, list[Any]]) -> dict[str, float]:
 
 def val_generations(batch: Batch, tokenizer, scores: np.ndarray, num: int) -> list[dict[str, Any]]:
     """`num` validation samples as {"input", "output", "score"}: sorted by input text, shuffled with a fixed seed,
-    the first `num` (the choice depends on the prompts only, not on the order generation returned them in)."""
+    the first `num` (the choice depends on the prompts only, not on the order generation returned them in). The
+    input is the question (the last user message of the row's chat), not the rendered prompt, whose end is a chat
+    template's assistant header; the decoded prompt where the batch has no chat."""
     t = batch.tensors
-    prompt_mask = t["attention_mask"][:, :t["prompts"].shape[1]].bool()  # [B, P]
-    inputs = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["prompts"], prompt_mask)],
-                                    skip_special_tokens=True)
+    if "raw_prompt" in batch.non_tensors:
+        inputs = [_question(chat) for chat in batch.non_tensors["raw_prompt"]]
+    else:
+        prompt_mask = t["attention_mask"][:, :t["prompts"].shape[1]].bool()  # [B, P]
+        inputs = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["prompts"], prompt_mask)],
+                                        skip_special_tokens=True)
     outputs = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["responses"], t["response_mask"].bool())],
                                      skip_special_tokens=True)
     by_input = sorted(range(len(inputs)), key=lambda i: inputs[i])
     chosen = np.random.default_rng(VAL_GENERATIONS_SEED).permutation(by_input)[:num]
     return [{"input": inputs[i], "output": outputs[i], "score": float(scores[i])} for i in chosen]
+
+
+def _question(chat: str | list[dict[str, Any]]) -> str:
+    """The last user message of a chat (a prompt given as plain text is its own question)."""
+    if isinstance(chat, str):
+        return chat
+    users = [m["content"] for m in chat if m.get("role") == "user"]
+    return str(users[-1] if users else chat[-1]["content"])
 
 
 def apply_rewards_and_correction(batch: Batch, algo: AlgorithmOptions,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import time
 from pathlib import Path
 
 import torch
@@ -26,11 +27,13 @@ from shardrl.job.plan import JobPlan
 from shardrl.rewards.guarded import GuardedScoreFn
 from shardrl.rewards.http_reward import HttpRewardClient
 from shardrl.rewards.outcomes import RewardFunctionError
+from shardrl.models.checkpoint import find_latest
 from shardrl.models.config import ModelConfig
 from shardrl.rewards.registry import builtin_sources, default_compute_score, has_scorer
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
 from shardrl.trainer.ppo import PPOTrainer, Workers
+from shardrl.trainer.run_dir import start_run, summary
 from shardrl.trainer.tracking import Tracker
 from shardrl.workers.critic import CriticWorker
 from shardrl.workers.judge import JudgeWorker
@@ -93,6 +96,7 @@ def validation_prompts(dataset: RLDataset, batch_size: int | None, shuffle: bool
 
 
 def train(plan: JobPlan) -> None:
+    started = time.perf_counter()
     paths = resolve_paths(plan)
     plan = with_agent_paths(plan, paths)
     data = plan.data
@@ -131,17 +135,36 @@ def train(plan: JobPlan) -> None:
     kl_ctrl = make_kl_controller(kl.controller, kl.coef, kl.target_kl, kl.horizon) if kl is not None else None
     with contextlib.ExitStack() as stack:
         score_fn = reward_scorer(plan.reward, stack)
+        announce_user_files(plan, paths)
+        start = start_run(paths.run_dir, plan.loop.resume_mode, plan.loop.resume_from_path)
         init_ray(**plan.cluster.ray_init)
         group, workers = start_workers(plan, paths, pad_id(tokenizer))
         tracking = plan.tracking
-        tracker = Tracker(tracking.loggers, paths.run_dir, tracking.project, tracking.experiment, tracking.config)
+        tracker = Tracker(tracking.loggers, paths.run_dir, tracking.project, tracking.experiment, tracking.config,
+                          resume_step=start.continue_after)
         ppo = TRAINERS[plan.mode](plan, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl)
         try:
-            ppo.fit()
-            ppo.save_hf(str(paths.run_dir / "hf_export"))
+            ppo.fit(start.checkpoint)
+            ppo.save_hf(paths.run_dir / "hf_export")
         finally:
             tracker.close()
             group.shutdown()
+        print(summary(paths.run_dir, ppo.global_step, time.perf_counter() - started, tracker.latest,
+                      find_latest(paths.run_dir)), flush=True)
+
+
+def announce_user_files(plan: JobPlan, paths: RunPaths) -> None:
+    """One line per file of the user's that the run loaded (reward function, tools, interactions, agent loops), so
+    a log shows which code it trained with."""
+    reward, agent = plan.reward, plan.rollout.agent
+    if reward.custom_path:
+        print(f"loaded reward function {Path(reward.custom_path).expanduser().resolve()}:{reward.custom_name}")
+    if agent is None:
+        return
+    for what, file in (("tool config", agent.tool_config_path), ("interaction config", agent.interaction_config_path),
+                       ("agent loop config", agent.agent_loop_config_path)):
+        if file:
+            print(f"loaded {what} {Path(file).expanduser().resolve()}")
 
 
 def reward_scorer(reward: RewardOptions, stack: contextlib.ExitStack):

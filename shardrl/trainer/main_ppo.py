@@ -38,6 +38,7 @@ def run(cfg: DictConfig) -> int:
             print(format_plan(plan, config))
             return 0
         check_launch(plan)
+        local_cluster_auth(plan.cluster.ray_init.get("address"))
         from shardrl.trainer.launch import train  # heavy imports (Ray, models) only when training starts
 
         train(plan)
@@ -51,6 +52,14 @@ def run(cfg: DictConfig) -> int:
         return _report(err, 1, f"internal error, {type(err).__name__}: ",
                        f" (a shardrl bug: {DEBUG_ENV}=1 prints the traceback to report)")
     return 0
+
+
+def local_cluster_auth(address: str | None) -> None:
+    """A local Ray cluster (no `ray_kwargs.ray_init.address`) gets token authentication, Ray's default for a new
+    one, asked for explicitly, so that Ray does not warn that it chose it (a cluster of the user's keeps its own
+    mode). Called before Ray is imported: Ray reads the mode once, at import."""
+    if not address:
+        os.environ.setdefault("RAY_AUTH_MODE", "token")
 
 
 def _report(err: Exception, status: int, prefix: str = "", suffix: str = "") -> int:

@@ -11,6 +11,7 @@ import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -20,7 +21,8 @@ from shardrl.algos import KLController
 from shardrl.controller.group import RoleHandle
 from shardrl.data.batch import Batch
 from shardrl.data.rl_dataset import PromptLoader
-from shardrl.models.checkpoint import checkpoint_dir, find_latest, mark_latest
+from shardrl.models.checkpoint import checkpoint_dir, mark_latest
+from shardrl.models.hf_export import export_dir
 from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
 from shardrl.job.options import RewardOptions
@@ -264,14 +266,15 @@ class PPOTrainer:
         root = self.tracker.run_dir
         self.workers.actor.call(ActorRefWorker.save_checkpoint, str(root), self.global_step, state)
         if self.loop.save_hf:  # "hf_model" in actor.checkpoint.save_contents, verl's key for it
-            self.save_hf(str(checkpoint_dir(root, self.global_step) / "actor_hf"))
+            self.save_hf(checkpoint_dir(root, self.global_step) / "actor_hf")
         if self.workers.critic is not None:
             self.workers.critic.call(CriticWorker.save_checkpoint, str(root), self.global_step, state)
         mark_latest(root, self.global_step, self.loop.max_ckpt_to_keep)
 
-    def save_hf(self, out_dir: str) -> None:
-        """The actor as an HF checkpoint transformers loads."""
-        self.workers.actor.call(ActorRefWorker.save_hf, out_dir)
+    def save_hf(self, out_dir: Path) -> None:
+        """The actor as a self-contained HF model directory (weights, config, this run's tokenizer and chat
+        template, generation config), written under a temporary name and renamed into place (hf_export.py)."""
+        export_dir(out_dir, lambda tmp: self.workers.actor.call(ActorRefWorker.save_hf, str(tmp)), self.tokenizer)
 
     def schedule_state(self) -> dict[str, Any]:
         """What the schedule needs to continue exactly (synchronous: the loader's position after this step,
@@ -286,13 +289,8 @@ class PPOTrainer:
         """The loader's epoch (the async modes ask their prompt feed: its thread reads the loader)."""
         return self.loader.state_dict()["epoch"]
 
-    def resume(self) -> None:
-        loop = self.loop
-        if loop.resume_mode == "disable":
-            return
-        step_dir = find_latest(self.tracker.run_dir) if loop.resume_mode == "auto" else loop.resume_from_path
-        if step_dir is None:
-            return
+    def resume(self, step_dir: Path) -> None:
+        """Continue from the checkpoint in `step_dir` (chosen by `trainer.resume_mode`, `run_dir.start_run`)."""
         state = self.workers.actor.call(ActorRefWorker.load_checkpoint, str(step_dir))[0]
         if self.workers.critic is not None:
             self.workers.critic.call(CriticWorker.load_checkpoint, str(step_dir))
@@ -303,9 +301,11 @@ class PPOTrainer:
             self.kl_ctrl.value = state["kl_coef"]
         print(f"resumed from {step_dir} at step {self.global_step}")
 
-    def fit(self) -> None:
+    def fit(self, resume_from: Path | None = None) -> None:
+        """Train to the last step, from the start or (`resume_from`) from that checkpoint directory."""
         loop = self.loop
-        self.resume()
+        if resume_from is not None:
+            self.resume(resume_from)
         print(staleness.describe(self.plan))
         self.sync_weights(-1)
         if self.val_prompts is not None and loop.val_before_train:

@@ -1,7 +1,8 @@
-"""Where metrics go: a jsonl file in the run directory (always), the console (a rich table per step), and
-wandb / tensorboard / mlflow when `trainer.logger` asks for them. Validation generations (`trainer.log_val_generations`)
-go the same ways: `val_generations.jsonl`, a console table, a wandb table, tensorboard text, an mlflow artifact.
-Plus the phase timeline the plots are drawn from.
+"""Where metrics go: a jsonl file in the run directory (always; one row per step), the console (in a terminal a rich
+table per step under a progress bar, else one line per step, as a log file wants), and wandb / tensorboard / mlflow
+when `trainer.logger` asks for them. Validation generations (`trainer.log_val_generations`) go the same ways:
+`val_generations.jsonl`, a console table, a wandb table, tensorboard text, an mlflow artifact. Plus the phase
+timeline the plots are drawn from.
 """
 
 from __future__ import annotations
@@ -118,10 +119,25 @@ def _mlflow(project: str, experiment: str) -> _Backend:
 
 
 class Tracker:
-    def __init__(self, loggers: list[str], run_dir: Path, project: str, experiment: str, config: dict) -> None:
+    def __init__(self, loggers: list[str], run_dir: Path, project: str, experiment: str, config: dict,
+                 resume_step: int | None = None) -> None:
+        """A fresh run (`resume_step` None) starts the run directory's files; a run resumed from the checkpoint of
+        `resume_step` continues them without the rows of later steps (its own, logged after that save), so their
+        steps keep increasing."""
         self.run_dir = run_dir
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.file = open(run_dir / "metrics.jsonl", "a")
+        metrics = run_dir / "metrics.jsonl"
+        self._last_row: dict[str, Any] | None = None  # the file's last row and where it starts: a step logs once
+        self._last_offset = 0
+        if resume_step is None:
+            self.file = open(metrics, "w")
+        else:
+            self._last_row = _keep_steps_up_to(metrics, resume_step)
+            _keep_steps_up_to(run_dir / "val_generations.jsonl", resume_step)
+            self.file = open(metrics, "r+")
+            self._last_offset = _last_line_start(self.file)
+            self.file.seek(0, 2)
+        self.latest: dict[str, float] = {}  # the last value of each scalar: the end-of-run summary's
         self.console = Console() if "console" in loggers else None
         self.backends: list[_Backend] = []
         if "wandb" in loggers:
@@ -132,13 +148,26 @@ class Tracker:
             self.backends.append(_mlflow(project, experiment))
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        """Write the step's row; a second log of the file's last step (a resumed run validating before it trains
+        again) merges into that row, as wandb merges a step's logs."""
+        row = {"step": step, **metrics}
+        if self._last_row is not None and self._last_row["step"] == step:
+            row = self._last_row | row
+            self.file.seek(self._last_offset)
+            self.file.truncate()
+        self._last_offset = self.file.tell()
+        self._last_row = row
+        self.file.write(json.dumps(row) + "\n")
         self.file.flush()
         scalars = {k: v for k, v in metrics.items() if isinstance(v, (int, float))}  # lists (histograms): file only
+        self.latest |= scalars
         for backend in self.backends:
             backend.metrics(step, scalars)
         if self.console is not None:
-            self.console.print(_table(step, scalars))
+            if self.console.is_terminal:
+                self.console.print(_table(step, scalars))
+            else:
+                self.console.print(_line(step, scalars), highlight=False, soft_wrap=True)
 
     def log_generations(self, step: int, rows: list[dict[str, Any]]) -> None:
         """Validation samples, each {"input", "output", "score"}: appended to `val_generations.jsonl` with the step
@@ -154,7 +183,7 @@ class Tracker:
     def progress(self, total_steps: int, done: int, timeline: Timeline) -> Iterator[Callable[[], None]]:
         """A progress bar over the run's steps (console logger only) whose text names the phase running now
         (gen, old_log_prob, update_actor, sync, ...); yields the function that marks a step done."""
-        if self.console is None:
+        if self.console is None or not self.console.is_terminal:  # a log file gets the steps' lines alone
             yield lambda: None
             return
         columns = (TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
@@ -185,15 +214,45 @@ def _table(step: int, metrics: dict[str, float]) -> Table:
     return table
 
 
+LINE_KEYS = (("critic/score/mean", "reward"), ("val-core/reward/mean", "val_reward"), ("actor/pg_loss", "pg_loss"),
+             ("actor/ppo_kl", "ppo_kl"), ("actor/kl_loss", "kl_loss"), ("actor/entropy", "entropy"),
+             ("critic/vf_loss", "vf_loss"), ("response_length/mean", "response_len"), ("timing_s/step", "step_s"))
+
+
+def _line(step: int, metrics: dict[str, float]) -> str:
+    """A step as one line (stdout is not a terminal): the reward, the key losses and the step time."""
+    return " ".join([f"step {step}"] + [f"{name}={metrics[key]:.4g}" for key, name in LINE_KEYS if key in metrics])
+
+
+def _keep_steps_up_to(path: Path, step: int) -> dict[str, Any] | None:
+    """Rewrite jsonl file `path` (if any) without its rows of steps after `step`; its last row kept."""
+    if not path.exists():
+        return None
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    kept = [row for row in rows if row["step"] <= step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(row) + "\n" for row in kept))
+    tmp.replace(path)
+    return kept[-1] if kept else None
+
+
+def _last_line_start(file) -> int:
+    """The offset of the last line of text `file` (0 when empty)."""
+    lines = file.read().splitlines(keepends=True)
+    return sum(len(line.encode()) for line in lines[:-1])
+
+
 def _generation_rows(step: int, rows: list[dict[str, Any]]) -> list[list[Any]]:
     return [[step, r["input"], r["output"], r["score"]] for r in rows]
 
 
 def _generations_table(step: int, rows: list[dict[str, Any]], max_chars: int = 80) -> Table:
-    """Inputs and outputs cut to their last `max_chars` characters: the end of a prompt is what the answer follows."""
+    """Inputs (questions) cut to their first `max_chars` characters, outputs to their last: a question starts with
+    what it asks, an answer ends with its result."""
     table = Table(title=f"validation generations, step {step}", padding=(0, 1))
     for column in GENERATION_COLUMNS[1:]:
         table.add_column(column)
     for r in rows:
-        table.add_row(r["input"][-max_chars:], r["output"][-max_chars:], f"{r['score']:.4g}")
+        question = r["input"] if len(r["input"]) <= max_chars else r["input"][:max_chars - 1] + "…"
+        table.add_row(question, r["output"][-max_chars:], f"{r['score']:.4g}")
     return table

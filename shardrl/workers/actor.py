@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import shutil
 from pathlib import Path
 
 import torch
@@ -33,6 +34,7 @@ from shardrl.job.options import (
 )
 from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
 from shardrl.models.hf_bridge import save_hf_checkpoint, save_peft_adapter
+from shardrl.models.hf_export import GENERATION_CONFIG
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.parallel.lora import adapters_disabled
@@ -208,11 +210,15 @@ class ActorRefWorker:
 
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def save_hf(self, out_dir: str) -> None:
-        """The actor as an HF checkpoint transformers loads (collective; the layout's first rank writes). With LoRA
+        """The actor as an HF checkpoint transformers loads, with the source model's generation config (collective;
+        the layout's first rank writes; `hf_export.complete_export` adds the tokenizer). With LoRA
         the checkpoint holds the merged weights and `lora_adapter/` the adapters alone, as PEFT loads them onto the
         base model."""
         with self._actor_resident():
             save_hf_checkpoint(self.actor.chunks, self.actor.layout, out_dir)
+            source = Path(self.model_path) / GENERATION_CONFIG  # its sampling defaults and end ids go along
+            if self.actor.layout.local_rank == 0 and source.is_file():
+                shutil.copyfile(source, Path(out_dir) / GENERATION_CONFIG)
             if self.options.model.engine.lora is not None:
                 save_peft_adapter(self.actor.chunks, self.actor.layout, Path(out_dir) / "lora_adapter",
                                   base_model=self.model_path)
