@@ -21,6 +21,7 @@ NCCL_* variables in effect are printed; unset means NCCL's own choice).
     PYTHONPATH=. python bench/train_mfu.py --world 2 --model dense --recompute off --variants all
     python bench/train_mfu.py --quick --profile               # CPU
     python bench/train_mfu.py --quick --variants all --model dense --recompute off
+    PYTHONPATH=. python bench/train_mfu.py --world 4 --cp 2 --dense-tp 2   # context parallel (2+ GPUs)
 
 FLOPs per step (the model's, not the hardware's: recomputed forwards are not counted, so this is MFU, not HFU):
     6 * N_active * tokens  +  6 * L * n_heads * head_dim * sum over sequences of s^2
@@ -113,6 +114,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--model", choices=["dense", "moe", "both"], default="both")
     p.add_argument("--recompute", choices=["off", "on", "both"], default="both")
     p.add_argument("--dense-tp", type=int, default=2, help="TP of the dense model (the rest of --world is DP)")
+    p.add_argument("--cp", type=int, default=1,
+                   help="context parallel ranks of both models (each holds 1/CP of every sequence's tokens)")
     p.add_argument("--seq-len", type=int, default=4096, help="tokens per sequence (a quarter of them prompt)")
     p.add_argument("--seqs-per-micro", type=int, default=2, help="sequences packed into one micro batch")
     p.add_argument("--micro-batches", type=int, default=4, help="micro batches per optimizer step per DP replica")
@@ -390,9 +393,10 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
 
 
 def layouts(args: argparse.Namespace) -> dict[str, dict]:
-    """LayoutSpec sizes of each model at `args.world` (dense: TP `--dense-tp`, the rest DP; MoE: EP = world)."""
-    tp = min(args.dense_tp, args.world)
-    return {"dense": dict(tp=tp), "moe": dict(ep=args.world)}
+    """LayoutSpec sizes of each model at `args.world` (dense: TP `--dense-tp` x CP `--cp`, the rest DP; MoE: EP =
+    world, CP `--cp`)."""
+    tp = min(args.dense_tp, args.world // args.cp)
+    return {"dense": dict(tp=tp, cp=args.cp), "moe": dict(ep=args.world, cp=args.cp)}
 
 
 def report(name: str, cfg: ModelConfig, setup: Setup, world: int, result: dict, peak: float) -> dict:
@@ -468,7 +472,7 @@ def main() -> None:
         setup = Setup(shapes[name], sizes[name], args.seq_len, args.seqs_per_micro, args.micro_batches, args.warmup,
                       args.steps, recompute, variants, args.sequence_parallel, args.distributed_optimizer,
                       args.profile, args.profile_rows)
-        print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, layout TP{spec.tp} DP{spec.dp} EP{spec.ep}")
+        print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, layout TP{spec.tp} CP{spec.cp} DP{spec.dp} EP{spec.ep}")
         results = run_distributed(args.world, measure, setup, backend=backend, timeout=timeout)[0]
         rows = [report(name, cfg, setup, args.world, result, args.peak_tflops) for result in results]
         if len(variants) > 1:

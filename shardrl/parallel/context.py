@@ -26,6 +26,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardrl.parallel.collectives import all_gather_single
+
 
 @dataclass(frozen=True)
 class ContextShard:
@@ -86,7 +88,7 @@ class _GatherTokens(torch.autograd.Function):
         padded = local.new_zeros(most, *local.shape[1:])  # gloo gathers equal sizes only
         padded[:local.shape[0]] = local
         gathered = local.new_empty(len(shard.counts) * most, *local.shape[1:])
-        dist.all_gather_into_tensor(gathered, padded, group=shard.group)
+        all_gather_single(gathered, padded, group=shard.group)
         rows = torch.cat([torch.arange(r * most, r * most + n, device=local.device)
                           for r, n in enumerate(shard.counts)])  # [T] the real rows, rank after rank
         return gathered[rows][shard.rank_order]
