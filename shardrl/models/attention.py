@@ -70,17 +70,29 @@ def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: f
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         if bitwise:
             return _BitwiseAttention.apply(q, k, v, seqs, scale)
-        return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.max_seqlen, scale)
+        return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.cu_seqlens, seqs.max_seqlen, seqs.max_seqlen, scale)
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
 
 
 def context_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
     """Context parallel: this CP rank's queries q [T_r, nq, D] against the whole micro batch's keys and values,
-    all-gathered over CP from every rank's k, v [T_r, nkv, D] (`parallel/context.py`) -> [T_r, nq, D]. SDPA with
-    the [T_r, T] causal mask of the queries' global positions, on every device: a fused kernel for CUDA (flash's
-    varlen with each query chunk's key prefix) waits for a multi-GPU machine to measure it on."""
+    all-gathered over CP from every rank's k, v [T_r, nkv, D] (`parallel/context.py`) -> [T_r, nq, D]."""
     keys = gather_tokens(k, seqs.context, replicated=False)  # [T, nkv, D]
     values = gather_tokens(v, seqs.context, replicated=False)
+    return shard_attention(q, keys, values, seqs, scale)
+
+
+def shard_attention(q: Tensor, keys: Tensor, values: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+    """Causal attention of a CP share's queries q [T_r, nq, D] over the whole micro batch's keys and values [T, nkv,
+    D]. CUDA in bf16/fp16: flash's varlen kernels, each held chunk's queries against its sequence's key prefix
+    (causal from the bottom right, as a query chunk at the end of its keys needs); elsewhere SDPA with the [T_r, T]
+    mask of the queries' positions, the reference the GPU test compares against."""
+    shard = seqs.context
+    if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
+        if shard.max_q == 0:  # this rank holds no token of the micro batch
+            return q.new_zeros(q.shape)
+        return _FlashVarlen.apply(q, keys[shard.key_index], values[shard.key_index], shard.cu_q, shard.cu_k,
+                                  shard.max_q, shard.max_k, scale)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                          attn_mask=seqs.context_mask, scale=scale, enable_gqa=True)  # [nq, T_r, D]
     return out.transpose(0, 1)
@@ -103,25 +115,29 @@ class _FlashVarlen(torch.autograd.Function):
     backward: 1.15-1.25x slower forward, 1.04-1.06x forward + backward (`bench/attention_kernels.py`, one H200)."""
 
     @staticmethod
-    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, max_seqlen: int, scale: float) -> Tensor:
+    def forward(ctx, q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor, max_q: int, max_k: int,
+                scale: float) -> Tensor:
+        """Queries cu_q[i]:cu_q[i+1] against keys cu_k[i]:cu_k[i+1] (the same boundaries outside context
+        parallelism), causal from the bottom right."""
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True, False, scale=scale)
-        ctx.save_for_backward(q, k, v, out, lse, cu_seqlens, rng_state, unused)
-        ctx.max_seqlen, ctx.scale = max_seqlen, scale
+            q, k, v, cu_q, cu_k, max_q, max_k, 0.0, True, False, scale=scale)
+        ctx.save_for_backward(q, k, v, out, lse, cu_q, cu_k, rng_state, unused)
+        ctx.max_q, ctx.max_k, ctx.scale = max_q, max_k, scale
         return out
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
-        q, k, v, out, lse, cu_seqlens, rng_state, unused = ctx.saved_tensors
-        return *_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, rng_state, unused, ctx.max_seqlen,
-                                ctx.scale), None, None, None
+        q, k, v, out, lse, cu_q, cu_k, rng_state, unused = ctx.saved_tensors
+        return *_flash_backward(grad_out, q, k, v, out, lse, cu_q, cu_k, rng_state, unused, ctx.max_q, ctx.max_k,
+                                ctx.scale), None, None, None, None, None
 
 
-def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_seqlens: Tensor,
-                    rng_state: Tensor, unused: Tensor, max_seqlen: int, scale: float) -> tuple[Tensor, Tensor, Tensor]:
+def _flash_backward(grad_out: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, cu_q: Tensor,
+                    cu_k: Tensor, rng_state: Tensor, unused: Tensor, max_q: int, max_k: int, scale: float
+                    ) -> tuple[Tensor, Tensor, Tensor]:
     return torch.ops.aten._flash_attention_backward(
-        grad_out.contiguous(), q, k, v, out, lse, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen, 0.0, True,
-        rng_state, unused, scale=scale)
+        grad_out.contiguous(), q, k, v, out, lse, cu_q, cu_k, max_q, max_k, 0.0, True, rng_state, unused,
+        scale=scale)
 
 
 class _BitwiseAttention(torch.autograd.Function):
@@ -142,8 +158,8 @@ class _BitwiseAttention(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         q, k, v, out, lse, cu_seqlens = ctx.saved_tensors
         no_dropout_rng = torch.empty((), dtype=torch.int64)  # what flash's forward returns without dropout
-        return *_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, no_dropout_rng, no_dropout_rng,
-                                ctx.max_seqlen, ctx.scale), None, None
+        return *_flash_backward(grad_out, q, k, v, out, lse, cu_seqlens, cu_seqlens, no_dropout_rng, no_dropout_rng,
+                                ctx.max_seqlen, ctx.max_seqlen, ctx.scale), None, None
 
 
 def reference_attention(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Tensor, scale: float) -> Tensor:

@@ -20,6 +20,7 @@ ranks' token shares. Counts and metrics are summed over DP only: CP ranks hold t
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -31,12 +32,20 @@ from shardrl.parallel.collectives import all_gather_single
 
 @dataclass(frozen=True)
 class ContextShard:
-    """This CP rank's share of one packed micro batch."""
+    """This CP rank's share of one packed micro batch, and what attention needs to read it."""
 
     local_index: Tensor  # [T_r] int64: the micro batch's packed positions this rank holds, in order
     rank_order: Tensor  # [T] int64: where each packed position is in the concatenation of the ranks' shares
     counts: tuple[int, ...]  # tokens each CP rank holds (the all-gathers' sizes)
     group: dist.ProcessGroup
+    # Per chunk this rank holds (empty ones left out), as a varlen attention kernel reads them: its queries are
+    # rows cu_q[i]:cu_q[i+1] of this rank's tokens; its keys, the prefix of its sequence up to the chunk's end, are
+    # rows cu_k[i]:cu_k[i+1] of the whole micro batch's keys taken at `key_index`.
+    key_index: Tensor  # [K] int64
+    cu_q: Tensor  # [C+1] int32
+    cu_k: Tensor  # [C+1] int32
+    max_q: int
+    max_k: int
 
     @property
     def num_tokens(self) -> int:
@@ -49,15 +58,22 @@ def chunk_bounds(length: int, num_chunks: int) -> list[int]:
     return [length * j // num_chunks for j in range(num_chunks + 1)]
 
 
-def shard_positions(seq_lengths: list[int], rank: int, size: int) -> list[int]:
-    """The packed positions CP rank `rank` of `size` holds: chunks `rank` and `2*size-1-rank` of every sequence."""
-    positions, start = [], 0
+def shard_chunks(seq_lengths: list[int], rank: int, size: int) -> list[tuple[int, int, int]]:
+    """The chunks CP rank `rank` of `size` holds, in packed order: (start, end, start of its sequence) as packed
+    positions, for chunks `rank` and `2*size-1-rank` of every sequence, empty ones left out."""
+    chunks, start = [], 0
     for length in seq_lengths:
         bounds = chunk_bounds(length, 2 * size)
         for chunk in (rank, 2 * size - 1 - rank):
-            positions.extend(range(start + bounds[chunk], start + bounds[chunk + 1]))
+            if bounds[chunk + 1] > bounds[chunk]:
+                chunks.append((start + bounds[chunk], start + bounds[chunk + 1], start))
         start += length
-    return positions
+    return chunks
+
+
+def shard_positions(seq_lengths: list[int], rank: int, size: int) -> list[int]:
+    """The packed positions CP rank `rank` of `size` holds (`shard_chunks`' chunks, token by token)."""
+    return [p for begin, end, _ in shard_chunks(seq_lengths, rank, size) for p in range(begin, end)]
 
 
 def shard_micro_batch(seq_lengths: list[int], rank: int, size: int, group: dist.ProcessGroup,
@@ -67,8 +83,17 @@ def shard_micro_batch(seq_lengths: list[int], rank: int, size: int, group: dist.
     num_tokens = sum(seq_lengths)
     order = torch.empty(num_tokens, dtype=torch.long)
     order[torch.tensor([p for s in shares for p in s], dtype=torch.long)] = torch.arange(num_tokens)
+    chunks = shard_chunks(seq_lengths, rank, size)
+    q_lens = [end - begin for begin, end, _ in chunks]
+    k_lens = [end - seq_start for _, end, seq_start in chunks]
+    key_index = [p for _, end, seq_start in chunks for p in range(seq_start, end)]
+
+    def cumulative(lengths: list[int]) -> Tensor:
+        return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
+
     return ContextShard(torch.tensor(shares[rank], dtype=torch.long, device=device), order.to(device),
-                        tuple(len(s) for s in shares), group)
+                        tuple(len(s) for s in shares), group, torch.tensor(key_index, dtype=torch.long, device=device),
+                        cumulative(q_lens), cumulative(k_lens), max(q_lens, default=0), max(k_lens, default=0))
 
 
 def gather_tokens(local: Tensor, shard: ContextShard, replicated: bool) -> Tensor:
