@@ -105,3 +105,12 @@ def test_tp2_ep2_checkpoint_resumes_at_pp2_vpp2(model, reference, tmp_path):
     resumed = run_distributed(2, resume_at_pp2_vpp2, model, str(tmp_path / "ckpt"))[0]
     assert_same_step(resumed, reference, "TP2xEP2 -> PP2xVPP2")
     assert torch.equal(resumed["draw"], saved["draw"]), "rank 0's RNG state was not restored"
+
+
+def test_cp2_ep2_distributed_optimizer_checkpoint_resumes_in_one_process(model, reference, tmp_path):
+    """Context parallelism shards nothing persistent: a CP2 x EP2 run (distributed optimizer: its AdamW state is
+    cut over DP x CP) trains the reference's steps, and its checkpoint resumes in one process to the same step."""
+    saved = run_distributed(4, session, model, dict(cp=2, ep=2), True, None, SAVED_AT, str(tmp_path / "ckpt"), 0)[0]
+    for a, b in zip(saved["losses"], reference["losses"][:SAVED_AT], strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b), f"CP2xEP2 before the save: {a} vs {b}"
+    assert_same_step(session(model, {}, False, str(tmp_path / "ckpt"), 0, None, 1), reference, "CP2xEP2 -> 1")
