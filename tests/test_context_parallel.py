@@ -112,3 +112,29 @@ def test_activation_memory_per_rank_halves_at_cp2(tmp_path):
     cp1 = _activation_peak(checkpoint)
     cp2 = run_distributed(2, _activation_peak, checkpoint)
     assert all(0.4 * cp1 < peak < 0.6 * cp1 for peak in cp2), (cp1, cp2)
+
+
+@pytest.mark.slow  # two 3-step jobs (~40 s); the parity matrix covers the maths in the default suite
+def test_a_cp2_job_with_dynamic_batches_and_offload_logs_the_one_rank_jobs_metrics(tmp_path):
+    """The default job at CP2 on 2 ranks against the same job on 1 rank, dynamic batch size and param + optimizer
+    offload in both: one data-parallel replica either way, so the same mini batches, and (per-sample seeds) the same
+    rollouts; every loss and reward metric of each step equal up to float reduction order."""
+    import subprocess
+
+    from resume_jobs import command, metrics_by_step
+
+    common = ["actor_rollout_ref.actor.use_dynamic_bsz=true",
+              "actor_rollout_ref.actor.megatron.param_offload=true",
+              "actor_rollout_ref.actor.megatron.optimizer_offload=true", "trainer.total_training_steps=3",
+              "trainer.val_before_train=false", "trainer.test_freq=-1"]
+    runs = {}
+    for cp in (1, 2):
+        run_dir = tmp_path / f"cp{cp}"
+        subprocess.run(command(run_dir, *common, f"trainer.n_gpus_per_node={cp}",
+                               f"actor_rollout_ref.actor.megatron.context_parallel_size={cp}"),
+                       check=True, capture_output=True, timeout=600)
+        runs[cp] = metrics_by_step(run_dir)
+    assert sorted(runs[2]) == [1, 2, 3]
+    for step, expected in runs[1].items():
+        for key in ("critic/score/mean", "actor/pg_loss", "actor/ppo_kl", "actor/entropy", "actor/grad_norm"):
+            assert runs[2][step][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), (step, key)
