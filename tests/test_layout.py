@@ -124,7 +124,7 @@ def _sub_layout_only_on_members() -> list[str]:
 
 def test_disjoint_layouts_build_only_their_groups():
     out = run_distributed(4, _sub_layout_only_on_members)
-    assert out[0] == out[1] == ["edp", "mp", "tp", "world"]  # EP=ETP=1: experts data-parallel over both
+    assert out[0] == out[1] == ["edp", "mp", "tp", "tp_cp", "world"]  # EP=ETP=1: experts data-parallel over both
     assert out[2] == out[3] == ["dp", "dp_cp", "edp", "world"]
 
 
