@@ -4,6 +4,9 @@ Default (one GPU): a 494M Qwen2-shape model (Qwen2.5-0.5B's sizes) with random w
 random tokens, 256 new tokens each (EOS ignored, so every request generates exactly 256), sampling at temperature 1.
 Prints generated tokens per second of each and the ratio (issue 6 asks for >= 15x), and per decode step its
 wall time, the host's share of it (the rest is waiting for the GPU) and how many steps the host had to launch.
+On GPU it also measures, in the same run, the decode step's floor: every projection GEMM of every layer plus the LM
+head for the batch's rows, replayed from one CUDA graph, plus one read of the KV cache at its mean decode length at
+the bandwidth a device-to-device copy reaches; it prints the engine's step time as a multiple of that floor.
 On GPU the engine runs with `compile_decode` (its decode forward compiled before graph capture; the warm-up run
 pays the compile) unless `--no-compile`.
 
@@ -90,6 +93,49 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@torch.inference_mode()
+def decode_floor_ms(shape: dict, rows: int, mean_context: float, dtype: torch.dtype, device: torch.device
+                    ) -> tuple[float, float]:
+    """(GEMMs, KV read) in ms: the least a decode step of `rows` requests can take on this GPU. The GEMMs are the
+    step's projections (q/k/v, o, gate/up, down per layer, then the LM head) on random inputs, captured in one CUDA
+    graph so no launch gap counts; the KV read is the cache bytes a step attends over at the mean context length,
+    moved at the rate a large device copy reaches (its bytes read plus written per second)."""
+    hidden, layers, inter = shape["hidden_size"], shape["num_hidden_layers"], shape["intermediate_size"]
+    head_dim = hidden // shape["num_attention_heads"]
+    q_out, kv_out = shape["num_attention_heads"] * head_dim, shape["num_key_value_heads"] * head_dim
+    per_layer = [(hidden, q_out + 2 * kv_out), (q_out, hidden), (hidden, 2 * inter), (inter, hidden)]
+    shapes = per_layer * layers + [(hidden, shape["vocab_size"])]
+    weights = [torch.randn(out, inp, device=device, dtype=dtype) * 0.02 for inp, out in shapes]
+    inputs = {inp: torch.randn(rows, inp, device=device, dtype=dtype) for inp, _ in shapes}
+
+    def gemms() -> None:
+        for weight in weights:
+            torch.nn.functional.linear(inputs[weight.shape[1]], weight)
+
+    gemms()  # cuBLAS picks and loads its kernels outside the capture
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        gemms()
+    gemm_ms = _cuda_ms(graph.replay)
+    kv_bytes = rows * mean_context * layers * 2 * kv_out * torch.finfo(dtype).bits // 8
+    src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    copy_ms = _cuda_ms(lambda: dst.copy_(src))
+    return gemm_ms, kv_bytes / (2 * src.numel() / copy_ms)
+
+
+def _cuda_ms(fn, repeats: int = 20) -> float:
+    """Mean device time of `fn` in ms over `repeats` calls after one warm-up (CUDA events)."""
+    fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(repeats):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / repeats
+
+
 def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], device: torch.device
                ) -> float:
     engine.generate(prompts, SamplingParams(max_tokens=3, ignore_eos=True))  # warm-up: kernels, graph capture
@@ -167,6 +213,14 @@ def main() -> None:
           f"top_p {args.top_p}, top_k {args.top_k}, {'seeded' if args.seeded else 'unseeded'} requests, "
           f"{'compiled' if compile_decode(args, device) else 'plain'} decode forward")
     ours = run_engine(engine, prompts, params, device)
+    if device.type == "cuda":
+        stats = engine.stats
+        step_ms = 1e3 * stats.decode_seconds / max(stats.decode_steps, 1)
+        gemm_ms, kv_ms = decode_floor_ms(TINY if args.quick else SHAPES[args.shape][1], args.num_prompts,
+                                         args.prompt_len + args.new_tokens / 2, dtype, device)
+        print(f"decode floor: {gemm_ms + kv_ms:.3f} ms/step (projection GEMMs + LM head in one graph {gemm_ms:.3f} "
+              f"ms, KV read at copy bandwidth {kv_ms:.3f} ms); the engine's {step_ms:.3f} ms/step is "
+              f"{step_ms / (gemm_ms + kv_ms):.2f}x its floor (target <= 1.6x)")
     if args.profile:
         profile_decode(engine, prompts, params)
     if args.skip_hf:
