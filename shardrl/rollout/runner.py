@@ -24,7 +24,7 @@ from shardrl.parallel.expert import attached
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.routing import RoutingTable, expert_id_dtype, unknown_expert
 from shardrl.parallel.lora import LoRASettings, adapted_weights, adapter_modules, attach_lora
-from shardrl.parallel.tensor import pack_adjacent
+from shardrl.parallel.tensor import pack_adjacent, unpack
 from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket, row_buckets
 from shardrl.rollout.kv_cache import (
@@ -322,6 +322,8 @@ class ModelRunner:
         self.cache.free()
         self.graphs = None
         if offload_weights and self.device.type == "cuda":
+            for group in self.model.column_groups():
+                unpack(group)
             for param in self.model.parameters():
                 param.data = torch.empty_like(param, device="cpu", pin_memory=True).copy_(param)
             self.offloaded = True
