@@ -57,6 +57,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the decode")
     parser.add_argument("--no-compile", action="store_true",
                         help="plain decode forward (default on GPU: EngineConfig.compile_decode; never on CPU)")
+    parser.add_argument("--portable-sampler", action="store_true",
+                        help="sample with the portable torch ops on GPU too (EngineConfig.fused_sampling off)")
     parser.add_argument("--skip-hf", action="store_true", help="measure the engine only")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", action="store_true",
@@ -81,7 +83,8 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     max_len = args.prompt_len + args.new_tokens
     config = EngineConfig(max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_len, cpu_kv_cache_tokens=args.num_prompts * max_len, dtype=dtype,
-                          enforce_eager=args.enforce_eager, compile_decode=compile_decode(args, device), seed=args.seed)
+                          enforce_eager=args.enforce_eager, compile_decode=compile_decode(args, device), seed=args.seed,
+                          fused_sampling=not args.portable_sampler)
     engine = Engine(ModelConfig.from_dict(hf_config.to_dict()), Layout.single(device), config)
     # HF's state dict also lists the tied LM head under its own name; the engine's single tied tensor is the embedding.
     engine.update_weights((n, t) for n, t in hf.state_dict().items() if n != "lm_head.weight")

@@ -9,7 +9,7 @@ from torch.testing import assert_close
 from shardrl.models.config import ModelConfig
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.tensor import ColumnParallelLinear, apply_columns, pack_adjacent
+from shardrl.parallel.tensor import ColumnParallelLinear, apply_columns, pack_adjacent, unpack
 from shardrl.rollout.engine import Engine, EngineConfig
 
 
@@ -78,6 +78,37 @@ def test_unpacked_biased_or_autograd_runs_one_gemm_each():
         sum(o.sum() for o in apply_columns(x, linears)).backward()
     assert count.calls == 3
     assert torch.allclose(linears[0].weight.grad, x.sum(0).expand(6, 8))
+
+
+def test_compiled_packed_linears_run_as_one_gemm_until_unpacked():
+    """Under torch.compile (the engine's `compile_decode`) the views `pack_adjacent` kept stand in for the storage
+    check: one GEMM in the traced graph, the same outputs, in-place loads seen; `unpack` (before an offload) drops
+    them and the group runs one GEMM each again."""
+    linears = make_linears((True, True, True))
+    x = torch.randn(5, 8)
+    traced_gemms = []
+
+    def count_gemms(graph_module, example_inputs):
+        traced_gemms.append(sum(node.target is F.linear for node in graph_module.graph.nodes))
+        return graph_module.forward
+
+    def columns(x):
+        return apply_columns(x, linears)
+
+    pack_adjacent(linears, torch.device("cpu"))
+    with torch.no_grad():
+        out = torch.compile(columns, backend=count_gemms)(x)
+        linears[1].weight.copy_(torch.ones(4, 8))  # in place: the packed views see it
+        again = torch.compile(columns, backend=count_gemms)(x)
+    assert traced_gemms[0] == 1
+    for got, lin in zip(out, make_linears((True, True, True))):  # the values before the in-place load
+        assert_close(got, F.linear(x, lin.weight, lin.bias))
+    assert_close(again[1], F.linear(x, linears[1].weight, linears[1].bias))
+    unpack(linears)
+    torch._dynamo.reset()
+    with torch.no_grad():
+        torch.compile(columns, backend=count_gemms)(x)
+    assert traced_gemms[-1] == 3
 
 
 def test_engine_packs_qkv_and_gate_up_and_keeps_them_packed_across_weight_updates(tmp_path):

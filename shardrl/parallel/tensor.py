@@ -244,6 +244,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = sharded_param(ShardSpec(f"{name}.weight", (out_size, in_size), **split), layout, dtype)
         self.bias = sharded_param(ShardSpec(f"{name}.bias", (out_size,), **split), layout, dtype) if bias else None
         self.lora: nn.Module | None = None  # a LoRA adapter (`parallel.lora.attach_lora`): adds s * B (A x)
+        # On the first linear of a group `pack_adjacent` packed: the group's weight and bias as one tensor each.
+        self.packed: tuple[Tensor, Tensor | None] | None = None
 
     def forward(self, x: Tensor) -> Tensor:
         return with_adapter(self, x, linear(x, self.weight, self.bias, self.bitwise))
@@ -265,8 +267,10 @@ def pack_adjacent(linears: Sequence[ColumnParallelLinear], device: torch.device)
 
     The params stay separate parameters, each its own HF tensor and shard spec, now views of the buffer: in-place
     loads (`load_hf_tensor`, weight sync) keep them packed; giving a param new `.data` (offload) unpacks it until
-    the next call. Copies from wherever the data is (pinned host memory included), so an offloaded group comes
-    back packed without a second copy on the device.
+    the next call (call `unpack` then, which drops the packed views that would keep the old storage alive). Copies
+    from wherever the data is (pinned host memory included), so an offloaded group comes back packed without a second
+    copy on the device. The packed weight and bias are kept as views on the first linear (`packed`) for
+    `apply_columns` under torch.compile, which cannot check storages.
     """
     for attr in ("weight", "bias"):
         params = [getattr(linear, attr) for linear in linears]
@@ -279,6 +283,16 @@ def pack_adjacent(linears: Sequence[ColumnParallelLinear], device: torch.device)
             piece.copy_(param.data, non_blocking=True)
             param.data = piece
             offset += param.numel()
+    weight = _packed([linear.weight for linear in linears])
+    biases = [linear.bias for linear in linears]
+    bias = None if any(b is None for b in biases) else _packed(biases)
+    unbiased = all(b is None for b in biases)
+    linears[0].packed = (weight, bias) if weight is not None and (unbiased or bias is not None) else None
+
+
+def unpack(linears: Sequence[ColumnParallelLinear]) -> None:
+    """Forget the packed views of a group whose params are about to get new `.data` (offload)."""
+    linears[0].packed = None
 
 
 def _packed(tensors: Sequence[Tensor]) -> Tensor | None:
@@ -298,16 +312,20 @@ def apply_columns(x: Tensor, linears: Sequence[ColumnParallelLinear]) -> list[Te
     """Every linear of `linears` on the same input x [T, in] -> [T, out_i/n] each.
 
     One GEMM (and one bias add) when they are packed (`pack_adjacent`) and autograd is off; else one each. With
-    autograd the packed view would send the gradients of all of them to the first; under torch.compile the storage
-    check would break the graph (`EngineConfig.compile_decode` fuses on its own).
+    autograd the packed view would send the gradients of all of them to the first. Eagerly the storages are checked
+    on every call; under torch.compile (`EngineConfig.compile_decode`), which cannot check them without breaking the
+    graph and does not merge GEMMs itself, the views `pack_adjacent` kept are used (`unpack` drops them).
     """
-    if len(linears) > 1 and not torch.is_grad_enabled() and not torch.compiler.is_compiling():
-        weight = _packed([linear.weight for linear in linears])
-        biases = [linear.bias for linear in linears]
-        unbiased = all(b is None for b in biases)
-        bias = None if unbiased or any(b is None for b in biases) else _packed(biases)
-        if weight is not None and (unbiased or bias is not None):
-            out = _linear_forward(x, weight, bias, linears[0].bitwise)  # [T, sum of out_i/n]
+    if len(linears) > 1 and not torch.is_grad_enabled():
+        packed = linears[0].packed
+        if not torch.compiler.is_compiling():
+            weight = _packed([linear.weight for linear in linears])
+            biases = [linear.bias for linear in linears]
+            unbiased = all(b is None for b in biases)
+            bias = None if unbiased or any(b is None for b in biases) else _packed(biases)
+            packed = (weight, bias) if weight is not None and (unbiased or bias is not None) else None
+        if packed is not None:
+            out = _linear_forward(x, packed[0], packed[1], linears[0].bitwise)  # [T, sum of out_i/n]
             outs = out.split([linear.weight.shape[0] for linear in linears], dim=-1)
             return [with_adapter(linear, x, y) for linear, y in zip(linears, outs)]
     return [linear(x) for linear in linears]

@@ -291,7 +291,8 @@ class Engine:
                                        self.model_config.vocab_size, self.device)
         # Each draws the token at index num_tokens of its sequence (the same counter a decode step would use).
         counters = torch.tensor([r.num_tokens for r in requests]).to(self.device, non_blocking=True)
-        drawn = sample(logits, sampling, counters, self.runner.generator, self.config.bitwise)
+        drawn = sample(logits, sampling, counters, self.runner.generator, self.config.bitwise,
+                       self.config.fused_sampling)
         raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
         rows = torch.stack([drawn.token_ids.double(), drawn.logprobs.double(), raw.double()], dim=1).tolist()
         finished = self._record(list(zip(requests, rows)))

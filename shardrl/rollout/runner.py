@@ -24,7 +24,7 @@ from shardrl.parallel.expert import attached
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.routing import RoutingTable, expert_id_dtype, unknown_expert
 from shardrl.parallel.lora import LoRASettings, adapted_weights, adapter_modules, attach_lora
-from shardrl.parallel.tensor import pack_adjacent
+from shardrl.parallel.tensor import pack_adjacent, unpack
 from shardrl.parallel.vocab import gather_vocab
 from shardrl.rollout.cuda_graphs import DecodeGraphs, length_bucket, row_buckets
 from shardrl.rollout.kv_cache import (
@@ -83,6 +83,9 @@ class EngineConfig:
     # instead (the trainer's own arithmetic, no pristine copy; the reference the folded path is tested against).
     lora: LoRASettings | None = None
     lora_runtime: bool = False
+    # Sample unfiltered batches on CUDA with the fused Triton kernels (`sample_kernel.py`: one read of the logits
+    # instead of five passes over [rows, vocab]); off: the portable torch ops, the reference they are tested against.
+    fused_sampling: bool = True
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
 
@@ -265,7 +268,7 @@ class ModelRunner:
         """logits [N, V] of rows 0..N-1 -> their tokens into the input buffers and `out`."""
         num_rows = logits.shape[0]
         counters = self.positions[:num_rows] + 1  # the index in its sequence of the token each row draws
-        drawn = sample(logits, sampling, counters, self.generator, self.config.bitwise)
+        drawn = sample(logits, sampling, counters, self.generator, self.config.bitwise, self.config.fused_sampling)
         self.ids[:num_rows].copy_(drawn.token_ids)
         self.positions[:num_rows].add_(self.live[:num_rows])
         raw = drawn.logprobs if drawn.raw_logprobs is None else drawn.raw_logprobs
@@ -319,6 +322,8 @@ class ModelRunner:
         self.cache.free()
         self.graphs = None
         if offload_weights and self.device.type == "cuda":
+            for group in self.model.column_groups():
+                unpack(group)
             for param in self.model.parameters():
                 param.data = torch.empty_like(param, device="cpu", pin_memory=True).copy_(param)
             self.offloaded = True

@@ -200,7 +200,7 @@ def inverse_cdf(weights: Tensor, uniforms: Tensor, fallback: Tensor) -> Tensor:
 
 @torch.no_grad()
 def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch.Generator | None = None,
-           bitwise: bool = False) -> Sampled:
+           bitwise: bool = False, fused: bool = True) -> Sampled:
     """logits [B, V] (full vocab, any float dtype), counters [B] int64 (the index in its sequence of the token each
     row draws) -> one token per row with its logprobs.
 
@@ -220,9 +220,14 @@ def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch
     `bitwise` (the engine's bitwise mode): the logits are divided by the batch's one temperature as the trainer
     divides them (`Transformer.compute_logprobs`: the same op on the same dtype) and the logprobs come from the
     trainer's own function (`vocab_parallel_logprobs`), so they are the trainer's bits for the same logits.
+
+    `fused`: on CUDA an unfiltered batch is sampled by `_sample_fused`, the same function in two Triton launches;
+    the ops below are the reference it is tested against (and what runs everywhere else).
     """
     if bitwise:
         return _sample_as_trainer(logits, batch, counters, shared)
+    if fused and logits.is_cuda and batch.top_k is None:
+        return _sample_fused(logits, batch, counters, shared)
     scaled = logits  # [B, V]
     if not batch.unit_temperature:
         scaled = torch.div(logits, batch.temperature.unsqueeze(1))  # fp32 (promoted in the same pass)
@@ -242,6 +247,19 @@ def sample(logits: Tensor, batch: SamplingBatch, counters: Tensor, shared: torch
     if batch.raw:  # unscaled and unfiltered: the logprobs above are already the raw ones
         raw = logprobs if scaled is logits else logits.gather(1, chosen).squeeze(1).float() - log_normaliser(logits)
     return Sampled(token_ids, logprobs, raw)
+
+
+def _sample_fused(logits: Tensor, batch: SamplingBatch, counters: Tensor,
+                  shared: torch.Generator | None) -> Sampled:
+    """`sample` of an unfiltered batch on CUDA: one read of the logits (`sample_kernel.py`). The shared generator
+    draws what `row_uniforms` draws, so unseeded rows consume the same stream."""
+    from shardrl.rollout.sample_kernel import fused_sample  # Triton: CUDA installs only
+
+    drawn = None if batch.all_greedy else torch.rand(counters.shape[0], generator=shared, device=logits.device)
+    scale = not batch.unit_temperature
+    token_ids, logprobs, raw = fused_sample(logits, batch.temperature, batch.greedy, batch.has_seed, batch.keys,
+                                            counters, drawn, scale, batch.raw)
+    return Sampled(token_ids, logprobs, raw if batch.raw else None)
 
 
 def _sample_as_trainer(logits: Tensor, batch: SamplingBatch, counters: Tensor,
