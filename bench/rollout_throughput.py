@@ -23,6 +23,7 @@ import time
 import torch
 from transformers import AutoModelForCausalLM, Qwen2Config
 
+from cuda_timing import cuda_ms
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.layout import Layout
 from shardrl.rollout.engine import Engine, EngineConfig
@@ -119,24 +120,12 @@ def decode_floor_ms(shape: dict, rows: int, mean_context: float, dtype: torch.dt
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         gemms()
-    gemm_ms = _cuda_ms(graph.replay)
+    gemm_ms = cuda_ms(graph.replay)
     kv_bytes = rows * mean_context * layers * 2 * kv_out * torch.finfo(dtype).bits // 8
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dst = torch.empty_like(src)
-    copy_ms = _cuda_ms(lambda: dst.copy_(src))
+    copy_ms = cuda_ms(lambda: dst.copy_(src))
     return gemm_ms, kv_bytes / (2 * src.numel() / copy_ms)
-
-
-def _cuda_ms(fn, repeats: int = 20) -> float:
-    """Mean device time of `fn` in ms over `repeats` calls after one warm-up (CUDA events)."""
-    fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(repeats):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / repeats
 
 
 def run_engine(engine: Engine, prompts: list[list[int]], params: list[SamplingParams], device: torch.device

@@ -20,6 +20,7 @@ from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.workers.packing import Packed, whole_micro_batch
+from test_sync import _peak_bytes
 
 
 def test_each_rank_holds_an_early_and_a_late_chunk_of_every_sequence():
@@ -98,12 +99,7 @@ def _activation_peak(checkpoint: str) -> int:
         hidden = model(share.input_ids, share.position_ids, share.cu_seqlens, context=share.context)
         log_probs, _ = model.compute_logprobs(hidden, share.targets)
         whole_micro_batch(log_probs, share).sum().backward()
-    current = peak = 0
-    for event in sorted(prof.profiler.kineto_results.events(), key=lambda e: e.start_ns()):
-        if event.name() == "[memory]":
-            current += event.nbytes()
-            peak = max(peak, current)
-    return peak
+    return _peak_bytes(prof)
 
 
 def test_activation_memory_per_rank_halves_at_cp2(tmp_path):
