@@ -9,7 +9,7 @@ import pytest
 
 from shardrl.job.errors import ConfigError
 from shardrl.models.checkpoint import checkpoint_dir, mark_latest
-from shardrl.trainer.plots import write_plots
+from shardrl.trainer.plots import Pictures
 from shardrl.trainer.run_dir import PREVIOUS_RUNS, start_run, summary
 from shardrl.trainer.tracking import Timeline, Tracker
 
@@ -30,7 +30,7 @@ def fake_run(run_dir: Path, steps: range, saved_at: int | None, resume_step: int
             checkpoint_dir(run_dir, step).mkdir()
             mark_latest(run_dir, step)
     tracker.close()
-    write_plots(run_dir, Timeline())
+    Pictures(run_dir, "p/e", Timeline()).write()
     (run_dir / "hf_export").mkdir(exist_ok=True)
     return tracker
 
