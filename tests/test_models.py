@@ -12,7 +12,6 @@ from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.tiny import TINY_CONFIGS, hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
-from shardrl.parallel.layout_spec import LayoutSpec, rank_tables
 from shardrl.parallel.spec import get_spec
 
 FAMILIES = list(TINY_CONFIGS)
@@ -111,11 +110,3 @@ def test_unsupported_configs_fail_with_one_line(checkpoints, change, message):
     with pytest.raises(ModelConfigError, match=message) as info:
         ModelConfig.from_dict({**raw, **change})
     assert "\n" not in str(info.value)
-
-
-def test_context_parallel_is_refused_by_name(checkpoints):
-    spec = LayoutSpec(world_size=2, cp=2)
-    ranks = {name: next(g for g in table if 0 in g) for name, table in rank_tables(spec).items()}
-    layout = Layout(spec, [0, 1], 0, torch.device("cpu"), spec.coords(0), dict.fromkeys(ranks), ranks)
-    with pytest.raises(NotImplementedError, match="context_parallel_size=2"):
-        Transformer(ModelConfig.from_pretrained(checkpoints["llama"]), layout)

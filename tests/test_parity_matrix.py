@@ -178,8 +178,11 @@ LAYOUTS = [  # (model kinds, world, sizes, distributed optimizer, micro batch si
     (("dense",), 4, dict(cp=4), False, 4),
     (("dense",), 4, dict(cp=2, pp=2), False, 1),
     (("moe",), 4, dict(cp=2, ep=2), False, 2),
+    (("dense",), 4, dict(cp=2, pp=2, vpp=2), False, 1),
+    (("moe",), 4, dict(cp=2, ep=2, etp=2), False, 2),
 ]
-SLOW = {"dense-cp4-w4", "dense-cp2-pp2-w4", "moe-cp2-ep2-w4"}  # CI time: CP2 and CP2 x TP2 (+SP) stay default
+# CI time: CP2 and CP2 x TP2 (+SP) stay in the default suite.
+SLOW = {"dense-cp4-w4", "dense-cp2-pp2-w4", "moe-cp2-ep2-w4", "dense-cp2-pp2-vpp2-w4", "moe-cp2-ep2-etp2-w4"}
 
 
 def _layout_id(kinds, world, sizes, distributed_optimizer, _micro) -> str:
