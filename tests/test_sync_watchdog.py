@@ -145,6 +145,11 @@ def test_on_cpu_each_wait_gets_the_time_left_and_a_closed_peer_is_named():
     fine = Pending(done_after=0)
     watch.finish([Transfer(fine, "receiving from global rank 0 (trainer on h)", 0)])
     assert 0.8 < fine.waited[0].total_seconds() <= 0.9
+    late = SyncWatch(datetime.timedelta(seconds=0.01), poll_at_end=False)
+    late.start()
+    time.sleep(0.02)  # the deadline passed before this wait: still named as a stop, not as a failure
+    with pytest.raises(SyncStalledError, match=r"^weight sync step 2: receiving from p did not finish within 0.009 s"):
+        late.finish([Transfer(Pending(), "receiving from p", 2)])
     closed = Pending(done_after=0)
     closed.wait = lambda timeout: (_ for _ in ()).throw(RuntimeError("Connection closed by peer [10.0.0.7]:4242"))
     with pytest.raises(SyncStalledError, match=r"^weight sync step 3: sending to global rank 5 \(rollout on h\) "

@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from shardrl.errors import first_line
 from shardrl.sync.copies import CopyBatch, CopyReplay, HostStaging
 from shardrl.sync.plan import Bucket, Piece, RankPlan, trailer_bytes
 from shardrl.sync.shards import Shards
@@ -320,7 +321,7 @@ class Transport:
         except RuntimeError as exc:
             peers = ", ".join(self.peers[op.peer] for op in ops)
             raise SyncStalledError(f"weight sync step {step}: starting the transfers with {peers} failed: "
-                                   f"{str(exc).splitlines()[0]}") from exc
+                                   f"{first_line(exc)}") from exc
 
     def _finish(self, transfers: list[Transfer], sent: int | None, received: tuple[int, int, Bucket] | None,
                 send_ring: Ring, recv_ring: Ring, sums: Sequence[Tensor], compared: list | None) -> None:

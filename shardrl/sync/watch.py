@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
+from shardrl.errors import first_line
+
 DEADLINE_SHARE = 0.9  # of the group's timeout: the sync's deadline comes before torch's own
 POLL_S = 0.0005  # between polls of GPU transfers that are not done yet at the end of a sync
 
@@ -71,11 +73,9 @@ class SyncWatch:
                 transfer.work.wait()  # NCCL: the current stream waits; the host does not
                 self.pending.append(transfer)
                 continue
-            left = self.deadline - time.monotonic()
+            left = max(self.deadline - time.monotonic(), 0.001)  # past it: a done transfer still returns
             try:
-                if left <= 0 and not transfer.work.is_completed():
-                    raise self._stalled(transfer)
-                transfer.work.wait(datetime.timedelta(seconds=max(left, 0.001)))
+                transfer.work.wait(datetime.timedelta(seconds=left))
             except RuntimeError as exc:  # gloo: a timeout, or the peer's connection closed
                 raise self._stalled(transfer, exc) from exc
 
@@ -83,21 +83,25 @@ class SyncWatch:
         """GPU: return once every transfer of the sync is done; raise naming the first one still pending at the
         deadline (or that failed)."""
         for transfer in self.pending:
-            try:
-                while not transfer.work.is_completed():
-                    if time.monotonic() > self.deadline:
-                        raise self._stalled(transfer)
-                    time.sleep(POLL_S)
-            except RuntimeError as exc:
-                if isinstance(exc, SyncStalledError):
-                    raise
-                raise self._stalled(transfer, exc) from exc
+            while not self._completed(transfer):
+                if time.monotonic() > self.deadline:
+                    raise self._stalled(transfer)
+                time.sleep(POLL_S)
         self.pending = []
 
+    def _completed(self, transfer: Transfer) -> bool:
+        try:
+            return transfer.work.is_completed()
+        except RuntimeError as exc:  # NCCL: the communicator failed
+            raise self._stalled(transfer, exc) from exc
+
     def _stalled(self, transfer: Transfer, cause: BaseException | None = None) -> SyncStalledError:
-        why = (f"failed: {str(cause).splitlines()[0] if str(cause) else type(cause).__name__}" if cause is not None
-               and "Timed out" not in str(cause) else
-               f"did not finish within {self.seconds:g} s of the sync's start (a share {DEADLINE_SHARE} of "
-               f"trainer.collective_timeout_s): the peer stopped responding")
+        """The error naming `transfer`'s peer: it ran out of time (no `cause`, or the transport's own timeout), or the
+        transport failed (`cause`: a closed connection, a failed communicator)."""
+        if cause is None or "Timed out" in str(cause):
+            why = (f"did not finish within {self.seconds:g} s of the sync's start (a share {DEADLINE_SHARE} of "
+                   f"trainer.collective_timeout_s): the peer stopped responding")
+        else:
+            why = f"failed: {first_line(cause)}"
         return SyncStalledError(f"weight sync {transfer.describe()} {why}; the rollout's weights are left partly "
                                 f"updated and refuse to generate until a sync completes")

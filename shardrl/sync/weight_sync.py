@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from shardrl.errors import first_line
 from shardrl.parallel.layout import Layout
 from shardrl.sync.plan import SyncPlan, plan_transfers
 from shardrl.sync.shards import Shards
@@ -135,7 +136,7 @@ def applied_to(rollout: SyncedRollout) -> Iterator[None]:
     try:
         yield
     except BaseException as exc:
-        rollout.refuse_torn_weights(f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}")
+        rollout.refuse_torn_weights(f"{type(exc).__name__}: {first_line(exc)}")
         raise
 
 
