@@ -36,6 +36,7 @@ class ContextShard:
 
     local_index: Tensor  # [T_r] int64: the micro batch's packed positions this rank holds, in order
     rank_order: Tensor  # [T] int64: where each packed position is in the concatenation of the ranks' shares
+    gathered_rows: Tensor  # [T] int64: the real rows of the padded all-gather, rank after rank
     counts: tuple[int, ...]  # tokens each CP rank holds (the all-gathers' sizes)
     group: dist.ProcessGroup
     # Per chunk this rank holds (empty ones left out), as a varlen attention kernel reads them: its queries are
@@ -46,11 +47,6 @@ class ContextShard:
     cu_k: Tensor  # [C+1] int32
     max_q: int
     max_k: int
-
-    @property
-    def num_tokens(self) -> int:
-        """T, the whole micro batch's."""
-        return sum(self.counts)
 
 
 def chunk_bounds(length: int, num_chunks: int) -> list[int]:
@@ -91,8 +87,11 @@ def shard_micro_batch(seq_lengths: list[int], rank: int, size: int, group: dist.
     def cumulative(lengths: list[int]) -> Tensor:
         return torch.tensor([0, *itertools.accumulate(lengths)], dtype=torch.int32, device=device)
 
-    return ContextShard(torch.tensor(shares[rank], dtype=torch.long, device=device), order.to(device),
-                        tuple(len(s) for s in shares), group, torch.tensor(key_index, dtype=torch.long, device=device),
+    counts, most = [len(share) for share in shares], max(len(share) for share in shares)
+    gathered_rows = torch.tensor([r * most + i for r, n in enumerate(counts) for i in range(n)], dtype=torch.long,
+                                 device=device)
+    return ContextShard(torch.tensor(shares[rank], dtype=torch.long, device=device), order.to(device), gathered_rows,
+                        tuple(counts), group, torch.tensor(key_index, dtype=torch.long, device=device),
                         cumulative(q_lens), cumulative(k_lens), max(q_lens, default=0), max(k_lens, default=0))
 
 
@@ -114,9 +113,7 @@ class _GatherTokens(torch.autograd.Function):
         padded[:local.shape[0]] = local
         gathered = local.new_empty(len(shard.counts) * most, *local.shape[1:])
         all_gather_single(gathered, padded, group=shard.group)
-        rows = torch.cat([torch.arange(r * most, r * most + n, device=local.device)
-                          for r, n in enumerate(shard.counts)])  # [T] the real rows, rank after rank
-        return gathered[rows][shard.rank_order]
+        return gathered[shard.gathered_rows][shard.rank_order]
 
     @staticmethod
     def backward(ctx, grad: Tensor):
