@@ -1,5 +1,6 @@
-"""Faults in a real run of the default job: SIGKILL then resume reproduces the uninterrupted run's metrics, and a
-worker that dies mid-step is reported by role and rank with a non-zero exit, fast."""
+"""Faults in a real run of the default job: SIGKILL then resume reproduces the uninterrupted run's metrics, a
+worker that dies mid-step is reported by role and rank with a non-zero exit, fast, and Ctrl-C (SIGINT) ends the run
+with its summary and one line, no traceback."""
 
 import os
 import re
@@ -60,6 +61,28 @@ def test_dead_worker_is_named_and_the_trainer_exits(tmp_path):
         assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-2000:]
         # One line naming the role, the rank, its node and the cause.
         assert re.search(r"^error: worker group .*role 'actor'.*rank 0 on [\w.:-]+ died", stderr, re.M), stderr[-2000:]
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_sigint_ends_the_run_with_its_summary_and_one_line(tmp_path):
+    args = command(tmp_path, *ARGS[:-2], "trainer.total_training_steps=100000", "trainer.save_freq=2")
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        metrics = tmp_path / "metrics.jsonl"
+        wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
+        proc.send_signal(signal.SIGINT)
+        stdout, stderr = proc.communicate(timeout=60)
+        assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+        assert stderr.strip().splitlines()[-1] == (
+            "error: interrupted (Ctrl-C or SIGINT); the steps logged so far are kept, and the same command resumes "
+            "from the last checkpoint (trainer.resume_mode=auto)")
+        logged = metrics_by_step(tmp_path)
+        last = max(logged)
+        assert re.search(rf"^run interrupted after step {last}$", stdout, re.M), stdout[-2000:]
+        assert re.search(rf"^  checkpoint +{tmp_path}/global_step_{last - last % 2}$", stdout, re.M), stdout[-2000:]
+        assert not (tmp_path / "hf_export").exists()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -1,10 +1,11 @@
-"""GSM8K reward with a small format bonus, for models too small to use the `####` format on their own.
+"""GSM8K reward with a small format bonus, for models that do not use the `####` format on their own.
 
-SmolLM2-135M-Instruct almost never ends its answer with `#### <number>`, so the strict scorer gives every sample of a
-group the same 0 and GRPO has no signal. This scorer keeps the strict check for the score that matters (1 for a
-correct answer after `####`) and gives `FORMAT_SCORE` for an answer in that format that is wrong, so the policy can
-first learn the format. `acc` (strict correctness, the number verl's default GSM8K reward reports) and `formatted` are
-returned as extras: training logs them as `reward_extra/...`, validation as `val-aux/...`.
+Qwen2.5-Coder-0.5B-Instruct ends its answers with `\\boxed{N}` and SmolLM2-135M-Instruct rarely with `####
+<number>`, so the strict scorer gives every sample of a group the same 0 and GRPO has no signal. This scorer keeps
+the strict check for the score that matters (1 for a correct answer after `####`) and gives `FORMAT_SCORE` for an
+answer in that format that is wrong, so the policy can first learn the format. `acc` (strict correctness, the number
+verl's default GSM8K reward reports) and `formatted` are returned as extras: training logs them as
+`reward_extra/...`, validation as `val-aux/...`.
 
     custom_reward_function.path=examples/gsm8k/format_bonus_reward.py custom_reward_function.name=compute_score
 """

@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # GRPO on GSM8K with a real HF model on one GPU, as a verl-style command line (see README.md in this folder).
 #
-#   MODEL_PATH=~/models/SmolLM2-135M-Instruct DATA_DIR=~/data/gsm8k bash examples/gsm8k/run_gsm8k_grpo.sh
+#   MODEL_PATH=~/models/Qwen2.5-Coder-0.5B-Instruct DATA_DIR=~/data/gsm8k bash examples/gsm8k/run_gsm8k_grpo.sh
 #
 # Every setting below is an environment variable with a default; anything else is a Hydra override appended to the
 # command line, e.g. `bash run_gsm8k_grpo.sh trainer.total_training_steps=20 trainer.logger=[console,wandb]`.
 set -euo pipefail
 
 source "$(dirname "${BASH_SOURCE[0]}")/../python_env.sh"  # PYTHON: the repository's .venv unless set
-MODEL_PATH=${MODEL_PATH:-$HOME/models/SmolLM2-135M-Instruct}  # HF directory: config.json, safetensors, tokenizer
+MODEL_PATH=${MODEL_PATH:-$HOME/models/Qwen2.5-Coder-0.5B-Instruct}  # HF directory: config.json, safetensors, tokenizer
 DATA_DIR=${DATA_DIR:-$HOME/data/gsm8k}                         # train.parquet and test.parquet (data_preprocess)
 RUN_DIR=${RUN_DIR:-checkpoints/shardrl_gsm8k/grpo}             # metrics.jsonl, plots, checkpoints, hf_export
 

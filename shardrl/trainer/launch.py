@@ -143,14 +143,19 @@ def train(plan: JobPlan) -> None:
         tracker = Tracker(tracking.loggers, paths.run_dir, tracking.project, tracking.experiment, tracking.config,
                           resume_step=start.continue_after)
         ppo = TRAINERS[plan.mode](plan, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl)
+        interrupted = False
         try:
             ppo.fit(start.checkpoint)
             ppo.save_hf(paths.run_dir / "hf_export")
+        except KeyboardInterrupt:  # Ctrl-C or SIGINT (`timeout -s INT`): the logged steps stay, workers are stopped
+            interrupted = True
         finally:
             tracker.close()
             group.shutdown()
         print(summary(paths.run_dir, ppo.global_step, time.perf_counter() - started, tracker.latest,
-                      find_latest(paths.run_dir)), flush=True)
+                      find_latest(paths.run_dir), interrupted=interrupted), flush=True)
+        if interrupted:
+            raise KeyboardInterrupt
 
 
 def announce_user_files(plan: JobPlan, paths: RunPaths) -> None:

@@ -5,8 +5,8 @@ is looked up in this package first and then in the current directory, whatever t
 ``trainer.dry_run=true`` the config is validated and the plan printed. ``--help`` lists the configs and the most used
 keys (`command_line`); a ``key=value`` whose key does not exist fails before Hydra composes, naming the closest. A failure the user can fix (`UserError`: a
 config key, a data or model file, a reward function or tool of theirs, also when a worker raised it) prints one line
-``error: <key or file>: <reason>`` on stderr and exits 2; any other failure one line and exit 1. ``SHARDRL_DEBUG=1``
-adds the traceback.
+``error: <key or file>: <reason>`` on stderr and exits 2; any other failure one line and exit 1; Ctrl-C (SIGINT) stops
+the workers, prints where the run stands and exits 130. ``SHARDRL_DEBUG=1`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from shardrl.trainer.command_line import DEFAULT_CONFIG, check_overrides, help_t
 
 PACKAGE_DIR = CONFIG_DIR.parent  # a relative --config-path is looked up here first (`./config`: the packaged ones)
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
+INTERRUPTED_STATUS = 130  # the shell's status for a program ended by SIGINT
 
 
 def run(cfg: DictConfig) -> int:
@@ -44,6 +45,10 @@ def run(cfg: DictConfig) -> int:
         train(plan)
     except UserError as err:
         return _report(err, 2)
+    except KeyboardInterrupt:
+        print("error: interrupted (Ctrl-C or SIGINT); the steps logged so far are kept, and the same command "
+              "resumes from the last checkpoint (trainer.resume_mode=auto)", file=sys.stderr)
+        return INTERRUPTED_STATUS
     except Exception as err:
         from shardrl.controller.group import WorkerError  # loaded already when a worker failed
 

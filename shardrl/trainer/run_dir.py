@@ -67,8 +67,11 @@ def move_aside(run_dir: Path) -> Path | None:
     return dest
 
 
-def summary(run_dir: Path, steps: int, wall_s: float, last: dict[str, float], checkpoint: Path | None) -> str:
-    """The end-of-run block: where everything is and how the run ended (`last`: the last logged value per key)."""
+def summary(run_dir: Path, steps: int, wall_s: float, last: dict[str, float], checkpoint: Path | None,
+            interrupted: bool = False) -> str:
+    """The end-of-run block: where everything is and how the run ended (`last`: the last logged value per key;
+    `interrupted`: stopped by Ctrl-C or SIGINT, so there is no hf_export of this run and a resume starts from
+    `checkpoint`)."""
     def reward(key: str) -> str:
         return f"{last[key]:.3f}" if key in last else "-"
 
@@ -79,4 +82,5 @@ def summary(run_dir: Path, steps: int, wall_s: float, last: dict[str, float], ch
         if (run_dir / name).exists():
             lines.append(f"{name:<15} {run_dir / name}")
     lines.append(f"{'checkpoint':<15} {checkpoint if checkpoint is not None else 'none saved (trainer.save_freq)'}")
-    return "\n".join(["", "run finished", *("  " + line for line in lines)])
+    title = f"run interrupted after step {steps}" if interrupted else "run finished"
+    return "\n".join(["", title, *("  " + line for line in lines)])
