@@ -56,6 +56,8 @@ def parse_args() -> argparse.Namespace:
                         help="a sampling seed per request, as the trainer's rollouts have (default: unseeded)")
     parser.add_argument("--max-num-batched-tokens", type=int, default=16384)
     parser.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs in the decode")
+    parser.add_argument("--max-graph-rows", type=int, default=EngineConfig.max_graph_rows,
+                        help="decode batches of more rows run without CUDA graphs (EngineConfig.max_graph_rows)")
     parser.add_argument("--no-compile", action="store_true",
                         help="plain decode forward (default on GPU: EngineConfig.compile_decode; never on CPU)")
     parser.add_argument("--portable-sampler", action="store_true",
@@ -85,7 +87,7 @@ def build_models(args: argparse.Namespace, device: torch.device, dtype: torch.dt
     config = EngineConfig(max_num_seqs=args.num_prompts, max_num_batched_tokens=args.max_num_batched_tokens,
                           max_model_len=max_len, cpu_kv_cache_tokens=args.num_prompts * max_len, dtype=dtype,
                           enforce_eager=args.enforce_eager, compile_decode=compile_decode(args, device), seed=args.seed,
-                          fused_sampling=not args.portable_sampler)
+                          fused_sampling=not args.portable_sampler, max_graph_rows=args.max_graph_rows)
     engine = Engine(ModelConfig.from_dict(hf_config.to_dict()), Layout.single(device), config)
     # HF's state dict also lists the tied LM head under its own name; the engine's single tied tensor is the embedding.
     engine.update_weights((n, t) for n, t in hf.state_dict().items() if n != "lm_head.weight")
