@@ -413,3 +413,44 @@ def test_dynamic_sampling_is_refused_in_the_async_modes(name):
     with pytest.raises(ConfigError, match=r"^algorithm.filter_groups.enable: true is not supported in "
                                           r"(one_step_off|fully_async) mode"):
         compose(name, ["algorithm.filter_groups.enable=true"])
+
+
+OVERRIDES = "+actor_rollout_ref.actor.megatron.override_transformer_config"
+
+
+def test_verl_full_recompute_trio_and_moe_coefficients_reach_the_model_options():
+    plan = plan_job(compose("ppo_megatron_trainer", [
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "actor_rollout_ref.rollout."
+        "tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
+        f"{OVERRIDES}.recompute_granularity=full", f"{OVERRIDES}.recompute_method=uniform",
+        f"{OVERRIDES}.recompute_num_layers=1", f"{OVERRIDES}.moe_aux_loss_coeff=0.01",
+        f"{OVERRIDES}.moe_z_loss_coeff=0.001", f"{OVERRIDES}.apply_rope_fusion=true",
+        f"{OVERRIDES}.moe_grouped_gemm=true", f"{OVERRIDES}.attention_backend=flash"]))
+    engine = plan.actor.model.engine
+    assert (engine.recompute, engine.moe_aux_loss_coef, engine.moe_z_loss_coef) == (True, 0.01, 0.001)
+    default = plan_job(compose("ppo_megatron_trainer", [
+        "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "actor_rollout_ref.rollout."
+        "tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1"])).actor.model.engine
+    assert (default.recompute, default.moe_aux_loss_coef, default.moe_z_loss_coef) == (False, 0.0, 0.0)
+
+
+@pytest.mark.parametrize("setting,field,words", [
+    ("foo_bar=1", "foo_bar", "not a setting shardrl's model reads"),
+    ("recompute_granularity=selective", "recompute_granularity", "recomputes whole layers; set full"),
+    ("recompute_method=block", "recompute_method", "set uniform"),
+    ("recompute_num_layers=4", "recompute_num_layers", "set 1"),
+    ("recompute_method=uniform", "recompute_method", "no effect without recompute_granularity=full"),
+    ("apply_rope_fusion=false", "apply_rope_fusion", "no unfused path"),
+    ("attention_backend=fused", "attention_backend", "set flash or auto"),
+    ("moe_aux_loss_coeff=-1", "moe_aux_loss_coeff", "not a non-negative number"),
+])
+def test_transformer_overrides_shardrl_cannot_honour_are_refused_by_name(setting, field, words):
+    with pytest.raises(ConfigError) as info:
+        plan_job(compose("ppo_trainer", [f"{OVERRIDES}.{setting}"]))
+    assert info.value.key == f"actor_rollout_ref.actor.megatron.override_transformer_config.{field}"
+    assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_a_critic_override_is_refused_under_the_critics_key():
+    assert error_key(["algorithm.adv_estimator=gae", "+critic.megatron.override_transformer_config.foo=1"]) == \
+        "critic.megatron.override_transformer_config.foo"

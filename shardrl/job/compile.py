@@ -61,6 +61,7 @@ from shardrl.job.schema import (
     PPOConfig,
     RolloutCorrectionConfig,
 )
+from shardrl.job.transformer_overrides import read_transformer_overrides
 from shardrl.models.fast_paths import FastPaths
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.lora import LoRASettings
@@ -84,8 +85,9 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
     arr = config.actor_rollout_ref
     actor = arr.actor
     optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
-    model = model_options(actor.megatron, role.spec, role.ranks, arr.model.enable_gradient_checkpointing, optim,
-                          shared.override_config, actor.load_weight, bitwise=shared.bitwise, lora=shared.lora)
+    model = model_options(actor.megatron, "actor_rollout_ref.actor.megatron", role.spec, role.ranks,
+                          arr.model.enable_gradient_checkpointing, optim, shared.override_config, actor.load_weight,
+                          bitwise=shared.bitwise, lora=shared.lora)
     if shared.lora is not None and shared.bitwise:
         raise ConfigError("actor_rollout_ref.model.lora_rank", "bitwise mode has no batch-invariant LoRA GEMMs yet; "
                           "use lora_rank=0 or rollout.bitwise_logprobs=false")
@@ -166,14 +168,15 @@ def distillation_settings(config: PPOConfig) -> DistillationSettings:
 def teacher_options(config: PPOConfig, role: RolePlan) -> TeacherOptions:
     teacher = config.distillation.teacher_model
     # Frozen like the reference policy, with weights of its own; the student's model overrides are not its own.
-    model = model_options(teacher.megatron, role.spec, role.ranks, False, None, {}, load_weight=True)
+    model = model_options(teacher.megatron, "distillation.teacher_model.megatron", role.spec, role.ranks, False,
+                          None, {}, load_weight=True)
     return TeacherOptions(teacher.model_path, model, role.batches["log_prob"].forward())
 
 
 def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOptions:
     # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
-    model = model_options(config.actor_rollout_ref.ref.megatron, role.spec, role.ranks, False, None,
-                          shared.override_config, load_weight=True)
+    model = model_options(config.actor_rollout_ref.ref.megatron, "actor_rollout_ref.ref.megatron", role.spec,
+                          role.ranks, False, None, shared.override_config, load_weight=True)
     mode = shared.ref_router_replay
     _check_context_routing(role.spec, mode == "R3", "actor_rollout_ref.ref")
     if mode == "R2":
@@ -196,8 +199,8 @@ def reward_model_options(config: PPOConfig, role: RolePlan) -> RewardModelOption
     rm = config.reward_model
     # Frozen like the reference policy, with a score head; whether samples are re-rendered for its tokenizer is
     # known at launch, where both tokenizers are loaded (`input_tokenizer` is None when they are the same).
-    model = model_options(rm.megatron, role.spec, role.ranks, False, None, rm.model.override_config,
-                          load_weight=True, value_head=True)
+    model = model_options(rm.megatron, "reward_model.megatron", role.spec, role.ranks, False, None,
+                          rm.model.override_config, load_weight=True, value_head=True)
     return RewardModelOptions(model, role.batches["forward"].forward(), rm.model.input_tokenizer, rm.max_length)
 
 
@@ -205,8 +208,9 @@ def critic_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Cri
     critic = config.critic
     optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer)
     lora = named_lora_settings(critic.model, shared.seed, "critic.model")
-    model = model_options(critic.megatron, role.spec, role.ranks, critic.model.enable_gradient_checkpointing, optim,
-                          critic.model.override_config, critic.load_weight, value_head=True, lora=lora)
+    model = model_options(critic.megatron, "critic.megatron", role.spec, role.ranks,
+                          critic.model.enable_gradient_checkpointing, optim, critic.model.override_config,
+                          critic.load_weight, value_head=True, lora=lora)
     return CriticOptions(
         seed=critic.megatron.seed, model=model,
         update=_update_options(role.batches["update"], critic.ppo_epochs, critic.shuffle, shared.seed),
@@ -426,12 +430,6 @@ def async_options(config: PPOConfig) -> AsyncOptions | None:
                         trigger_parameter_sync_step=a.trigger_parameter_sync_step, require_batches=a.require_batches)
 
 
-def recompute_enabled(override_transformer_config: dict[str, Any], gradient_checkpointing: bool) -> bool:
-    """Full per-layer recompute: `model.enable_gradient_checkpointing`, or Megatron's `recompute_granularity`
-    given through `override_transformer_config` (the key verl users set)."""
-    return gradient_checkpointing or override_transformer_config.get("recompute_granularity") in ("full", "selective")
-
-
 def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> OptimOptions:
     return OptimOptions(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=clip_grad,
                         distributed=distributed,
@@ -441,19 +439,20 @@ def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> Op
                         min_lr_ratio=optim.min_lr_ratio)
 
 
-def model_options(megatron: MegatronConfig, spec: LayoutSpec, ranks: list[int], gradient_checkpointing: bool,
-                  optim: OptimOptions | None, override_config: dict[str, Any], load_weight: bool,
-                  value_head: bool = False, bitwise: bool = False, lora: LoRASettings | None = None) -> ModelOptions:
-    """`bitwise`: the role's model runs the batch-invariant kernels (the actor in bitwise mode); `lora`: it trains
-    adapters only (the actor with model.lora_rank > 0; the critic with critic.model.lora_rank > 0, and its value
-    head)."""
-    override = megatron.override_transformer_config
+def model_options(megatron: MegatronConfig, key: str, spec: LayoutSpec, ranks: list[int],
+                  gradient_checkpointing: bool, optim: OptimOptions | None, override_config: dict[str, Any],
+                  load_weight: bool, value_head: bool = False, bitwise: bool = False,
+                  lora: LoRASettings | None = None) -> ModelOptions:
+    """`megatron`: the role's group at `key`; `gradient_checkpointing`: its model.enable_gradient_checkpointing
+    (recompute, as Megatron's full recompute through `override_transformer_config` also asks); `bitwise`: the
+    role's model runs the batch-invariant kernels (the actor in bitwise mode); `lora`: it trains adapters only (the
+    actor with model.lora_rank > 0; the critic with critic.model.lora_rank > 0, and its value head)."""
+    override = read_transformer_overrides(megatron.override_transformer_config, key)
     engine = EngineOptions(
-        sequence_parallel=megatron.sequence_parallel, recompute=recompute_enabled(override, gradient_checkpointing),
+        sequence_parallel=megatron.sequence_parallel, recompute=gradient_checkpointing or override.recompute,
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
-        moe_aux_loss_coef=float(override.get("moe_aux_loss_coeff", 0.0)),
-        moe_z_loss_coef=float(override.get("moe_z_loss_coeff", 0.0) or 0.0), fast=FastPaths(bitwise=bitwise),
-        lora=lora)
+        moe_aux_loss_coef=override.moe_aux_loss_coef, moe_z_loss_coef=override.moe_z_loss_coef,
+        fast=FastPaths(bitwise=bitwise), lora=lora)
     # A frozen role (reference, teacher: no optimizer) has no gradients or optimizer state to offload: compat.py
     # refuses those keys for it.
     trains = optim is not None
