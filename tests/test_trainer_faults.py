@@ -9,6 +9,8 @@ import subprocess
 import time
 from pathlib import Path
 
+import pytest
+
 from resume_jobs import command, kill_after_checkpoint, metrics_by_step, wait_for
 
 ARGS = ["trainer.test_freq=-1", "trainer.val_before_train=false", "trainer.save_freq=1",
@@ -66,8 +68,11 @@ def test_dead_worker_is_named_and_the_trainer_exits(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-def test_sigint_ends_the_run_with_its_summary_and_one_line(tmp_path):
-    args = command(tmp_path, *ARGS[:-2], "trainer.total_training_steps=100000", "trainer.save_freq=2")
+# The synchronous loop, and the fully asynchronous one with its rollout thread and detached pool.
+@pytest.mark.parametrize("config_name", ["ppo_trainer", "fully_async_ppo_trainer"])
+def test_sigint_ends_the_run_with_its_summary_and_one_line(tmp_path, config_name):
+    args = command(tmp_path, *ARGS[:-2], "trainer.total_training_steps=100000", "trainer.save_freq=2",
+                   config_name=config_name)
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         metrics = tmp_path / "metrics.jsonl"
