@@ -83,4 +83,11 @@ def test_console_prints_one_line_per_step_when_not_a_terminal(tmp_path, capsys):
     tracker = Tracker(["console"], tmp_path, "p", "e", {})
     tracker.log(1, {"critic/score/mean": 0.5, "actor/pg_loss": -0.01, "timing_s/step": 0.25, "other": 1.0})
     tracker.close()
-    assert capsys.readouterr().out == "step 1 reward=0.5 pg_loss=-0.01 step_s=0.25\n"
+    # A validation step also shows the reward function's extras (a strict accuracy beside a shaped reward).
+    tracker = Tracker(["console"], tmp_path, "p", "e", {})
+    tracker.log(2, {"critic/score/mean": 0.5, "val-core/reward/mean": 0.4, "val-aux/acc/mean": 0.35,
+                    "val-aux/reward_failed/mean": 0.0, "val-core/openai/gsm8k/reward/mean@1": 0.4,
+                    "actor/pg_loss": -0.01, "timing_s/step": 0.25})
+    tracker.close()
+    assert capsys.readouterr().out == ("step 1 reward=0.5 pg_loss=-0.01 step_s=0.25\n"
+                                       "step 2 reward=0.5 val_reward=0.4 val_acc=0.35 pg_loss=-0.01 step_s=0.25\n")

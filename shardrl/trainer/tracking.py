@@ -214,14 +214,22 @@ def _table(step: int, metrics: dict[str, float]) -> Table:
     return table
 
 
-LINE_KEYS = (("critic/score/mean", "reward"), ("val-core/reward/mean", "val_reward"), ("actor/pg_loss", "pg_loss"),
-             ("actor/ppo_kl", "ppo_kl"), ("actor/kl_loss", "kl_loss"), ("actor/entropy", "entropy"),
-             ("critic/vf_loss", "vf_loss"), ("response_length/mean", "response_len"), ("timing_s/step", "step_s"))
+# The one-line step: rewards first, then the reward function's validation extras, then losses and time.
+LINE_REWARDS = (("critic/score/mean", "reward"), ("val-core/reward/mean", "val_reward"))
+LINE_REST = (("actor/pg_loss", "pg_loss"), ("actor/ppo_kl", "ppo_kl"), ("actor/kl_loss", "kl_loss"),
+             ("actor/entropy", "entropy"), ("critic/vf_loss", "vf_loss"), ("response_length/mean", "response_len"),
+             ("timing_s/step", "step_s"))
 
 
 def _line(step: int, metrics: dict[str, float]) -> str:
-    """A step as one line (stdout is not a terminal): the reward, the key losses and the step time."""
-    return " ".join([f"step {step}"] + [f"{name}={metrics[key]:.4g}" for key, name in LINE_KEYS if key in metrics])
+    """A step as one line (stdout is not a terminal): the reward, the validation extras of the reward function (e.g.
+    `val_acc` beside a shaped `val_reward`), the key losses and the step time."""
+    def named(keys: tuple[tuple[str, str], ...]) -> list[str]:
+        return [f"{name}={metrics[key]:.4g}" for key, name in keys if key in metrics]
+
+    extras = [f"val_{key.split('/')[1]}={value:.4g}" for key, value in metrics.items()
+              if key.startswith("val-aux/") and key.endswith("/mean") and key != "val-aux/reward_failed/mean"]
+    return " ".join([f"step {step}", *named(LINE_REWARDS), *extras, *named(LINE_REST)])
 
 
 def _keep_steps_up_to(path: Path, step: int) -> dict[str, Any] | None:
