@@ -182,6 +182,19 @@ def test_a_missing_wheel_is_named_with_what_to_install():
         prepare.installed_pieces(model)
 
 
+def test_an_existing_output_directory_is_refused_before_any_work(tmp_path):
+    out = tmp_path / "model"
+    out.mkdir()
+    (out / "config.json").write_text("{}")
+    (tmp_path / "model.gguf").write_bytes(b"not a gguf")
+    result = subprocess.run([sys.executable, str(EXAMPLE / "prepare_model.py"), "--model", "qwen2.5-coder-0.5b",
+                             "--gguf", str(tmp_path / "model.gguf"), "--output_dir", str(out)],
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 1 and result.stderr.strip() == (
+        f"--output_dir: {out} exists and is not empty; remove it or choose another")
+    assert (out / "config.json").read_text() == "{}"
+
+
 def model_wheels_installed(model: str) -> bool:
     """Whether the optional packages that `prepare_model.py --model MODEL` needs can be imported here."""
     prepare = load_example("prepare_model")

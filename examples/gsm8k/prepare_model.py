@@ -18,8 +18,9 @@ transformers reads the GGUF (weights dequantized to float32; it needs the `gguf`
 tokenizer with the chat template; both are saved with `save_pretrained` (config.json, generation_config.json,
 model.safetensors, tokenizer.json, tokenizer_config.json, chat_template.jinja). `--split-mb N` then rewrites the
 weights as `model-0000i-of-0000n.safetensors` files of at most N MiB each (whole files, headers included) with a
-`model.safetensors.index.json`, so the directory can be moved in parts of a bounded size. The written directory is
-reloaded with transformers and compared tensor by tensor with the converted model before the script reports success.
+`model.safetensors.index.json`, so the directory can be moved in parts of a bounded size. The directory is written
+under a temporary name beside `--output_dir`, reloaded with transformers and compared tensor by tensor with the
+converted model, and only then renamed into place.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import shutil
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
@@ -190,11 +192,19 @@ def main() -> None:
         raise SystemExit(f"--gguf: {args.gguf} not found")
     pieces = [args.gguf.expanduser()] if args.gguf is not None else installed_pieces(source)
     out_dir, dtype = args.output_dir.expanduser(), DTYPES[args.dtype]
+    if out_dir.exists() and any(out_dir.iterdir()):
+        raise SystemExit(f"--output_dir: {out_dir} exists and is not empty; remove it or choose another")
     with tempfile.TemporaryDirectory(prefix="gguf_") as scratch:
         gguf = concatenate_checked(pieces, Path(scratch) / "model.gguf", source.sha256)
         model, tokenizer = load_gguf(gguf)
-    save_model_dir(model, tokenizer, out_dir, dtype, args.split_mb)
-    check_saved(model, out_dir, dtype)
+    # Written and checked beside its final name, then renamed: an interrupted run leaves no half model there.
+    partial = out_dir.with_name(f".{out_dir.name}.partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    save_model_dir(model, tokenizer, partial, dtype, args.split_mb)
+    check_saved(model, partial, dtype)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked above)
+    partial.rename(out_dir)
     files = sorted(out_dir.glob("*.safetensors"))
     largest = max(f.stat().st_size for f in files) / 2**20
     print(f"wrote {out_dir}: {model.config.model_type}, {sum(p.numel() for p in model.parameters()):,} parameters, "
