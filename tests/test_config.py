@@ -14,6 +14,7 @@ from shardrl.job.load import CONFIG_DIR, compose
 from shardrl.job.plan import plan_job
 from shardrl.job.preflight import check_launch
 from shardrl.job.errors import ConfigError
+from shardrl.parallel.expert import RouterOptions
 
 CONFIG_NAMES = sorted(p.stem for p in CONFIG_DIR.glob("*.yaml"))
 
@@ -424,14 +425,15 @@ def test_verl_full_recompute_trio_and_moe_coefficients_reach_the_model_options()
         "tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1",
         f"{OVERRIDES}.recompute_granularity=full", f"{OVERRIDES}.recompute_method=uniform",
         f"{OVERRIDES}.recompute_num_layers=1", f"{OVERRIDES}.moe_aux_loss_coeff=0.01",
-        f"{OVERRIDES}.moe_z_loss_coeff=0.001", f"{OVERRIDES}.apply_rope_fusion=true",
+        f"{OVERRIDES}.moe_z_loss_coeff=0.001", f"{OVERRIDES}.moe_router_dtype=fp32",
+        f"{OVERRIDES}.apply_rope_fusion=true",
         f"{OVERRIDES}.moe_grouped_gemm=true", f"{OVERRIDES}.attention_backend=flash"]))
     engine = plan.actor.model.engine
-    assert (engine.recompute, engine.moe_aux_loss_coef, engine.moe_z_loss_coef) == (True, 0.01, 0.001)
+    assert engine.recompute and engine.router == RouterOptions(aux_loss_coef=0.01, z_loss_coef=0.001, fp32_logits=True)
     default = plan_job(compose("ppo_megatron_trainer", [
         "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=1", "actor_rollout_ref.rollout."
         "tensor_model_parallel_size=1", "trainer.n_gpus_per_node=1"])).actor.model.engine
-    assert (default.recompute, default.moe_aux_loss_coef, default.moe_z_loss_coef) == (False, 0.0, 0.0)
+    assert not default.recompute and default.router == RouterOptions()
 
 
 @pytest.mark.parametrize("setting,field,words", [
@@ -443,6 +445,7 @@ def test_verl_full_recompute_trio_and_moe_coefficients_reach_the_model_options()
     ("apply_rope_fusion=false", "apply_rope_fusion", "no unfused path"),
     ("attention_backend=fused", "attention_backend", "set flash or auto"),
     ("moe_aux_loss_coeff=-1", "moe_aux_loss_coeff", "not a non-negative number"),
+    ("moe_router_dtype=fp64", "moe_router_dtype", "set fp32"),
 ])
 def test_transformer_overrides_shardrl_cannot_honour_are_refused_by_name(setting, field, words):
     with pytest.raises(ConfigError) as info:
@@ -454,3 +457,10 @@ def test_transformer_overrides_shardrl_cannot_honour_are_refused_by_name(setting
 def test_a_critic_override_is_refused_under_the_critics_key():
     assert error_key(["algorithm.adv_estimator=gae", "+critic.megatron.override_transformer_config.foo=1"]) == \
         "critic.megatron.override_transformer_config.foo"
+
+
+def test_fp32_router_logits_are_refused_in_bitwise_mode():
+    # The rollout engine computes router logits in the model dtype: the trainer's fp32 ones could not match its bits.
+    assert error_key(["actor_rollout_ref.rollout.bitwise_logprobs=true", "actor_rollout_ref.actor.megatron.dtype="
+                      "bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16", f"{OVERRIDES}.moe_router_dtype=fp32"]) \
+        == "actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype"

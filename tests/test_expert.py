@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from shardrl.parallel.expert import MoELayer, MoENames
+from shardrl.parallel.expert import MoELayer, MoENames, RouterOptions
 from shardrl.parallel.grouped_gemm import expert_ffn
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import get_spec
@@ -167,7 +167,7 @@ def test_bitwise_choice_sum_has_the_default_gradients(top_k):
 
 
 def test_zero_tokens():
-    layer = make_layer(norm_topk=True, aux_loss_coef=0.1, z_loss_coef=0.1)
+    layer = make_layer(norm_topk=True, router=RouterOptions(aux_loss_coef=0.1, z_loss_coef=0.1))
     x = torch.zeros(0, H, requires_grad=True)
     out = layer(x)
     out.sum().backward()
@@ -197,7 +197,7 @@ def test_router_losses_change_only_the_gradient():
     aux_coef, z_coef, scale = 0.3, 0.05, 0.25
     runs = {}
     for coefs in ((0.0, 0.0), (aux_coef, z_coef)):
-        layer = make_layer(norm_topk=True, aux_loss_coef=coefs[0], z_loss_coef=coefs[1])
+        layer = make_layer(norm_topk=True, router=RouterOptions(aux_loss_coef=coefs[0], z_loss_coef=coefs[1]))
         layer.aux_loss_scale = scale
         load_full(layer, w)
         xi = x.clone().requires_grad_()
@@ -217,7 +217,7 @@ def test_router_losses_change_only_the_gradient():
 
 
 def test_no_router_loss_graph_without_grad():
-    layer = make_layer(norm_topk=True, aux_loss_coef=1.0)
+    layer = make_layer(norm_topk=True, router=RouterOptions(aux_loss_coef=1.0))
     with torch.no_grad():
         out = layer(torch.randn(4, H))
     # Inference computes no router losses (nor, at TP > 1, the all-reduce of their statistics per layer).
@@ -240,3 +240,21 @@ def test_looped_ffn_is_a_gemm_per_expert_slice():
 def test_bad_sizes_name_the_router():
     with pytest.raises(ValueError, match="model.layers.0.mlp.gate.weight: top_k=5"):
         MoELayer(H, F_SIZE, E, 5, Layout.single(), NAMES, norm_topk_prob=True)
+
+
+def test_fp32_router_logits_are_the_fp32_product_of_bf16_inputs():
+    """`moe_router_dtype=fp32`: in a bf16 layer the router GEMM runs in fp32; the z-loss (mean logsumexp(logits)^2)
+    matches one computed from the fp32 product, and the default bf16 GEMM's does not."""
+    generator = torch.Generator().manual_seed(5)
+    x = (torch.randn(64, H, generator=generator) * 3).to(torch.bfloat16)
+    expected = {}
+    for fp32 in (True, False):
+        layer = make_layer(norm_topk=True, router=RouterOptions(z_loss_coef=1.0, fp32_logits=fp32),
+                           dtype=torch.bfloat16)
+        with torch.no_grad():
+            layer.router.weight.copy_(torch.randn(E, H, generator=torch.Generator().manual_seed(6)))
+        layer(x.clone().requires_grad_())
+        reference = torch.logsumexp(x.float() @ layer.router.weight.float().T, dim=-1).square().mean()
+        expected[fp32] = (layer.last_z_loss, reference)
+    torch.testing.assert_close(*expected[True], rtol=1e-6, atol=0)
+    assert not torch.allclose(*expected[False], rtol=1e-4, atol=0)

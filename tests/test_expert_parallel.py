@@ -7,7 +7,7 @@ back into full tensors by their specs, summed over ranks) must equal the referen
 import torch
 import torch.distributed as dist
 
-from shardrl.parallel.expert import MoELayer
+from shardrl.parallel.expert import MoELayer, RouterOptions
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.layout_spec import LayoutSpec
@@ -32,7 +32,7 @@ def _run_layouts(layouts: dict[str, dict], tokens_per_rank: list[int]) -> dict[s
     for name, sizes in layouts.items():
         layout = Layout.create(LayoutSpec(world_size=dist.get_world_size(), **sizes), registry=registry)
         layer = MoELayer(H, F_SIZE, E, K, layout, NAMES, norm_topk_prob=True,
-                         aux_loss_coef=AUX_COEF, z_loss_coef=Z_COEF)
+                         router=RouterOptions(aux_loss_coef=AUX_COEF, z_loss_coef=Z_COEF))
         load_full(layer, full_weights(SEED, H, F_SIZE, E))
         tp = layout.tp_size  # a TP group's ranks hold one micro batch, split: the router losses cover all of it
         group = tokens_per_rank[rank // tp * tp:(rank // tp + 1) * tp]

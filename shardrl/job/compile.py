@@ -451,8 +451,11 @@ def model_options(megatron: MegatronConfig, key: str, spec: LayoutSpec, ranks: l
     engine = EngineOptions(
         sequence_parallel=megatron.sequence_parallel, recompute=gradient_checkpointing or override.recompute,
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
-        moe_aux_loss_coef=override.moe_aux_loss_coef, moe_z_loss_coef=override.moe_z_loss_coef,
-        fast=FastPaths(bitwise=bitwise), lora=lora)
+        router=override.router, fast=FastPaths(bitwise=bitwise), lora=lora)
+    if bitwise and override.router.fp32_logits:
+        raise ConfigError(f"{key}.override_transformer_config.moe_router_dtype", "bitwise mode needs the rollout's "
+                          "router maths, and the rollout engine computes router logits in the model dtype; remove the "
+                          "key or set rollout.bitwise_logprobs=false")
     # A frozen role (reference, teacher: no optimizer) has no gradients or optimizer state to offload: compat.py
     # refuses those keys for it.
     trains = optim is not None

@@ -27,6 +27,7 @@ from shardrl.job.schema import (
     KLEstimator,
 )
 from shardrl.models.fast_paths import FastPaths
+from shardrl.parallel.expert import RouterOptions
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.lora import LoRASettings
 from shardrl.rewards.manager import JudgeScoring, OverlongShaping, RewardModelScoring
@@ -61,8 +62,7 @@ class EngineOptions:
     recompute: bool = False
     dtype: torch.dtype = torch.float32
     value_head: bool = False
-    moe_aux_loss_coef: float = 0.0
-    moe_z_loss_coef: float = 0.0
+    router: RouterOptions = RouterOptions()  # MoE routers: loss weights, fp32 logits (override_transformer_config)
     optim: OptimOptions | None = None  # None: inference only (reference policy)
     fast: FastPaths = dataclasses.field(default_factory=FastPaths)  # TP overlap, compiled elementwise kernels
     lora: LoRASettings | None = None  # adapters on the targeted linears, the base frozen (`parallel.lora`)

@@ -2,7 +2,7 @@
 
 verl's Megatron scripts set fields of Megatron's TransformerConfig through this mapping (the full-recompute trio
 `recompute_granularity=full recompute_method=uniform recompute_num_layers=1`, the MoE loss coefficients, kernel
-fusion switches). Each field is either read (its effect is compiled into the role's model options), accepted only
+fusion switches, `moe_router_dtype=fp32`). Each field is either read (its effect is compiled into the role's model options), accepted only
 with the value that names what shardrl always does (the fused kernels of its CUDA path, flash attention), or refused
 with a one-line error naming it: a mapping key is never ignored.
 """
@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardrl.job.errors import ConfigError
+from shardrl.parallel.expert import RouterOptions
 
 # Fields whose value has an effect.
-READ = ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff")
+READ = ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff",
+        "moe_router_dtype")
 # Kernel-fusion switches: shardrl's CUDA path always runs the fused version, so only `true` describes it.
 ALWAYS_FUSED = {
     "apply_rope_fusion": "rotary embedding is one fused kernel",
@@ -30,12 +32,11 @@ FLASH_ATTENTION = ("flash", "auto")
 
 @dataclass(frozen=True)
 class TransformerOverrides:
-    """What a role's `override_transformer_config` changes: per-layer activation recompute and the MoE router's
-    load-balancing and z losses (their coefficients; 0 turns a loss off)."""
+    """What a role's `override_transformer_config` changes: per-layer activation recompute, and how MoE routers
+    train (the load-balancing and z loss coefficients, 0 turning a loss off; fp32 router logits)."""
 
     recompute: bool
-    moe_aux_loss_coef: float
-    moe_z_loss_coef: float
+    router: RouterOptions
 
 
 def read_transformer_overrides(overrides: dict[str, Any], key: str) -> TransformerOverrides:
@@ -55,9 +56,15 @@ def read_transformer_overrides(overrides: dict[str, Any], key: str) -> Transform
         elif field not in READ:
             accepted = ", ".join([*READ, *ALWAYS_FUSED, "attention_backend"])
             raise ConfigError(where, f"not a setting shardrl's model reads (it reads {accepted}); remove the key")
-    return TransformerOverrides(recompute=_recompute(overrides, prefix),
-                                moe_aux_loss_coef=_coefficient(overrides, "moe_aux_loss_coeff", prefix),
-                                moe_z_loss_coef=_coefficient(overrides, "moe_z_loss_coeff", prefix))
+    router_dtype = overrides.get("moe_router_dtype")
+    if router_dtype not in (None, "fp32"):
+        raise ConfigError(f"{prefix}.moe_router_dtype", f"{router_dtype!r} is not supported: the router's logits are "
+                                                        f"computed in the model dtype, or in fp32 with fp32; set fp32 "
+                                                        f"or remove the key")
+    router = RouterOptions(aux_loss_coef=_coefficient(overrides, "moe_aux_loss_coeff", prefix),
+                           z_loss_coef=_coefficient(overrides, "moe_z_loss_coeff", prefix),
+                           fp32_logits=router_dtype == "fp32")
+    return TransformerOverrides(recompute=_recompute(overrides, prefix), router=router)
 
 
 def _recompute(overrides: dict[str, Any], prefix: str) -> bool:

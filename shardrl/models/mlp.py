@@ -8,7 +8,7 @@ from torch import Tensor, nn
 from shardrl.models.config import ModelConfig
 from shardrl.models.fast_paths import FastPaths, elementwise
 from shardrl.parallel.activation import gated_silu, swiglu
-from shardrl.parallel.expert import MoELayer, MoENames
+from shardrl.parallel.expert import MoELayer, MoENames, RouterOptions
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.tensor import (
     ColumnParallelLinear,
@@ -57,7 +57,7 @@ class MoEBlock(nn.Module):
     """
 
     def __init__(self, config: ModelConfig, layout: Layout, layer_id: int, sequence_parallel: bool,
-                 dtype: torch.dtype, aux_loss_coef: float, z_loss_coef: float, fast: FastPaths = FastPaths()) -> None:
+                 dtype: torch.dtype, router: RouterOptions, fast: FastPaths = FastPaths()) -> None:
         super().__init__()
         moe = config.moe
         prefix = f"model.layers.{layer_id}.{moe.block_name}"
@@ -65,7 +65,7 @@ class MoEBlock(nn.Module):
         self.group, self.sequence_parallel = layout.tp_group, sequence_parallel
         self.experts = MoELayer(config.hidden_size, moe.ffn_size, moe.num_experts, moe.top_k, layout,
                                 MoENames(f"{prefix}.gate.weight", gate, up, down), moe.norm_topk_prob,
-                                aux_loss_coef, z_loss_coef, dtype, layer_id, fast.bitwise)
+                                router, dtype, layer_id, fast.bitwise)
         self.shared_expert = self.shared_expert_gate = None
         if moe.shared_expert_size:
             self.shared_expert = MLP(config.hidden_size, moe.shared_expert_size, layout, f"{prefix}.shared_expert",

@@ -27,7 +27,7 @@ from shardrl.models.mlp import MLP, MoEBlock
 from shardrl.parallel.context import ContextShard
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import RotaryEmbedding
-from shardrl.parallel.expert import MoELayer
+from shardrl.parallel.expert import MoELayer, RouterOptions
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import set_spec
 from shardrl.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, enter_tp, gather_tokens, linear
@@ -38,7 +38,7 @@ VALUE_HEAD_NAME = "score.weight"
 
 class DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layout: Layout, layer_id: int, sequence_parallel: bool,
-                 dtype: torch.dtype, moe_aux_loss_coef: float, moe_z_loss_coef: float, fast: FastPaths) -> None:
+                 dtype: torch.dtype, router: RouterOptions, fast: FastPaths) -> None:
         super().__init__()
         prefix, eps, tp = f"model.layers.{layer_id}", config.rms_norm_eps, layout.tp_size
         self.input_layernorm = RMSNorm(config.hidden_size, eps, f"{prefix}.input_layernorm.weight",
@@ -48,8 +48,7 @@ class DecoderLayer(nn.Module):
                                                 sequence_parallel and tp > 1, layout.device, dtype, fast.compile,
                                                 fast.bitwise)
         if config.moe is not None and layer_id in config.moe.layers:
-            self.mlp = MoEBlock(config, layout, layer_id, sequence_parallel, dtype, moe_aux_loss_coef,
-                                moe_z_loss_coef, fast)
+            self.mlp = MoEBlock(config, layout, layer_id, sequence_parallel, dtype, router, fast)
         else:
             self.mlp = MLP(config.hidden_size, config.intermediate_size, layout, f"{prefix}.mlp", config.mlp_bias,
                            sequence_parallel, dtype, fast)
@@ -62,15 +61,15 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """One pipeline stage (the whole model by default) of a Llama / Qwen2 / Qwen3 / Mixtral / Qwen-MoE decoder.
 
-    `recompute`: checkpoint every layer (activations recomputed in backward). `moe_aux_loss_coef` and
-    `moe_z_loss_coef` weight the router losses that `MoELayer` back-propagates. `fast`: communication overlap and
+    `recompute`: checkpoint every layer (activations recomputed in backward). `router`: how MoE routers train
+    (the weights of the router losses that `MoELayer` back-propagates, fp32 logits). `fast`: communication overlap and
     compiled elementwise kernels (`fast_paths`), which change speed, not results.
     """
 
     def __init__(self, config: ModelConfig, layout: Layout, layer_ids: range | None = None,
                  pre_process: bool = True, post_process: bool = True, value_head: bool = False,
                  sequence_parallel: bool = False, recompute: bool = False, dtype: torch.dtype = torch.float32,
-                 moe_aux_loss_coef: float = 0.0, moe_z_loss_coef: float = 0.0, fast: FastPaths = FastPaths()) -> None:
+                 router: RouterOptions = RouterOptions(), fast: FastPaths = FastPaths()) -> None:
         super().__init__()
         self.config, self.layout, self.bitwise = config, layout, fast.bitwise
         self.layer_ids = range(config.num_layers) if layer_ids is None else layer_ids
@@ -84,7 +83,7 @@ class Transformer(nn.Module):
                 config.vocab_size, config.hidden_size, layout, "model.embed_tokens.weight", sp,
                 tied_group=tied and not post_process, dtype=dtype)
         self.layers = nn.ModuleList(
-            DecoderLayer(config, layout, i, sp, dtype, moe_aux_loss_coef, moe_z_loss_coef, fast)
+            DecoderLayer(config, layout, i, sp, dtype, router, fast)
             for i in self.layer_ids)
         if post_process:
             self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, "model.norm.weight", sp, layout.device, dtype,

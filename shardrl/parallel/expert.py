@@ -39,6 +39,17 @@ from shardrl.parallel.tensor import linear, token_split_sizes
 
 
 @dataclass(frozen=True)
+class RouterOptions:
+    """How a trained router is trained: the weights of its load-balancing and z losses (0: off) and whether its logits
+    are computed in fp32 (Megatron's `moe_router_dtype=fp32`) rather than the model dtype. Inference passes (the
+    rollout engine, a frozen reference) keep the defaults."""
+
+    aux_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    fp32_logits: bool = False
+
+
+@dataclass(frozen=True)
 class MoENames:
     """HF tensor names of one MoE block; `gate`, `up`, `down` are templates with an ``{expert}`` field."""
 
@@ -56,7 +67,7 @@ class MoELayer(nn.Module):
     """
 
     def __init__(self, hidden_size: int, ffn_size: int, num_experts: int, top_k: int, layout: Layout,
-                 names: MoENames, norm_topk_prob: bool, aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0,
+                 names: MoENames, norm_topk_prob: bool, router: RouterOptions = RouterOptions(),
                  dtype: torch.dtype = torch.float32, layer_id: int = 0, bitwise: bool = False) -> None:
         """`layer_id`: the model layer it belongs to (which column of a routing table is its). `bitwise`: the
         router and expert GEMMs run batch invariant (`bitwise_kernels`) and the top-k weights are normalised by a
@@ -72,7 +83,8 @@ class MoELayer(nn.Module):
         self.layout = layout
         self.num_experts, self.top_k, self.norm_topk_prob = num_experts, top_k, norm_topk_prob
         self.num_local_experts = num_experts // ep
-        self.aux_loss_coef, self.z_loss_coef = aux_loss_coef, z_loss_coef
+        self.aux_loss_coef, self.z_loss_coef = router.aux_loss_coef, router.z_loss_coef
+        self.fp32_logits = router.fp32_logits
         # Weight of this micro batch's router losses, set by the trainer (e.g. micro-batch tokens / global tokens).
         self.aux_loss_scale = 1.0
         # Metrics of the last forward with autograd over the micro batch of this TP group (unweighted, detached):
@@ -132,7 +144,10 @@ class MoELayer(nn.Module):
         """x [T_r, H]: the tokens this rank owns; returns [T_r, H]. `num_tokens`: the T that the TP group split
         (`token_split_sizes`), from which a dispatch inside the TP group knows every rank's rows without reading
         the device."""
-        logits = linear(x, self.router.weight, bitwise=self.bitwise)  # [T, E]
+        if self.fp32_logits:  # the GEMM itself in fp32, not only the softmax after it
+            logits = F.linear(x.float(), self.router.weight.float())  # [T, E]
+        else:
+            logits = linear(x, self.router.weight, bitwise=self.bitwise)  # [T, E]
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)  # [T, E]
         top_probs, top_experts = self._choose(probs, num_tokens)  # [T, k]
         if self.norm_topk_prob:

@@ -80,8 +80,7 @@ class ModelEngine:
             self.chunks.append(Transformer(
                 config, layout, stage_layer_ids(config.num_layers, pp, vpp, layout.pp_rank, chunk), pre, post,
                 value_head=options.value_head, sequence_parallel=options.sequence_parallel,
-                recompute=options.recompute, dtype=options.dtype, moe_aux_loss_coef=options.moe_aux_loss_coef,
-                moe_z_loss_coef=options.moe_z_loss_coef, fast=options.fast))
+                recompute=options.recompute, dtype=options.dtype, router=options.router, fast=options.fast))
         if hf_path is not None:
             load_hf_weights(self.chunks, hf_path, optional=optional_weights)
         if weights_loader is not None:
