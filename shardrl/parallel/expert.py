@@ -40,9 +40,9 @@ from shardrl.parallel.tensor import linear, token_split_sizes
 
 @dataclass(frozen=True)
 class RouterOptions:
-    """How a trained router is trained: the weights of its load-balancing and z losses (0: off) and whether its logits
-    are computed in fp32 (Megatron's `moe_router_dtype=fp32`) rather than the model dtype. Inference passes (the
-    rollout engine, a frozen reference) keep the defaults."""
+    """How the trainer's routers run: the weights of their load-balancing and z losses (0: off) and whether their
+    logits are computed in fp32 (Megatron's `moe_router_dtype=fp32`) rather than the model dtype. Each training
+    role gets its own from its `override_transformer_config`; the rollout engine keeps the defaults."""
 
     aux_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
