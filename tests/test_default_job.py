@@ -44,6 +44,8 @@ def test_default_job_learns_and_exports(tmp_path):
     assert val[-1][0] == 60 and val[-1][1] >= 0.9, val
     assert max(r.get("critic/score/mean", 0) for r in rows) >= 0.7  # sampled at temperature 1
     assert all(abs(r["rollout_corr/mismatch_kl"]) < 1e-4 for r in rows if "rollout_corr/mismatch_kl" in r)
+    # What each validation cost, under verl's name, on the rows that validated and no others.
+    assert [r["step"] for r in rows if r.get("timing_s/testing", 0) > 0] == [step for step, _ in val]
     for name in ("curves.png", "timeline.png", "hf_export/config.json"):
         assert (tmp_path / name).exists(), name
     exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf_export")

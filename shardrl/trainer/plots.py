@@ -227,7 +227,7 @@ def _draw_zoom(ax: Axes, spans: Sequence[dict[str, Any]], lanes: list[str], colo
                if p not in trainer_phases and any(s["phase"] == p for s in inside)]
     if gaps:
         handles.append(Patch(facecolor="none", edgecolor="0.6", hatch="//", linewidth=0,
-                             label="between steps\n(validation, saving,\nlogging, pictures)"))
+                             label="between steps\n(saving, logging,\npictures)"))
     if handles:
         ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
 

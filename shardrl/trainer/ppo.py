@@ -243,6 +243,14 @@ class PPOTrainer:
             yield from self.loader
 
     def validate(self) -> dict[str, float]:
+        """Generate and score the validation prompts: verl's val-core / val-aux metrics, and `timing_s/testing` (its
+        time, also a trainer phase of the step it follows, so the timeline shows what validation costs)."""
+        start = time.perf_counter()
+        with self.timeline.phase(self.global_step - 1, "testing"):  # spans count steps from 0, global_step from 1
+            metrics = self._validation_metrics()
+        return metrics | {"timing_s/testing": time.perf_counter() - start}
+
+    def _validation_metrics(self) -> dict[str, float]:
         n = self.loop.val_samples_per_prompt
         samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.loop.seed, -1)
         batch = self.workers.generate(samples, validate=True)
