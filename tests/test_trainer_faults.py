@@ -71,23 +71,35 @@ def test_dead_worker_is_named_and_the_trainer_exits(tmp_path):
 # The synchronous loop, and the fully asynchronous one with its rollout thread and detached pool.
 @pytest.mark.parametrize("config_name", ["ppo_trainer", "fully_async_ppo_trainer"])
 def test_sigint_ends_the_run_with_its_summary_and_one_line(tmp_path, config_name):
-    args = command(tmp_path, *ARGS[:-2], "trainer.total_training_steps=100000", "trainer.save_freq=2",
+    run_dir = tmp_path / "run"
+    args = command(run_dir, *ARGS[:-2], "trainer.total_training_steps=100000", "trainer.save_freq=2",
                    config_name=config_name)
-    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
+    args[1:1] = ["-X", "faulthandler"]  # a driver that does not exit dumps its threads' stacks on SIGABRT
+    # Output to files, and the driver's own exit awaited: a pipe's end-of-file would also wait for any process
+    # that inherited it, which is not what a user at a terminal waits for.
+    with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
+        proc = subprocess.Popen(args, stdout=out, stderr=err, start_new_session=True)
     try:
-        metrics = tmp_path / "metrics.jsonl"
+        metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
         proc.send_signal(signal.SIGINT)
-        stdout, stderr = proc.communicate(timeout=60)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGABRT)
+            proc.wait(timeout=30)
+            pytest.fail(f"the driver did not exit within 60 s of SIGINT; its stacks:\n"
+                        f"{(tmp_path / 'stderr').read_text()[-6000:]}")
+        stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
         assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
         assert stderr.strip().splitlines()[-1] == (
             "error: interrupted (Ctrl-C or SIGINT); the steps logged so far are kept, and the same command resumes "
             "from the last checkpoint (trainer.resume_mode=auto)")
-        logged = metrics_by_step(tmp_path)
+        logged = metrics_by_step(run_dir)
         last = max(logged)
         assert re.search(rf"^run interrupted after step {last}$", stdout, re.M), stdout[-2000:]
-        assert re.search(rf"^  checkpoint +{tmp_path}/global_step_{last - last % 2}$", stdout, re.M), stdout[-2000:]
-        assert not (tmp_path / "hf_export").exists()
+        assert re.search(rf"^  checkpoint +{run_dir}/global_step_{last - last % 2}$", stdout, re.M), stdout[-2000:]
+        assert not (run_dir / "hf_export").exists()
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
