@@ -77,8 +77,11 @@ def test_sigint_ends_the_run_with_its_summary_and_one_line(tmp_path, config_name
     args[1:1] = ["-X", "faulthandler"]  # a driver that does not exit dumps its threads' stacks on SIGABRT
     # Output to files, and the driver's own exit awaited: a pipe's end-of-file would also wait for any process
     # that inherited it, which is not what a user at a terminal waits for.
+    # SIGINT handled by default in the driver, as at a terminal: a test run started in the background by a
+    # non-interactive shell ignores SIGINT, and a child inherits that (then Python installs no handler at all).
     with open(tmp_path / "stdout", "w") as out, open(tmp_path / "stderr", "w") as err:
-        proc = subprocess.Popen(args, stdout=out, stderr=err, start_new_session=True)
+        proc = subprocess.Popen(args, stdout=out, stderr=err, start_new_session=True,
+                                preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
