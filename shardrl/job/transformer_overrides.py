@@ -1,10 +1,10 @@
 """Megatron's `override_transformer_config`: the TransformerConfig fields verl users pass through it, read here.
 
 verl's Megatron scripts set fields of Megatron's TransformerConfig through this mapping (the full-recompute trio
-`recompute_granularity=full recompute_method=uniform recompute_num_layers=1`, the MoE loss coefficients, kernel
-fusion switches, `moe_router_dtype=fp32`). Each field is either read (its effect is compiled into the role's model options), accepted only
-with the value that names what shardrl always does (the fused kernels of its CUDA path, flash attention), or refused
-with a one-line error naming it: a mapping key is never ignored.
+`recompute_granularity=full recompute_method=uniform recompute_num_layers=1`, the MoE loss coefficients,
+`moe_router_dtype=fp32`, kernel fusion switches). Each field is either read (its effect is compiled into the role's
+model options), accepted only with the value that names what shardrl always does (the fused kernels of its CUDA
+path, flash attention), or refused with a one-line error naming it: a mapping key is never ignored.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ def read_transformer_overrides(overrides: dict[str, Any], key: str) -> Transform
             raise ConfigError(where, f"not a setting shardrl's model reads (it reads {accepted}); remove the key")
     router_dtype = overrides.get("moe_router_dtype")
     if router_dtype not in (None, "fp32"):
-        raise ConfigError(f"{prefix}.moe_router_dtype", f"{router_dtype!r} is not supported: the router's logits are "
-                                                        f"computed in the model dtype, or in fp32 with fp32; set fp32 "
-                                                        f"or remove the key")
+        raise ConfigError(f"{prefix}.moe_router_dtype", f"{router_dtype!r} is not supported: shardrl computes router "
+                                                        f"logits in the model dtype, or in fp32 when this is fp32; set "
+                                                        f"fp32 or remove the key")
     router = RouterOptions(aux_loss_coef=_coefficient(overrides, "moe_aux_loss_coeff", prefix),
                            z_loss_coef=_coefficient(overrides, "moe_z_loss_coeff", prefix),
                            fp32_logits=router_dtype == "fp32")
