@@ -7,11 +7,11 @@ Each shape is one layer's attention over one micro batch of packed sequences ([T
   cudnn-padded  cuDNN through SDPA on [N, heads, S, D] (only shapes whose sequences all have one length): what a
                 faster kernel would give. cuDNN's varlen entry (`aten._cudnn_attention_forward` with sequence
                 offsets) ran ~100x slower with garbage dq/dk in torch 2.11 (docs/benchmarks.md), so it is not offered
-  fa4           FlashAttention-4 (`flash_attn.cute.interface.flash_attn_varlen_func`, CuTe DSL kernels for Hopper and
-                Blackwell, GQA native) on the same packed inputs, when the optional `flash-attn-4` wheel and its
-                CUTLASS DSL libraries are installed; its first call per shape compiles (warm-up covers it)
-  fa4-via-torch the baseline itself with torch's flash entry routed to FA4 (`activate_flash_attention_impl("FA4")`,
-                torch >= 2.11 where it exists): what the trainer would get with no code of its own
+  fa4           the trainer's FlashAttention-4 path (`packed_attention(kernel="fa4")`: CuTe DSL kernels for Hopper and
+                Blackwell, GQA native), when the optional flash-attn-4 package is installed; its first call per
+                shape compiles (warm-up covers it). torch 2.11's own route to FA4
+                (`activate_flash_attention_impl("FA4")`) failed against flash-attn-4 4.0.0b40 ("too many values to
+                unpack": the two disagree on what the forward returns), so the trainer calls FA4 itself
 Prints milliseconds per call (CUDA events, mean of the timed calls after warm-up), attention TFLOP/s (causal:
 forward 2 * 2 * s^2 / 2 * heads * head_dim per sequence, backward 2.5x that with the recomputed scores), the ratio
 of the baseline's time to each variant's, and each variant's max |diff| in output and input gradients against the
@@ -22,7 +22,6 @@ baseline. A variant the installed torch or GPU cannot run prints its error and i
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable
 
 import torch
@@ -31,7 +30,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from cuda_timing import cuda_ms
-from shardrl.models.attention import PackedSeqs, packed_attention
+from shardrl.models.attention import PackedSeqs, fa4_unavailable, packed_attention
 
 # (name, query heads, KV heads, head_dim, sequence lengths of one micro batch)
 SHAPES = [
@@ -70,28 +69,15 @@ def cudnn_padded(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scal
 
 
 def fa4(q: Tensor, k: Tensor, v: Tensor, cu: Tensor, max_len: int, scale: float) -> Tensor:
-    from flash_attn.cute.interface import flash_attn_varlen_func
-
-    result = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
-                                    max_seqlen_k=max_len, softmax_scale=scale, causal=True)
-    return result[0] if isinstance(result, tuple) else result
-
-
-@contextlib.contextmanager
-def flash_routed_to_fa4():
-    """torch's flash attention entries (forward and backward) served by FA4 while inside."""
-    from torch.nn.attention import activate_flash_attention_impl, restore_flash_attention_impl
-
-    activate_flash_attention_impl("FA4")
-    try:
-        yield
-    finally:
-        restore_flash_attention_impl()
+    reason = fa4_unavailable(q.device, q.shape[-1])
+    if reason is not None:
+        raise RuntimeError(reason)
+    num_tokens = q.shape[0]
+    seqs = PackedSeqs(cu, max_len, q.new_empty(num_tokens, 0), q.new_empty(num_tokens, 0))
+    return packed_attention(q, k, v, seqs, scale, kernel="fa4")
 
 
-VARIANTS: dict[str, Attention] = {"repeat-kv": repeat_kv, "cudnn-padded": cudnn_padded, "fa4": fa4,
-                                  "fa4-via-torch": baseline}
-ROUTING = {"fa4-via-torch": flash_routed_to_fa4}  # variants that run inside a context
+VARIANTS: dict[str, Attention] = {"repeat-kv": repeat_kv, "cudnn-padded": cudnn_padded, "fa4": fa4}
 
 
 def run(attention: Attention, inputs: tuple[Tensor, ...], cu: Tensor, max_len: int, scale: float,
@@ -132,8 +118,7 @@ def main() -> None:
               f"({3.5 * flops / both / 1e9:5.0f} TFLOP/s)")
         for variant, attention in VARIANTS.items():
             try:
-                with ROUTING.get(variant, contextlib.nullcontext)():
-                    v_fwd, v_both, result = run(attention, (q, k, v), cu, max(lengths), scale, grad_out)
+                v_fwd, v_both, result = run(attention, (q, k, v), cu, max(lengths), scale, grad_out)
             except Exception as error:  # a kernel this torch build or GPU lacks: report it, measure the rest
                 print(f"  {variant:<13} skipped: {str(error).splitlines()[0][:150]}")
                 continue

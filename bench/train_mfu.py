@@ -35,6 +35,7 @@ MFU = FLOPs / (step seconds * GPUs * peak); peak defaults to the H200's dense bf
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import gc
 import os
@@ -105,7 +106,6 @@ class Setup:
     distributed_optimizer: bool
     profile: bool
     profile_rows: int
-    attention: str  # "flash" (torch's), or "fa4": torch's flash entries routed to FlashAttention-4
 
 
 def parse_args() -> argparse.Namespace:
@@ -136,9 +136,9 @@ def parse_args() -> argparse.Namespace:
                    help=f"comma-separated from {', '.join(VARIANTS)}, or 'all': one table, ratios to the first "
                         f"(overrides the three flags above)")
     p.add_argument("--no-probe", action="store_true", help="skip the all-reduce bandwidth probe")
-    p.add_argument("--attention", choices=["flash", "fa4"], default="flash",
-                   help="fa4: torch's flash attention entries served by FlashAttention-4 (the optional flash-attn-4 "
-                        "wheel; torch's activate_flash_attention_impl) on every rank")
+    p.add_argument("--attention", choices=["flash", "fa4", "auto"], default="flash",
+                   help="attention kernel of every variant (FastPaths.attention): torch's flash, FlashAttention-4 "
+                        "(the optional flash-attn-4 package), or FA4 where it runs")
     p.add_argument("--peak-tflops", type=float, default=H200_BF16_DENSE_TFLOPS, help="per-GPU peak for MFU")
     args = p.parse_args()
     if args.variants is not None:
@@ -324,10 +324,6 @@ def measure(setup: Setup) -> list[dict] | None:
     loss = PolicyLossOptions(loss_agg_mode="token-mean", clip=ClipRange(0.2),
                              max_response_length=setup.seq_len - setup.seq_len // 4)
     update = UpdateOptions(mini_batch_size=num_seqs, micro_batch_size=setup.seqs_per_micro)
-    if setup.attention == "fa4":
-        from torch.nn.attention import activate_flash_attention_impl
-
-        activate_flash_attention_impl("FA4")  # for this rank's process, which ends with the measurement
     results = []
     for recompute in setup.recompute:
         for variant, fast in setup.variants:
@@ -439,10 +435,11 @@ def variants_table(name: str, rows: list[dict]) -> str:
 
 def chosen_variants(args: argparse.Namespace) -> tuple[tuple[str, FastPaths], ...]:
     if args.variants is None:
-        fast = FastPaths(TPOverlap(backward=not args.no_tp_overlap, chunks=args.tp_comm_chunks), args.compile)
+        fast = FastPaths(TPOverlap(backward=not args.no_tp_overlap, chunks=args.tp_comm_chunks), args.compile,
+                         attention=args.attention)
         return (("flags", fast),)
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
-    return tuple((n, VARIANTS[n]) for n in names)
+    return tuple((n, dataclasses.replace(VARIANTS[n], attention=args.attention)) for n in names)
 
 
 def main() -> None:
@@ -479,7 +476,7 @@ def main() -> None:
         spec = LayoutSpec(world_size=args.world, **sizes[name])
         setup = Setup(shapes[name], sizes[name], args.seq_len, args.seqs_per_micro, args.micro_batches, args.warmup,
                       args.steps, recompute, variants, args.sequence_parallel, args.distributed_optimizer,
-                      args.profile, args.profile_rows, args.attention)
+                      args.profile, args.profile_rows)
         print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, "
               f"layout TP{spec.tp} CP{spec.cp} DP{spec.dp} EP{spec.ep}")
         results = run_distributed(args.world, measure, setup, backend=backend, timeout=timeout)[0]

@@ -1,6 +1,7 @@
 """Config loading: every packaged config composes and loads; types, choices, ranges and cross-key rules fail with one
 line naming the dotted key; verl's own spellings are accepted; launch-only checks stay out of the dry run."""
 
+import dataclasses
 import importlib.util
 import math
 from unittest import mock
@@ -443,7 +444,7 @@ def test_verl_full_recompute_trio_and_moe_coefficients_reach_the_model_options()
     ("recompute_num_layers=4", "recompute_num_layers", "set 1"),
     ("recompute_method=uniform", "recompute_method", "no effect without recompute_granularity=full"),
     ("apply_rope_fusion=false", "apply_rope_fusion", "no unfused path"),
-    ("attention_backend=fused", "attention_backend", "set flash or auto"),
+    ("attention_backend=fused", "attention_backend", "set flash, fa4 or auto"),
     ("moe_aux_loss_coeff=-1", "moe_aux_loss_coeff", "not a non-negative number"),
     ("moe_router_dtype=fp64", "moe_router_dtype", "set fp32"),
 ])
@@ -452,6 +453,38 @@ def test_transformer_overrides_shardrl_cannot_honour_are_refused_by_name(setting
         plan_job(compose("ppo_trainer", [f"{OVERRIDES}.{setting}"]))
     assert info.value.key == f"actor_rollout_ref.actor.megatron.override_transformer_config.{field}"
     assert words in str(info.value) and "\n" not in str(info.value)
+
+
+def test_attention_backend_reaches_each_roles_model_options():
+    """Each role reads its own (the reference follows the actor's mapping, as in verl's config); absent, it is
+    Megatron's default `auto` (FA4 where it runs, resolved on the worker)."""
+    overrides = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true", f"{OVERRIDES}.attention_backend=fa4",
+                 "+critic.megatron.override_transformer_config.attention_backend=flash"]
+    plan = plan_job(compose("ppo_trainer", overrides))
+    assert plan.actor.model.engine.fast.attention == "fa4"
+    assert plan.critic.model.engine.fast.attention == "flash"
+    assert plan.ref.model.engine.fast.attention == "fa4"
+    assert plan_job(compose("ppo_trainer")).actor.model.engine.fast.attention == "auto"
+
+
+def test_fa4_is_refused_at_launch_where_it_cannot_run():
+    config = compose("ppo_trainer", [f"{OVERRIDES}.attention_backend=fa4", "trainer.device=cpu"])
+    plan = plan_job(config)  # the dry run accepts it: the machine that launches is what cannot run it
+    key = "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend"
+    with pytest.raises(ConfigError, match=f"^{key}: fa4 runs on CUDA GPUs and this run is on cpu"):
+        check_launch(plan)
+    cuda_plan = dataclasses.replace(plan, device="cuda")
+    with mock.patch("torch.cuda.is_available", return_value=True), \
+            mock.patch("shardrl.job.preflight._installed", side_effect=lambda package: package != "flash_attn"):
+        with pytest.raises(ConfigError, match=f"^{key}: FlashAttention-4 is not installed "
+                                              r"\(pip install 'shardrl\[fa4\]'\); set flash or auto$"):
+            check_launch(cuda_plan)
+
+
+def test_fa4_is_refused_in_bitwise_mode():
+    assert error_key(["actor_rollout_ref.rollout.bitwise_logprobs=true", "actor_rollout_ref.actor.megatron.dtype="
+                      "bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16", f"{OVERRIDES}.attention_backend=fa4"]) \
+        == "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend"
 
 
 def test_a_critic_override_is_refused_under_the_critics_key():

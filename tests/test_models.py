@@ -7,7 +7,9 @@ import torch
 from safetensors import safe_open
 from torch.testing import assert_close
 
+from shardrl.models.attention import AttentionKernelError, resolve_attention_kernel
 from shardrl.models.config import FAMILY_PREFIX, ModelConfig, ModelConfigError, RopeConfig
+from shardrl.models.fast_paths import FastPaths
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.tiny import TINY_CONFIGS, hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
@@ -110,3 +112,15 @@ def test_unsupported_configs_fail_with_one_line(checkpoints, change, message):
     with pytest.raises(ModelConfigError, match=message) as info:
         ModelConfig.from_dict({**raw, **change})
     assert "\n" not in str(info.value)
+
+
+def test_attention_kernel_resolution_on_a_machine_without_fa4(checkpoints):
+    """`auto` falls back to torch's flash where FA4 cannot run; an explicit `fa4` there fails building the model with
+    one line saying why (the launch check refuses it before workers start; this is the worker's own guard)."""
+    cpu = torch.device("cpu")
+    assert resolve_attention_kernel("auto", cpu, 64) == "flash"
+    assert resolve_attention_kernel("flash", cpu, 64) == "flash"
+    config = ModelConfig.from_pretrained(checkpoints["qwen2"])
+    with pytest.raises(AttentionKernelError, match=r"^attention_backend=fa4: FlashAttention-4 runs on CUDA GPUs only; "
+                                                   r"set flash or auto$"):
+        Transformer(config, Layout.single("cpu"), fast=FastPaths(attention="fa4"))

@@ -5,8 +5,9 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from shardrl.models.attention import PackedSeqs, packed_attention, reference_attention
+from shardrl.models.attention import PackedSeqs, fa4_unavailable, packed_attention, reference_attention
 from shardrl.models.config import ModelConfig
+from shardrl.models.fast_paths import FastPaths
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.tiny import make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
@@ -20,9 +21,19 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUD
 needs_two = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 
 
+def needs_fa4(head_dim: int = 64) -> pytest.MarkDecorator:
+    """Skip where FlashAttention-4 cannot run this head size (no GPU, another GPU, the package not installed)."""
+    reason = fa4_unavailable(torch.device("cuda"), head_dim) if torch.cuda.is_available() else "needs CUDA"
+    return pytest.mark.skipif(reason is not None, reason=reason or "")
+
+
+KERNELS = ["flash", pytest.param("fa4", marks=needs_fa4())]
+
+
 @needs_cuda
-def test_varlen_fast_path_matches_reference_attention():
-    lengths, num_heads, num_kv, head_dim = [5, 17, 1, 40], 8, 2, 64
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_varlen_fast_path_matches_reference_attention(kernel):
+    lengths, num_heads, num_kv, head_dim = [5, 17, 1, 40, 300], 8, 2, 64
     cu_seqlens = torch.tensor([0, *lengths], device="cuda").cumsum(0, dtype=torch.int32)
     g = torch.Generator(device="cuda").manual_seed(0)
     q, k, v = (torch.randn(sum(lengths), n, head_dim, device="cuda", generator=g)
@@ -32,7 +43,7 @@ def test_varlen_fast_path_matches_reference_attention():
     for dtype in (torch.bfloat16, torch.float32):  # bf16 takes the fused kernel, fp32 the reference
         leaves = [t.to(dtype).requires_grad_() for t in (q, k, v)]
         seqs = PackedSeqs(cu_seqlens, max(lengths), torch.empty(0), torch.empty(0))
-        out = packed_attention(*leaves, seqs, head_dim ** -0.5)
+        out = packed_attention(*leaves, seqs, head_dim ** -0.5, kernel=kernel)
         (out.float() * grad_out).sum().backward()
         outputs.append([out.float()] + [t.grad.float() for t in leaves])
     reference = reference_attention(q, k, v, cu_seqlens, head_dim ** -0.5)
@@ -61,6 +72,29 @@ def test_bf16_model_on_cuda_follows_fp32_on_cpu(tmp_path, family):
     assert_close(ent16, ent32, atol=0.1, rtol=0.05)
     # bf16 rounding (and, for MoE, routing near-ties) perturbs gradients by a few percent, not their direction.
     assert torch.cosine_similarity(grad16.flatten(), grad32.flatten(), dim=0) > 0.99
+
+
+@needs_fa4(head_dim=16)  # the tiny qwen3's
+def test_a_model_on_fa4_computes_what_it_computes_on_torchs_flash(tmp_path):
+    """`FastPaths.attention` reaches every layer: the bf16 model's log-probs and gradients with FA4 match the same
+    weights' with torch's flash attention within bf16 noise, and `auto` picks FA4 where it runs."""
+    ckpt = make_tiny_checkpoint("qwen3", tmp_path)
+    input_ids, position_ids, cu_seqlens = packed_batch([9, 240, 3, 130], vocab_size=128)
+    config = ModelConfig.from_pretrained(ckpt)
+    batch = [t.to("cuda") for t in (input_ids, position_ids, cu_seqlens)]
+    results = []
+    for attention in ("flash", "fa4"):
+        model = Transformer(config, Layout.single("cuda"), dtype=torch.bfloat16, fast=FastPaths(attention=attention))
+        assert {layer.self_attn.kernel for layer in model.layers} == {attention}
+        load_hf_weights(model, ckpt)
+        logprobs, _ = model.compute_logprobs(model(*batch), batch[0].roll(-1))
+        logprobs.sum().backward()
+        results.append((logprobs.detach().float(), model.layers[0].self_attn.q_proj.weight.grad.float()))
+    (lp_flash, grad_flash), (lp_fa4, grad_fa4) = results
+    assert_close(lp_fa4, lp_flash, atol=5e-2, rtol=2e-2)
+    assert torch.cosine_similarity(grad_fa4.flatten(), grad_flash.flatten(), dim=0) > 0.999
+    auto = Transformer(config, Layout.single("cuda"), dtype=torch.bfloat16, fast=FastPaths(attention="auto"))
+    assert auto.layers[0].self_attn.kernel == "fa4"
 
 
 @needs_two

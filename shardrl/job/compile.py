@@ -451,11 +451,14 @@ def model_options(megatron: MegatronConfig, key: str, spec: LayoutSpec, ranks: l
     engine = EngineOptions(
         sequence_parallel=megatron.sequence_parallel, recompute=gradient_checkpointing or override.recompute,
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
-        router=override.router, fast=FastPaths(bitwise=bitwise), lora=lora)
+        router=override.router, fast=FastPaths(bitwise=bitwise, attention=override.attention), lora=lora)
     if bitwise and override.router.fp32_logits:
         raise ConfigError(f"{key}.override_transformer_config.moe_router_dtype", "bitwise mode needs the rollout's "
                           "router maths, and the rollout engine computes router logits in the model dtype; remove the "
                           "key or set rollout.bitwise_logprobs=false")
+    if bitwise and override.attention == "fa4":
+        raise ConfigError(f"{key}.override_transformer_config.attention_backend", "bitwise mode runs its own "
+                          "batch-invariant attention; remove the key or set rollout.bitwise_logprobs=false")
     # A frozen role (reference, teacher: no optimizer) has no gradients or optimizer state to offload: compat.py
     # refuses those keys for it.
     trains = optim is not None

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from shardrl.job.errors import ConfigError
+from shardrl.job.options import EngineOptions
 from shardrl.job.plan import JobPlan
 from shardrl.models.config import ModelConfig, ModelConfigError
 from shardrl.models.hf_bridge import CheckpointError, checkpoint_tensor_shapes
@@ -46,10 +47,28 @@ def check_launch(plan: JobPlan) -> None:
         # Installed or not, there is no backend for it yet: never let the native engine run in its place unsaid.
         raise ConfigError("actor_rollout_ref.rollout.name", f"{engine} is installed but shardrl has no {engine} "
                                                             "backend yet; use actor_rollout_ref.rollout.name=native")
+    for key, engine in trained_models(plan):
+        if engine.fast.attention == "fa4":
+            where = f"{key}.override_transformer_config.attention_backend"
+            if plan.device != "cuda":
+                raise ConfigError(where, f"fa4 runs on CUDA GPUs and this run is on {plan.device} (trainer.device); "
+                                         f"set flash or auto")
+            if not _installed("flash_attn") or not _installed("flash_attn.cute"):
+                raise ConfigError(where, "FlashAttention-4 is not installed (pip install 'shardrl[fa4]'); set flash "
+                                         "or auto")
     for logger in plan.tracking.loggers:
         if logger in LOGGER_PACKAGES and not _installed(LOGGER_PACKAGES[logger]):
             raise ConfigError("trainer.logger", f"{logger} is not installed (pip install {LOGGER_PACKAGES[logger]}); "
                                                 f"remove '{logger}' from trainer.logger")
+
+
+def trained_models(plan: JobPlan) -> list[tuple[str, EngineOptions]]:
+    """(the role's megatron config key, its model's engine options) of every model the run builds from a
+    Megatron-style group: actor, reference, critic, distillation teacher, reward model."""
+    roles = [("actor_rollout_ref.actor.megatron", plan.actor), ("actor_rollout_ref.ref.megatron", plan.ref),
+             ("critic.megatron", plan.critic), ("distillation.teacher_model.megatron", plan.teacher),
+             ("reward_model.megatron", plan.reward_model)]
+    return [(key, options.model.engine) for key, options in roles if options is not None]
 
 
 def model_paths(plan: JobPlan) -> list[tuple[str, str]]:

@@ -2,9 +2,9 @@
 
 verl's Megatron scripts set fields of Megatron's TransformerConfig through this mapping (the full-recompute trio
 `recompute_granularity=full recompute_method=uniform recompute_num_layers=1`, the MoE loss coefficients,
-`moe_router_dtype=fp32`, kernel fusion switches). Each field is either read (its effect is compiled into the role's
-model options), accepted only with the value that names what shardrl always does (the fused kernels of its CUDA
-path, flash attention), or refused with a one-line error naming it: a mapping key is never ignored.
+`moe_router_dtype=fp32`, kernel fusion switches, `attention_backend`). Each field is either read (its effect is
+compiled into the role's model options), accepted only with the value that names what shardrl always does (the
+fused kernels of its CUDA path), or refused with a one-line error naming it: a mapping key is never ignored.
 """
 
 from __future__ import annotations
@@ -13,11 +13,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardrl.job.errors import ConfigError
+from shardrl.models.fast_paths import AttentionKernel
 from shardrl.parallel.expert import RouterOptions
 
 # Fields whose value has an effect.
 READ = ("recompute_granularity", "recompute_method", "recompute_num_layers", "moe_aux_loss_coeff", "moe_z_loss_coeff",
-        "moe_router_dtype")
+        "moe_router_dtype", "attention_backend")
 # Kernel-fusion switches: shardrl's CUDA path always runs the fused version, so only `true` describes it.
 ALWAYS_FUSED = {
     "apply_rope_fusion": "rotary embedding is one fused kernel",
@@ -26,17 +27,21 @@ ALWAYS_FUSED = {
     "moe_permute_fusion": "the MoE dispatch and combine are fused gathers",
     "moe_grouped_gemm": "the experts run as grouped GEMMs",
 }
-# Megatron's AttnBackend values that describe the attention shardrl runs (flash attention's varlen kernels).
-FLASH_ATTENTION = ("flash", "auto")
+# The training attention kernel on CUDA (`FastPaths.attention`): Megatron's AttnBackend names its choice among
+# kernels; shardrl's are torch's flash attention, FlashAttention-4 (`fa4`, the optional flash-attn-4 package), and
+# `auto` (Megatron's default too): FA4 where it is installed and runs on the GPU, else flash.
+ATTENTION_BACKENDS: tuple[AttentionKernel, ...] = ("flash", "fa4", "auto")
 
 
 @dataclass(frozen=True)
 class TransformerOverrides:
-    """What a role's `override_transformer_config` changes: per-layer activation recompute, and how MoE routers
-    train (the load-balancing and z loss coefficients, 0 turning a loss off; fp32 router logits)."""
+    """What a role's `override_transformer_config` changes: per-layer activation recompute, how MoE routers train
+    (the load-balancing and z loss coefficients, 0 turning a loss off; fp32 router logits), and which kernel runs
+    attention on CUDA."""
 
     recompute: bool
     router: RouterOptions
+    attention: AttentionKernel
 
 
 def read_transformer_overrides(overrides: dict[str, Any], key: str) -> TransformerOverrides:
@@ -50,11 +55,11 @@ def read_transformer_overrides(overrides: dict[str, Any], key: str) -> Transform
                 raise ConfigError(where, f"{value!r} is not supported: in shardrl {ALWAYS_FUSED[field]} on CUDA "
                                          f"(there is no unfused path to choose); set true or remove the key")
         elif field == "attention_backend":
-            if value not in FLASH_ATTENTION:
-                raise ConfigError(where, f"{value!r} is not supported: shardrl runs flash attention's varlen "
-                                         f"kernels; set flash or auto, or remove the key")
+            if value not in ATTENTION_BACKENDS:
+                raise ConfigError(where, f"{value!r} is not supported: shardrl's attention kernels are torch's flash "
+                                         f"attention and FlashAttention-4; set flash, fa4 or auto, or remove the key")
         elif field not in READ:
-            accepted = ", ".join([*READ, *ALWAYS_FUSED, "attention_backend"])
+            accepted = ", ".join([*READ, *ALWAYS_FUSED])
             raise ConfigError(where, f"not a setting shardrl's model reads (it reads {accepted}); remove the key")
     router_dtype = overrides.get("moe_router_dtype")
     if router_dtype not in (None, "fp32"):
@@ -64,7 +69,8 @@ def read_transformer_overrides(overrides: dict[str, Any], key: str) -> Transform
     router = RouterOptions(aux_loss_coef=_coefficient(overrides, "moe_aux_loss_coeff", prefix),
                            z_loss_coef=_coefficient(overrides, "moe_z_loss_coeff", prefix),
                            fp32_logits=router_dtype == "fp32")
-    return TransformerOverrides(recompute=_recompute(overrides, prefix), router=router)
+    return TransformerOverrides(recompute=_recompute(overrides, prefix), router=router,
+                                attention=overrides.get("attention_backend", "auto"))
 
 
 def _recompute(overrides: dict[str, Any], prefix: str) -> bool:

@@ -8,14 +8,15 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from shardrl.models.config import ModelConfig
-from shardrl.models.fast_paths import FastPaths
+from shardrl.errors import UserError
+from shardrl.models.fast_paths import AttentionKernel, FastPaths
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import rotate
 from shardrl.parallel.context import ContextShard, context_attention_mask, gather_tokens
@@ -60,39 +61,97 @@ class PackedSeqs:
         return starts, self.cu_seqlens[1:] - starts, torch.zeros_like(starts)
 
 
-def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float, bitwise: bool = False) -> Tensor:
+def packed_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float, bitwise: bool = False,
+                     kernel: Literal["flash", "fa4"] = "flash") -> Tensor:
     """q [T, nq, D], k and v [T, nkv, D] (nq a multiple of nkv) -> [T, nq, D].
 
-    The one device-specific switch: CUDA in bf16/fp16 runs flash attention's fused varlen kernels
-    (`_FlashVarlen`), or with `bitwise` the batch-invariant kernel (`_BitwiseAttention`); everything else runs
-    `reference_attention`, which the tests compare against.
+    The one device-specific switch: CUDA in bf16/fp16 runs a fused varlen kernel, flash attention's
+    (`_FlashVarlen`) or FlashAttention-4's (`kernel`, resolved by `resolve_attention_kernel`), or with `bitwise`
+    the batch-invariant kernel (`_BitwiseAttention`); everything else runs `reference_attention`, which the tests
+    compare against.
     """
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         if bitwise:
             return _BitwiseAttention.apply(q, k, v, seqs, scale)
-        return _FlashVarlen.apply(q, k, v, seqs.cu_seqlens, seqs.cu_seqlens, seqs.max_seqlen, seqs.max_seqlen, scale)
+        return _varlen(kernel, q, k, v, seqs.cu_seqlens, seqs.cu_seqlens, seqs.max_seqlen, seqs.max_seqlen, scale)
     return reference_attention(q, k, v, seqs.cu_seqlens, scale)
 
 
-def context_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+class AttentionKernelError(UserError, RuntimeError):
+    """The attention kernel a config names cannot run here (one line: what and what to do)."""
+
+
+def fa4_unavailable(device: torch.device, head_dim: int) -> str | None:
+    """Why FlashAttention-4 cannot run this model's attention on `device`, or None when it can. Its kernels are
+    used on the GPUs it was built and measured for (Hopper, datacenter Blackwell) within their head sizes."""
+    if device.type != "cuda":
+        return "FlashAttention-4 runs on CUDA GPUs only"
+    major, minor = torch.cuda.get_device_capability(device)
+    if major not in (9, 10):
+        return f"FlashAttention-4 is used on Hopper and Blackwell GPUs (compute capability 9.x, 10.x), not {major}.{minor}"
+    head_dims_ok = head_dim <= 256 if major == 9 else (head_dim <= 128 or head_dim == 256)
+    if head_dim % 8 or not head_dims_ok:
+        return f"FlashAttention-4 has no kernel for head_dim {head_dim} on compute capability {major}.x"
+    return _fa4_import_error()
+
+
+@functools.cache
+def _fa4_import_error() -> str | None:
+    try:
+        import flash_attn.cute.interface  # noqa: F401  (imported once, where the kernels are wanted)
+    except ImportError as error:
+        return f"the flash-attn-4 package cannot be imported ({error}); pip install 'shardrl[fa4]'"
+    return None
+
+
+def resolve_attention_kernel(kernel: AttentionKernel, device: torch.device, head_dim: int
+                             ) -> Literal["flash", "fa4"]:
+    """The kernel a model's attention runs: `auto` is FA4 where it runs, else torch's flash; an explicit `fa4` that
+    cannot run here raises AttentionKernelError saying why (the config's key is checked before launch too)."""
+    if kernel == "flash":
+        return "flash"
+    reason = fa4_unavailable(device, head_dim)
+    if reason is None:
+        return "fa4"
+    if kernel == "fa4":
+        raise AttentionKernelError(f"attention_backend=fa4: {reason}; set flash or auto")
+    return "flash"
+
+
+def _varlen(kernel: Literal["flash", "fa4"], q: Tensor, k: Tensor, v: Tensor, cu_q: Tensor, cu_k: Tensor,
+            max_q: int, max_k: int, scale: float) -> Tensor:
+    """Causal attention of queries cu_q[i]:cu_q[i+1] against keys cu_k[i]:cu_k[i+1], aligned at the bottom right,
+    by the chosen fused kernel (each has its own backward)."""
+    if kernel == "fa4":
+        from flash_attn.cute.interface import flash_attn_varlen_func
+
+        out, _ = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, max_seqlen_q=max_q,
+                                        max_seqlen_k=max_k, softmax_scale=scale, causal=True)
+        return out
+    return _FlashVarlen.apply(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+
+def context_attention(q: Tensor, k: Tensor, v: Tensor, seqs: PackedSeqs, scale: float,
+                      kernel: Literal["flash", "fa4"] = "flash") -> Tensor:
     """Context parallel: this CP rank's queries q [T_r, nq, D] against the whole micro batch's keys and values,
     all-gathered over CP from every rank's k, v [T_r, nkv, D] (`parallel/context.py`) -> [T_r, nq, D]."""
     keys = gather_tokens(k, seqs.context, replicated=False)  # [T, nkv, D]
     values = gather_tokens(v, seqs.context, replicated=False)
-    return shard_attention(q, keys, values, seqs, scale)
+    return shard_attention(q, keys, values, seqs, scale, kernel)
 
 
-def shard_attention(q: Tensor, keys: Tensor, values: Tensor, seqs: PackedSeqs, scale: float) -> Tensor:
+def shard_attention(q: Tensor, keys: Tensor, values: Tensor, seqs: PackedSeqs, scale: float,
+                    kernel: Literal["flash", "fa4"] = "flash") -> Tensor:
     """Causal attention of a CP share's queries q [T_r, nq, D] over the whole micro batch's keys and values [T, nkv,
-    D]. CUDA in bf16/fp16: flash's varlen kernels, each held chunk's queries against its sequence's key prefix
+    D]. CUDA in bf16/fp16: the fused varlen kernel, each held chunk's queries against its sequence's key prefix
     (causal from the bottom right, as a query chunk at the end of its keys needs); elsewhere SDPA with the [T_r, T]
     mask of the queries' positions, the reference the GPU test compares against."""
     shard = seqs.context
     if q.is_cuda and q.dtype in (torch.bfloat16, torch.float16):
         if shard.max_q == 0:  # this rank holds no token of the micro batch
             return q.new_zeros(q.shape)
-        return _FlashVarlen.apply(q, keys[shard.key_index], values[shard.key_index], shard.cu_q, shard.cu_k,
-                                  shard.max_q, shard.max_k, scale)
+        return _varlen(kernel, q, keys[shard.key_index], values[shard.key_index], shard.cu_q, shard.cu_k,
+                       shard.max_q, shard.max_k, scale)
     out = F.scaled_dot_product_attention(q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
                                          attn_mask=seqs.context_mask, scale=scale, enable_gqa=True)  # [nq, T_r, D]
     return out.transpose(0, 1)
@@ -190,6 +249,7 @@ class Attention(nn.Module):
         self.group, self.sequence_parallel, self.layer_id = layout.tp_group, sequence_parallel, layer_id
         self.head_dim, self.scale = head_dim, head_dim ** -0.5
         kv_shards, bitwise = min(num_kv, tp), fast.bitwise
+        self.kernel = resolve_attention_kernel(fast.attention, layout.device, head_dim)
         self.q_proj = ColumnParallelLinear(hidden, num_heads * head_dim, layout, f"{prefix}.q_proj",
                                            config.qkv_bias, dtype=dtype, bitwise=bitwise)
         self.k_proj = ColumnParallelLinear(hidden, num_kv * head_dim, layout, f"{prefix}.k_proj", config.qkv_bias,
@@ -221,9 +281,9 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = rotate(q, k, seqs.cos, seqs.signed_sin, self.fast.compile)
         if seqs.context is not None:
-            out = context_attention(q, k, v, seqs, self.scale)  # [T_r, nq/tp, D]
+            out = context_attention(q, k, v, seqs, self.scale, self.kernel)  # [T_r, nq/tp, D]
         elif seqs.kv_cache is None:
-            out = packed_attention(q, k, v, seqs, self.scale, self.fast.bitwise)  # [T, nq/tp, D]
+            out = packed_attention(q, k, v, seqs, self.scale, self.fast.bitwise, self.kernel)  # [T, nq/tp, D]
         else:
             out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)
         return row_parallel(out.flatten(1), self.o_proj, self.fast.tp_overlap.chunks)

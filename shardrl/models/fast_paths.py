@@ -12,13 +12,16 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import Literal, TypeVar
 
 import torch
 
 from shardrl.parallel.tensor_overlap import TPOverlap
 
 Fn = TypeVar("Fn", bound=Callable)
+# Training attention on CUDA: torch's flash kernels, FlashAttention-4 (the optional `flash-attn-4` package), or FA4
+# where it is installed and the GPU is one it runs on, else torch's.
+AttentionKernel = Literal["flash", "fa4", "auto"]
 
 
 @dataclass(frozen=True)
@@ -27,11 +30,14 @@ class FastPaths:
     chains (verl's `use_torch_compile`); bitwise: batch-invariant kernels on CUDA (`parallel/bitwise_kernels.py`)
     for every GEMM, norm and attention, so a token's bits do not depend on the rest of its batch and the rollout
     engine and the trainer compute the same log-probs (`rollout.bitwise_logprobs`). The one option here that
-    changes bits on purpose; it costs speed."""
+    changes bits on purpose; it costs speed. attention: which fused kernel runs packed causal attention on CUDA
+    (`AttentionKernel`; FA4 ran 1.6-2.0x torch's flash forward + backward on an H200, `bench/attention_kernels.py`);
+    bitwise mode runs its own."""
 
     tp_overlap: TPOverlap = field(default_factory=TPOverlap)
     compile: bool = False
     bitwise: bool = False
+    attention: AttentionKernel = "flash"
 
 
 @functools.cache
