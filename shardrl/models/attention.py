@@ -99,7 +99,7 @@ def fa4_unavailable(device: torch.device, head_dim: int) -> str | None:
 def _fa4_import_error() -> str | None:
     try:
         import flash_attn.cute.interface  # noqa: F401  (imported once, where the kernels are wanted)
-    except ImportError as error:
+    except Exception as error:  # an optional package's import can fail past ImportError (its CUDA libraries)
         return f"the flash-attn-4 package cannot be imported ({error}); pip install 'shardrl[fa4]'"
     return None
 
