@@ -6,8 +6,8 @@ schedules.
   1/dp chunk of every bucket (dense params: over ``"dp_cp"``, experts: over ``"edp"``), gets only that chunk of the
   reduced gradient (reduce-scatter), updates it, and all-gathers the updated values into the model's params. Both
   modes compute the same numbers: the update is elementwise and the grad norm is computed identically.
-* The update is torch's AdamW: decoupled weight decay ``p *= 1 - lr * wd`` (skipped for params whose HF tensor is
-  1-D: norms, biases), bias-corrected moments, ``eps`` added after the square root.
+* The update is torch's AdamW, run by its fused kernel: decoupled weight decay ``p *= 1 - lr * wd`` (skipped for
+  params whose HF tensor is 1-D: norms, biases), bias-corrected moments, ``eps`` added after the square root.
 * `step()` finalises the gradients if the caller has not, clips them by the global norm (every element of the whole
   model counted once, see `GradBuffers.global_norm`) and skips the update when the norm is not finite.
 """
@@ -26,10 +26,6 @@ from shardrl.parallel.collectives import all_gather_single
 from shardrl.parallel.data import GradBuffer, GradBuffers
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import get_spec
-
-
-# fp32 elements per multi-tensor group of the update (Adam's denominator is a temporary of that size: 512 MiB).
-FOREACH_ELEMENTS = 2**27
 
 
 def _copy_all(params: list[Tensor], sources: list[Tensor]) -> None:
@@ -97,51 +93,46 @@ class AdamW:
         if self.clip_grad is not None and self.clip_grad > 0:
             scale = min(1.0, self.clip_grad / (grad_norm + 1e-6))
         self.num_steps += 1
-        for group in self._owned_groups():
-            if scale < 1.0:
-                torch._foreach_mul_(group[0], scale)
-            self._update(*group)
+        self._update(*self._owned_pieces(), clip_scale=scale)
         for buf, state in zip(self.grads.buffers, self.states):
             self._publish(buf, state)
         return grad_norm, False
 
-    def _owned_groups(self) -> list[tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[bool]]]:
-        """(grads, masters, exp_avgs, exp_avg_sqs, decays): this rank's chunk of every bucket, in groups of at most
-        FOREACH_ELEMENTS, so each multi-tensor op launches a few kernels per step (not one per bucket) while its
-        temporaries (Adam's denominator) stay bounded. Views are taken afresh: offloading may move the tensors."""
-        groups: list = []
-        numel = 0
+    def _owned_pieces(self) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[bool]]:
+        """(grads, masters, exp_avgs, exp_avg_sqs, decays): this rank's chunk of every bucket. Views are taken
+        afresh: offloading may move the tensors."""
+        pieces: tuple[list, list, list, list, list] = ([], [], [], [], [])
         for buf, state in zip(self.grads.buffers, self.states):
             rank, count = self.grads.owner(buf)
             for bucket in range(len(buf.buckets)):
                 lo, hi = buf.chunk(bucket, rank, count)
                 pos = buf.buckets[bucket][0] // count
-                if not groups or numel + hi - lo > FOREACH_ELEMENTS:
-                    groups.append(([], [], [], [], []))
-                    numel = 0
-                numel += hi - lo
-                pieces = (buf.data[lo:hi], *(t[pos:pos + hi - lo] for t in
-                                             (state.master, state.exp_avg, state.exp_avg_sq)), buf.decay)
-                for items, piece in zip(groups[-1], pieces):
+                chunk = (buf.data[lo:hi], *(t[pos:pos + hi - lo] for t in
+                                            (state.master, state.exp_avg, state.exp_avg_sq)), buf.decay)
+                for items, piece in zip(pieces, chunk):
                     items.append(piece)
-        return groups
+        return pieces
 
     def _update(self, grads: list[Tensor], masters: list[Tensor], exp_avgs: list[Tensor], exp_avg_sqs: list[Tensor],
-                decays: list[bool]) -> None:
-        """torch's AdamW maths, elementwise over each list (bit for bit the per-tensor ops)."""
-        beta1, beta2 = self.betas
-        decayed = [master for master, decay in zip(masters, decays) if decay]
-        if decayed and self.weight_decay:
-            torch._foreach_mul_(decayed, 1 - self.lr * self.weight_decay)
-        torch._foreach_lerp_(exp_avgs, grads, 1 - beta1)
-        torch._foreach_mul_(exp_avg_sqs, beta2)
-        torch._foreach_addcmul_(exp_avg_sqs, grads, grads, value=1 - beta2)
-        bias_correction1 = 1 - beta1**self.num_steps
-        bias_correction2 = 1 - beta2**self.num_steps
-        denom = torch._foreach_sqrt(exp_avg_sqs)
-        torch._foreach_div_(denom, math.sqrt(bias_correction2))
-        torch._foreach_add_(denom, self.eps)
-        torch._foreach_addcdiv_(masters, exp_avgs, denom, value=-self.lr / bias_correction1)
+                decays: list[bool], clip_scale: float) -> None:
+        """torch's AdamW maths in its fused kernel (`torch._fused_adamw_`, what `torch.optim.AdamW(fused=True)`
+        runs, on CPU and CUDA): one pass reading each gradient and the state and writing the state, where torch's
+        multi-tensor ops took eight (`bench/adamw_step.py`). The clipping scale rides along as the kernel's gradient
+        divisor."""
+        if not masters:
+            return
+        device = masters[0].device
+        step = torch.full((), float(self.num_steps), dtype=torch.float32, device=device)  # the bias corrections'
+        divisor = None if clip_scale == 1.0 else torch.full((), 1.0 / clip_scale, dtype=torch.float32, device=device)
+        for decayed in (True, False):
+            picked = [i for i, decay in enumerate(decays) if decay == decayed]
+            if not picked:
+                continue
+            torch._fused_adamw_(
+                [masters[i] for i in picked], [grads[i] for i in picked], [exp_avgs[i] for i in picked],
+                [exp_avg_sqs[i] for i in picked], [], [step] * len(picked), lr=self.lr, beta1=self.betas[0],
+                beta2=self.betas[1], weight_decay=self.weight_decay if decayed else 0.0, eps=self.eps,
+                amsgrad=False, maximize=False, grad_scale=divisor, found_inf=None)
 
     def _publish(self, buf: GradBuffer, state: _State) -> None:
         """Write the updated master values into the model's params (all-gathered over DP when sharded): one
