@@ -68,9 +68,14 @@ def test_dead_worker_is_named_and_the_trainer_exits(tmp_path):
             os.killpg(proc.pid, signal.SIGKILL)
 
 
-# The synchronous loop, and the fully asynchronous one with its rollout thread and detached pool.
-@pytest.mark.parametrize("config_name", ["ppo_trainer", "fully_async_ppo_trainer"])
-def test_sigint_ends_the_run_with_its_summary_and_one_line(tmp_path, config_name):
+# The synchronous loop, and the fully asynchronous one with its rollout thread and detached pool; SIGTERM (what
+# `kill`, Slurm and Kubernetes send) as Ctrl-C.
+@pytest.mark.parametrize("config_name, stop, status, line", [
+    ("ppo_trainer", signal.SIGINT, 130, "error: interrupted (Ctrl-C or SIGINT)"),
+    ("fully_async_ppo_trainer", signal.SIGINT, 130, "error: interrupted (Ctrl-C or SIGINT)"),
+    ("ppo_trainer", signal.SIGTERM, 143, "error: terminated (SIGTERM)"),
+])
+def test_a_stop_signal_ends_the_run_with_its_summary_and_one_line(tmp_path, config_name, stop, status, line):
     run_dir = tmp_path / "run"
     args = command(run_dir, *ARGS[:-2], "trainer.total_training_steps=100000", "trainer.save_freq=2",
                    config_name=config_name)
@@ -85,19 +90,19 @@ def test_sigint_ends_the_run_with_its_summary_and_one_line(tmp_path, config_name
     try:
         metrics = run_dir / "metrics.jsonl"
         wait_for(lambda: metrics.exists() and len(metrics.read_text().splitlines()) >= 3, 300, "three steps")
-        proc.send_signal(signal.SIGINT)
+        proc.send_signal(stop)
         try:
             proc.wait(timeout=60)
         except subprocess.TimeoutExpired:
             proc.send_signal(signal.SIGABRT)
             proc.wait(timeout=30)
-            pytest.fail(f"the driver did not exit within 60 s of SIGINT; its stacks:\n"
+            pytest.fail(f"the driver did not exit within 60 s of {stop.name}; its stacks:\n"
                         f"{(tmp_path / 'stderr').read_text()[-6000:]}")
         stdout, stderr = (tmp_path / "stdout").read_text(), (tmp_path / "stderr").read_text()
-        assert proc.returncode == 130 and "Traceback" not in stderr, stderr[-2000:]
+        assert proc.returncode == status and "Traceback" not in stderr, stderr[-2000:]
         assert stderr.strip().splitlines()[-1] == (
-            "error: interrupted (Ctrl-C or SIGINT); the steps logged so far are kept, and the same command resumes "
-            "from the last checkpoint (trainer.resume_mode=auto)")
+            f"{line}; the steps logged so far are kept, and the same command resumes from the last checkpoint "
+            f"(trainer.resume_mode=auto)")
         logged = metrics_by_step(run_dir)
         last = max(logged)
         assert re.search(rf"^run interrupted after step {last}$", stdout, re.M), stdout[-2000:]

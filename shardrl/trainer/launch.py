@@ -33,6 +33,7 @@ from shardrl.rewards.registry import builtin_sources, default_compute_score, has
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
 from shardrl.trainer.ppo import PPOTrainer, Workers
+from shardrl.trainer.stop_signals import sigterm_stops_like_ctrl_c
 from shardrl.trainer.run_dir import start_run, summary
 from shardrl.trainer.tracking import Tracker
 from shardrl.workers.critic import CriticWorker
@@ -138,24 +139,25 @@ def train(plan: JobPlan) -> None:
         announce_user_files(plan, paths)
         start = start_run(paths.run_dir, plan.loop.resume_mode, plan.loop.resume_from_path)
         init_ray(**plan.cluster.ray_init)
+        stack.enter_context(sigterm_stops_like_ctrl_c())
         group, workers = start_workers(plan, paths, pad_id(tokenizer))
         tracking = plan.tracking
         tracker = Tracker(tracking.loggers, paths.run_dir, tracking.project, tracking.experiment, tracking.config,
                           resume_step=start.continue_after)
         ppo = TRAINERS[plan.mode](plan, workers, loader, val_prompts, tokenizer, score_fn, tracker, kl_ctrl)
-        interrupted = False
+        stopped: KeyboardInterrupt | None = None
         try:
             ppo.fit(start.checkpoint)
             ppo.save_hf(paths.run_dir / "hf_export")
-        except KeyboardInterrupt:  # Ctrl-C or SIGINT (`timeout -s INT`): the logged steps stay, workers are stopped
-            interrupted = True
+        except KeyboardInterrupt as stop:  # Ctrl-C, SIGINT or SIGTERM (stop_signals.py): the logged steps stay
+            stopped = stop
         finally:
             tracker.close()
             group.shutdown()
         print(summary(paths.run_dir, ppo.global_step, time.perf_counter() - started, tracker.latest,
-                      find_latest(paths.run_dir), interrupted=interrupted), flush=True)
-        if interrupted:
-            raise KeyboardInterrupt
+                      find_latest(paths.run_dir), interrupted=stopped is not None), flush=True)
+        if stopped is not None:
+            raise stopped
 
 
 def announce_user_files(plan: JobPlan, paths: RunPaths) -> None:

@@ -6,7 +6,8 @@ is looked up in this package first and then in the current directory, whatever t
 keys (`command_line`); a ``key=value`` whose key does not exist fails before Hydra composes, naming the closest. A failure the user can fix (`UserError`: a
 config key, a data or model file, a reward function or tool of theirs, also when a worker raised it) prints one line
 ``error: <key or file>: <reason>`` on stderr and exits 2; any other failure one line and exit 1; Ctrl-C (SIGINT) stops
-the workers, prints where the run stands and exits 130. ``SHARDRL_DEBUG=1`` adds the traceback.
+the workers, prints where the run stands and exits 130; SIGTERM (`kill`, Slurm, Kubernetes) does the same and exits
+143. ``SHARDRL_DEBUG=1`` adds the traceback.
 """
 
 from __future__ import annotations
@@ -24,10 +25,14 @@ from shardrl.job.load import CONFIG_DIR, load_config
 from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.preflight import check_launch
 from shardrl.trainer.command_line import DEFAULT_CONFIG, check_overrides, help_text
+from shardrl.trainer.stop_signals import stopped_by_sigterm
 
 PACKAGE_DIR = CONFIG_DIR.parent  # a relative --config-path is looked up here first (`./config`: the packaged ones)
 CONFIG_PATH_FLAGS = ("--config-path", "-cp")
 INTERRUPTED_STATUS = 130  # the shell's status for a program ended by SIGINT
+TERMINATED_STATUS = 143  # and by SIGTERM
+RESUME_HINT = "the steps logged so far are kept, and the same command resumes from the last checkpoint " \
+              "(trainer.resume_mode=auto)"
 
 
 def run(cfg: DictConfig) -> int:
@@ -46,8 +51,10 @@ def run(cfg: DictConfig) -> int:
     except UserError as err:
         return _report(err, 2)
     except KeyboardInterrupt:
-        print("error: interrupted (Ctrl-C or SIGINT); the steps logged so far are kept, and the same command "
-              "resumes from the last checkpoint (trainer.resume_mode=auto)", file=sys.stderr)
+        if stopped_by_sigterm():
+            print(f"error: terminated (SIGTERM); {RESUME_HINT}", file=sys.stderr)
+            return TERMINATED_STATUS
+        print(f"error: interrupted (Ctrl-C or SIGINT); {RESUME_HINT}", file=sys.stderr)
         return INTERRUPTED_STATUS
     except Exception as err:
         from shardrl.controller.group import WorkerError  # loaded already when a worker failed
