@@ -1,9 +1,13 @@
 """The default job's task: text path round trip, scorer, and that an untrained policy scores far below 0.3."""
 
+import json
+from pathlib import Path
+
+import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardrl.data.builtin_task import prepare
+from shardrl.data.builtin_task import CALL, make_tokenizer, model_config, prepare
 from shardrl.data.rl_dataset import RLDataset
 from shardrl.data.builtin_task import DATA_SOURCE
 from shardrl.rewards.registry import default_compute_score
@@ -44,3 +48,17 @@ def test_untrained_policy_scores_well_below_threshold(tmp_path):
     truths = [r["ground_truth"] for r in batch.non_tensors["reward_model"]]
     accuracy = sum(default_compute_score(DATA_SOURCE, t, g) for t, g in zip(texts, truths)) / len(texts)
     assert accuracy < 0.2, accuracy
+
+
+@pytest.mark.parametrize("multi_turn", [False, True])
+def test_model_config_is_what_the_task_saves(tmp_path, multi_turn):
+    """The dry run checks the built-in model by `model_config`: it must be the saved config.json and match the
+    saved tokenizer (vocabulary size, EOS ids)."""
+    paths = prepare(tmp_path / "task", train_rows=8, val_rows=8, multi_turn=multi_turn)
+    expected = model_config(multi_turn)
+    saved = json.loads((Path(paths["model"]) / "config.json").read_text())
+    assert {field: saved.get(field) for field in expected} == expected
+    tokenizer = make_tokenizer(tmp_path / "tokenizer", multi_turn)  # as prepare makes it
+    assert len(tokenizer) == expected["vocab_size"]
+    eos = [tokenizer.eos_token_id] + ([tokenizer.convert_tokens_to_ids(CALL)] if multi_turn else [])
+    assert expected["eos_token_id"] == (eos[0] if len(eos) == 1 else eos)

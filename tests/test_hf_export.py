@@ -17,7 +17,7 @@ from shardrl.models.hf_export import export_dir
 def test_export_holds_the_runs_tokenizer_and_generation_ids_readably(tmp_path):
     source = tmp_path / "model"
     builtin_task.make_tokenizer(source)
-    builtin_task.make_model(source, vocab_size=len(builtin_task.SPECIAL + builtin_task.CHARS))
+    builtin_task.make_model(source)
     tokenizer = AutoTokenizer.from_pretrained(source)  # as the run loads it
 
     def write_weights(directory: Path) -> None:  # what the workers write: weights 0600, config, generation config

@@ -294,6 +294,19 @@ def test_critic_model_checked_against_critic_layout(model_dir, tmp_path_factory)
     assert err.key == "critic.megatron.tensor_model_parallel_size"
 
 
+def test_the_builtin_model_is_checked_in_the_dry_run():
+    """No model path: the built-in task's model, made at launch, is checked like a directory's: its layout fit and
+    `model.override_config` (a misspelt field used to pass the dry run and fail only once workers started)."""
+    assert plan_of([]).model_notes[0] == ("actor: 4 heads / 2 KV heads over TP1, 2 layers over PP1, vocab 14 padded "
+                                          "to 14 - fits")
+    err = error_of(["+actor_rollout_ref.model.override_config.num_hiden_layers=4"])
+    assert err.key == "actor_rollout_ref.model.override_config.num_hiden_layers"
+    assert "did you mean 'num_hidden_layers'?" in err.reason
+    err = error_of(["+actor_rollout_ref.model.override_config.num_hidden_layers=3",
+                    "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size=2", "trainer.n_gpus_per_node=2"])
+    assert err.key == "actor_rollout_ref.actor.megatron.pipeline_model_parallel_size"
+
+
 def test_missing_model_dir_skips_checks():
     plan = plan_of(["actor_rollout_ref.model.path=/nonexistent/model"])
     assert plan.model_notes == ["actor/rollout model: /nonexistent/model: no local config.json; model checks skipped"]

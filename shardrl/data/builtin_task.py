@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -111,18 +112,27 @@ def write_dataset(path: str | Path, num_rows: int, seed: int, multi_turn: bool =
     return path
 
 
-def make_model(out_dir: str | Path, vocab_size: int, seed: int = 0,
-               eos_token_ids: tuple[int, ...] = (SPECIAL.index("<eos>"),)) -> Path:
-    """A randomly initialised 2-layer Qwen2-shaped model (~100k parameters), saved by HF transformers."""
+def model_config(multi_turn: bool = False) -> dict[str, Any]:
+    """The built-in model's config.json fields that `make_model` sets: a 2-layer Qwen2 shape (~100k parameters) over
+    the tokenizer's vocabulary (`make_tokenizer`'s ids: the specials, the characters, then the tool tokens), whose
+    EOS ids are "<eos>" and, multi-turn, the tool call that ends a turn. The dry run checks a layout and
+    `model.override_config` against it before the model exists."""
+    tokens = SPECIAL + CHARS + (TOOL_TOKENS if multi_turn else [])
+    eos = [tokens.index("<eos>")] + ([tokens.index(CALL)] if multi_turn else [])
+    return dict(model_type="qwen2", architectures=["Qwen2ForCausalLM"], vocab_size=len(tokens), hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                max_position_embeddings=64, tie_word_embeddings=False, bos_token_id=None,
+                eos_token_id=eos[0] if len(eos) == 1 else eos, pad_token_id=0)
+
+
+def make_model(out_dir: str | Path, multi_turn: bool = False, seed: int = 0) -> Path:
+    """The built-in model (`model_config`), randomly initialised and saved by HF transformers."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
     from transformers.utils import logging as hf_logging
 
-    config = AutoConfig.for_model(
-        "qwen2", vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False,
-        bos_token_id=None, eos_token_id=eos_token_ids[0] if len(eos_token_ids) == 1 else list(eos_token_ids),
-        pad_token_id=0, architectures=["Qwen2ForCausalLM"])
+    fields = model_config(multi_turn)
+    config = AutoConfig.for_model(fields.pop("model_type"), **fields)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     bars = hf_logging.is_progress_bar_enabled()
@@ -143,9 +153,8 @@ def prepare(root: str | Path, seed: int = 0, train_rows: int = 4096, val_rows: i
     marker = root / "builtin_task.json"
     if marker.exists() and json.loads(marker.read_text()).get("version") == TASK_VERSION:
         return json.loads(marker.read_text())
-    tokenizer = make_tokenizer(root / "model", multi_turn)
-    eos = (SPECIAL.index("<eos>"), tokenizer.convert_tokens_to_ids(CALL)) if multi_turn else (SPECIAL.index("<eos>"),)
-    make_model(root / "model", len(tokenizer), seed, eos)
+    make_tokenizer(root / "model", multi_turn)
+    make_model(root / "model", multi_turn, seed)
     paths = {
         "version": TASK_VERSION,
         "model": str(root / "model"),

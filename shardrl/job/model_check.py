@@ -8,6 +8,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from shardrl.data import builtin_task
 from shardrl.job.errors import ConfigError
 from shardrl.job.schema import PPOConfig
 from shardrl.models.config import OverrideError, apply_overrides
@@ -47,9 +48,15 @@ def read_hf_config(path: str | None, overrides: dict[str, Any], key: str) -> tup
         hf = json.loads(file.read_text())
     except json.JSONDecodeError as err:
         raise ConfigError(key, f"{file} is not valid JSON ({err})") from None
+    return with_overrides(hf, overrides, key), str(file)
+
+
+def with_overrides(hf: dict[str, Any], overrides: dict[str, Any], key: str) -> dict[str, Any]:
+    """config.json fields `hf` with `model.override_config` applied; a bad entry is a ConfigError under the group
+    of the model's path `key`."""
     group = key.rpartition(".")[0]
     try:
-        return apply_overrides(hf, overrides), str(file)
+        return apply_overrides(hf, overrides)
     except OverrideError as err:
         raise ConfigError(f"{group}.override_config.{err.field}", str(err).partition(": ")[2] or str(err)) from None
 
@@ -65,17 +72,22 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASetti
                ("distillation.teacher_model.model_path", teacher.model_path, {}, ("teacher",)),
                ("reward_model.model.path", rm.path, rm.override_config, ("reward_model",)),
                ("reward_model.judge.model_path", judge.model_path, {}, ("judge",)))
+    # A null actor path (and a null critic path with it) is the built-in task's model, made at launch: its config is
+    # known, so it is checked like a directory's.
+    builtin = builtin_task.model_config(config.actor_rollout_ref.rollout.multi_turn.enable)
+    builtin_keys = ("actor_rollout_ref.model.path", "critic.model.path") if actor.path is None else ()
     notes = []
     for key, path, overrides, names in sources:
         names = [n for n in names if n in specs]
         if not names:
             continue
         adapters = _adapters_of(names, lora, critic_lora)
-        found = read_hf_config(path, overrides, key)
-        if found is None and path is None and adapters is not None:
-            _refuse_expert_lora_on_dense(*adapters, "the built-in tiny model")
+        if path is None and key in builtin_keys:
+            found = with_overrides(builtin, overrides, key), "the built-in tiny model"
+        else:
+            found = read_hf_config(path, overrides, key)
         if found is None:
-            where = "built-in tiny model" if path is None else f"{path}: no local config.json"
+            where = f"{path}: no local config.json" if path else f"{key} is null"
             notes.append(f"{'/'.join(names)} model: {where}; model checks skipped")
             continue
         hf, source = found

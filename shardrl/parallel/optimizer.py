@@ -106,6 +106,8 @@ class AdamW:
             rank, count = self.grads.owner(buf)
             for bucket in range(len(buf.buckets)):
                 lo, hi = buf.chunk(bucket, rank, count)
+                if hi == lo:  # nothing of this bucket is this rank's
+                    continue
                 pos = buf.buckets[bucket][0] // count
                 chunk = (buf.data[lo:hi], *(t[pos:pos + hi - lo] for t in
                                             (state.master, state.exp_avg, state.exp_avg_sq)), buf.decay)
