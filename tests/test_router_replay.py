@@ -132,9 +132,9 @@ R3 = ["actor_rollout_ref.actor.router_replay.mode=R3", "actor_rollout_ref.rollou
     ([*R3, "actor_rollout_ref.ref.router_replay.measure_unreplayed=true", "actor_rollout_ref.actor.use_kl_loss=true"],
      "actor_rollout_ref.ref.router_replay.measure_unreplayed"),
 ])
-def test_router_replay_settings_shardrl_cannot_honour_are_refused(overrides, key):
-    with pytest.raises(ConfigError) as err:
-        plan_job(compose("ppo_trainer", ["trainer.device=cpu", *overrides]))
+def test_router_replay_settings_shardrl_cannot_honour_are_refused(moe, overrides, key):
+    with pytest.raises(ConfigError) as err:  # an MoE model: on a dense one any replay is refused first
+        plan_job(compose("ppo_trainer", ["trainer.device=cpu", f"actor_rollout_ref.model.path={moe}", *overrides]))
     assert err.value.key == key
 
 
@@ -151,10 +151,12 @@ def test_routing_replay_on_a_dense_model_is_refused_before_workers_start(tmp_pat
     assert err.value.key == key
 
 
-def test_r2_and_r3_compile_to_the_passes_they_name():
-    plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", "actor_rollout_ref.actor.router_replay.mode=R2"]))
+def test_r2_and_r3_compile_to_the_passes_they_name(moe):
+    model = f"actor_rollout_ref.model.path={moe}"
+    plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", model, "actor_rollout_ref.actor.router_replay.mode=R2"]))
     assert plan.actor.router_replay == "R2" and not plan.rollout.engine.record_routing
-    plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", *R3, "actor_rollout_ref.ref.router_replay.mode=R3",
+    plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", model, *R3,
+                                            "actor_rollout_ref.ref.router_replay.mode=R3",
                                             "actor_rollout_ref.actor.use_kl_loss=true"]))
     assert plan.actor.router_replay == "R3" and plan.rollout.engine.record_routing
     assert plan.ref.replay_rollout_routing
