@@ -2,6 +2,7 @@
 line naming the dotted key; verl's own spellings are accepted; launch-only checks stay out of the dry run."""
 
 import dataclasses
+import json
 import importlib.util
 import math
 from unittest import mock
@@ -455,10 +456,21 @@ def test_transformer_overrides_shardrl_cannot_honour_are_refused_by_name(setting
     assert words in str(info.value) and "\n" not in str(info.value)
 
 
-def test_attention_backend_reaches_each_roles_model_options():
+@pytest.fixture
+def head_dim_64(tmp_path) -> str:
+    """A model directory (config.json only: planning reads no weights) whose head size FA4 is used for."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        architectures=["Qwen2ForCausalLM"], hidden_size=256, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=2, intermediate_size=512, vocab_size=128)))
+    return str(tmp_path)
+
+
+def test_attention_backend_reaches_each_roles_model_options(head_dim_64):
     """Each role reads its own (the reference follows the actor's mapping, as in verl's config); absent, it is
     Megatron's default `auto` (FA4 where it runs, resolved on the worker)."""
-    overrides = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true", f"{OVERRIDES}.attention_backend=fa4",
+    overrides = ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+                 f"actor_rollout_ref.model.path={head_dim_64}", f"critic.model.path={head_dim_64}",
+                 f"{OVERRIDES}.attention_backend=fa4",
                  "+critic.megatron.override_transformer_config.attention_backend=flash"]
     plan = plan_job(compose("ppo_trainer", overrides))
     assert plan.actor.model.engine.fast.attention == "fa4"
@@ -467,18 +479,29 @@ def test_attention_backend_reaches_each_roles_model_options():
     assert plan_job(compose("ppo_trainer")).actor.model.engine.fast.attention == "auto"
 
 
-def test_fa4_is_refused_at_launch_where_it_cannot_run():
-    config = compose("ppo_trainer", [f"{OVERRIDES}.attention_backend=fa4", "trainer.device=cpu"])
+def test_fa4_is_refused_for_a_head_size_it_is_not_used_for():
+    # The built-in model's head_dim is 16, where FA4's backward returned wrong gradients on an H200.
+    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.megatron.override_transformer_config."
+                                          r"attention_backend: fa4: FlashAttention-4 is used for head_dim in \(32, "
+                                          r"64, 96, 128, 192, 256\) .* the built-in tiny model has 16; set flash or "
+                                          r"auto$"):
+        plan_job(compose("ppo_trainer", [f"{OVERRIDES}.attention_backend=fa4"]))
+
+
+def test_fa4_is_refused_at_launch_where_it_cannot_run(head_dim_64):
+    config = compose("ppo_trainer", [f"{OVERRIDES}.attention_backend=fa4", "trainer.device=cpu",
+                                     f"actor_rollout_ref.model.path={head_dim_64}"])
     plan = plan_job(config)  # the dry run accepts it: the machine that launches is what cannot run it
     key = "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend"
-    with pytest.raises(ConfigError, match=f"^{key}: fa4 runs on CUDA GPUs and this run is on cpu"):
-        check_launch(plan)
-    cuda_plan = dataclasses.replace(plan, device="cuda")
-    with mock.patch("torch.cuda.is_available", return_value=True), \
-            mock.patch("shardrl.job.preflight._installed", side_effect=lambda package: package != "flash_attn"):
-        with pytest.raises(ConfigError, match=f"^{key}: FlashAttention-4 is not installed "
-                                              r"\(pip install 'shardrl\[fa4\]'\); set flash or auto$"):
-            check_launch(cuda_plan)
+    with mock.patch("shardrl.job.preflight.check_model_dir"):  # its config.json holds no weights to check
+        with pytest.raises(ConfigError, match=f"^{key}: fa4 runs on CUDA GPUs and this run is on cpu"):
+            check_launch(plan)
+        cuda_plan = dataclasses.replace(plan, device="cuda")
+        with mock.patch("torch.cuda.is_available", return_value=True), \
+                mock.patch("shardrl.job.preflight._installed", side_effect=lambda package: package != "flash_attn"):
+            with pytest.raises(ConfigError, match=f"^{key}: FlashAttention-4 is not installed "
+                                                  r"\(pip install 'shardrl\[fa4\]'\); set flash or auto$"):
+                check_launch(cuda_plan)
 
 
 def test_fa4_is_refused_in_bitwise_mode():

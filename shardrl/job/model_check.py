@@ -11,6 +11,7 @@ from typing import Any
 from shardrl.data import builtin_task
 from shardrl.job.errors import ConfigError
 from shardrl.job.schema import PPOConfig
+from shardrl.models.attention import FA4_HEAD_DIMS
 from shardrl.models.config import OverrideError, apply_overrides
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.lora import LoRASettings
@@ -92,6 +93,7 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASetti
             continue
         hf, source = found
         notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
+        _refuse_fa4_head_size(config, names, hf, source)
         dense = not any(hf.get(f) for f in EXPERT_COUNT_FIELDS)
         if "actor" in names and dense:
             _refuse_routing_on_dense(config, source)
@@ -103,6 +105,22 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASetti
                 notes.append(f"{names[0]}: LoRA adapters on no routed expert ({adapters[1]}.target_parameters "
                              f"names the experts' weights)")
     return notes
+
+
+def _refuse_fa4_head_size(config: PPOConfig, roles: list[str], hf: dict[str, Any], source: str) -> None:
+    """`attention_backend=fa4` on a model whose head size FlashAttention-4 is not used for (`FA4_HEAD_DIMS`: its
+    gradients were wrong at some sizes) fails here, before workers start, rather than on every worker."""
+    arr = config.actor_rollout_ref
+    groups = {"actor": arr.actor.megatron, "ref": arr.ref.megatron, "critic": config.critic.megatron,
+              "teacher": config.distillation.teacher_model.megatron, "reward_model": config.reward_model.megatron}
+    heads = hf.get("num_attention_heads")
+    head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if heads and hf.get("hidden_size") else None)
+    for role in roles:
+        if role in groups and groups[role].override_transformer_config.get("attention_backend") == "fa4" \
+                and head_dim is not None and head_dim not in FA4_HEAD_DIMS:
+            key = ROLE_KEYS[role]["tp"].rpartition(".")[0] + ".override_transformer_config.attention_backend"
+            raise ConfigError(key, f"fa4: FlashAttention-4 is used for head_dim in {FA4_HEAD_DIMS} (its gradients "
+                                   f"were checked at those), and {source} has {head_dim}; set flash or auto")
 
 
 def _adapters_of(roles: list[str], lora: LoRASettings | None,
