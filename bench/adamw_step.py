@@ -47,8 +47,8 @@ def optimizer(num_params: float) -> AdamW:
     count = int(num_params // (MATRIX[0] * MATRIX[1]))
     params = [set_spec(nn.Parameter(torch.randn(MATRIX, device="cuda", dtype=torch.bfloat16) * 0.02),
                        ShardSpec(f"w{i}", MATRIX)) for i in range(count)]
-    params += [set_spec(nn.Parameter(torch.ones(8192, device="cuda", dtype=torch.bfloat16)), ShardSpec(f"n{i}", (8192,)))
-               for i in range(count)]
+    params += [set_spec(nn.Parameter(torch.ones(8192, device="cuda", dtype=torch.bfloat16)),
+                        ShardSpec(f"n{i}", (8192,))) for i in range(count)]
     opt = AdamW(params, Layout.single("cuda"), lr=1e-4, weight_decay=0.01)
     for buf in opt.grads.buffers:
         buf.data.normal_()

@@ -1,7 +1,8 @@
 """Context parallel attention's CUDA path on one GPU: each CP share's queries, run through a fused varlen kernel
-(torch's flash, FlashAttention-4 where installed) against their sequences' key prefixes, give the rows (and, summed over the shares, the gradients) that flash
-attention over the whole micro batch gives. The gather over CP ranks is the CPU tests' (tests/test_context_parallel.py)
-and the parity matrix's; this checks only the kernel path, which needs no second GPU."""
+(torch's flash, FlashAttention-4 where installed) against their sequences' key prefixes, give the rows (and, summed
+over the shares, the gradients) that flash attention over the whole micro batch gives. The gather over CP ranks is
+the CPU tests' (tests/test_context_parallel.py) and the parity matrix's; this checks only the kernel path, which
+needs no second GPU."""
 
 from __future__ import annotations
 

@@ -153,7 +153,8 @@ def test_routing_replay_on_a_dense_model_is_refused_before_workers_start(tmp_pat
 
 def test_r2_and_r3_compile_to_the_passes_they_name(moe):
     model = f"actor_rollout_ref.model.path={moe}"
-    plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", model, "actor_rollout_ref.actor.router_replay.mode=R2"]))
+    plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", model,
+                                            "actor_rollout_ref.actor.router_replay.mode=R2"]))
     assert plan.actor.router_replay == "R2" and not plan.rollout.engine.record_routing
     plan = plan_job(compose("ppo_trainer", ["trainer.device=cpu", model, *R3,
                                             "actor_rollout_ref.ref.router_replay.mode=R3",

@@ -94,7 +94,8 @@ def fa4_unavailable(device: torch.device, head_dim: int) -> str | None:
         return "FlashAttention-4 runs on CUDA GPUs only"
     major, minor = torch.cuda.get_device_capability(device)
     if major != 9:
-        return f"FlashAttention-4 is used on Hopper GPUs (compute capability 9.x, where it was checked), not {major}.{minor}"
+        return (f"FlashAttention-4 is used on Hopper GPUs (compute capability 9.x, where it was checked), not "
+                f"{major}.{minor}")
     if head_dim not in FA4_HEAD_DIMS:
         return (f"FlashAttention-4 is used for head_dim in {FA4_HEAD_DIMS} (checked against torch's flash attention), "
                 f"not {head_dim}")
