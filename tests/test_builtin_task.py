@@ -7,7 +7,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardrl.data.builtin_task import CALL, make_tokenizer, model_config, prepare
+from shardrl.data.builtin_task import CALL, model_config, prepare
 from shardrl.data.rl_dataset import RLDataset
 from shardrl.data.builtin_task import DATA_SOURCE
 from shardrl.rewards.registry import default_compute_score
@@ -58,7 +58,7 @@ def test_model_config_is_what_the_task_saves(tmp_path, multi_turn):
     expected = model_config(multi_turn)
     saved = json.loads((Path(paths["model"]) / "config.json").read_text())
     assert {field: saved.get(field) for field in expected} == expected
-    tokenizer = make_tokenizer(tmp_path / "tokenizer", multi_turn)  # as prepare makes it
+    tokenizer = AutoTokenizer.from_pretrained(paths["model"])  # as the trainer and an export's user load it
     assert len(tokenizer) == expected["vocab_size"]
     eos = [tokenizer.eos_token_id] + ([tokenizer.convert_tokens_to_ids(CALL)] if multi_turn else [])
     assert expected["eos_token_id"] == (eos[0] if len(eos) == 1 else eos)

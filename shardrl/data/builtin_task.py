@@ -25,8 +25,9 @@ import pyarrow.parquet as pq
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
-# A run directory made by an earlier version of the task is made again (2: the answer ends with EOS, pads are EOS)
-TASK_VERSION = 2
+# A run directory made by an earlier version of the task is made again (2: the answer ends with EOS, pads are EOS;
+# 3: no unknown token added on loading)
+TASK_VERSION = 3
 DATA_SOURCE = "shardrl/digit_successor"  # scored by shardrl.rewards.digits
 LOOKUP_SOURCE = "shardrl/digit_lookup"  # the multi-turn variant, scored by shardrl.rewards.digits too
 
@@ -78,6 +79,11 @@ def make_tokenizer(out_dir: str | Path, multi_turn: bool = False) -> PreTrainedT
         tokenizer.add_tokens(TOOL_TOKENS)
         tokenizer.chat_template = TOOL_CHAT_TEMPLATE
     tokenizer.save_pretrained(out_dir)
+    # transformers 5 loads this directory (the model's type is qwen2) as a Qwen2Tokenizer, whose default unknown
+    # token "<|endoftext|>" it would add as one more id, past the model's vocabulary; a null unknown token keeps the
+    # vocabulary as built (the WordLevel model maps unknown text to "<pad>" itself).
+    settings = Path(out_dir) / "tokenizer_config.json"
+    settings.write_text(json.dumps(json.loads(settings.read_text()) | {"unk_token": None}, indent=2))
     return tokenizer
 
 
