@@ -24,13 +24,13 @@ def _megatron_keys(group: str) -> dict[str, str]:
             "ep": f"{group}.expert_model_parallel_size"}
 
 
+# The config group of each role built from a Megatron-style group (its layout, its override_transformer_config).
+MEGATRON_GROUPS = {"actor": "actor_rollout_ref.actor.megatron", "ref": "actor_rollout_ref.ref.megatron",
+                   "critic": "critic.megatron", "teacher": "distillation.teacher_model.megatron",
+                   "reward_model": "reward_model.megatron"}
 # Config keys that set each role's TP / PP / EP, for error messages.
 ROLE_KEYS = {
-    "actor": _megatron_keys("actor_rollout_ref.actor.megatron"),
-    "ref": _megatron_keys("actor_rollout_ref.ref.megatron"),
-    "critic": _megatron_keys("critic.megatron"),
-    "teacher": _megatron_keys("distillation.teacher_model.megatron"),
-    "reward_model": _megatron_keys("reward_model.megatron"),
+    **{role: _megatron_keys(group) for role, group in MEGATRON_GROUPS.items()},
     "rollout": {"tp": "actor_rollout_ref.rollout.tensor_model_parallel_size",
                 "ep": "actor_rollout_ref.rollout.expert_parallel_size"},
     "judge": {"tp": "reward_model.judge.tensor_model_parallel_size"},  # TP only: it splits nothing else
@@ -118,7 +118,7 @@ def _refuse_fa4_head_size(config: PPOConfig, roles: list[str], hf: dict[str, Any
     for role in roles:
         if role in groups and groups[role].override_transformer_config.get("attention_backend") == "fa4" \
                 and head_dim is not None and head_dim not in FA4_HEAD_DIMS:
-            key = ROLE_KEYS[role]["tp"].rpartition(".")[0] + ".override_transformer_config.attention_backend"
+            key = f"{MEGATRON_GROUPS[role]}.override_transformer_config.attention_backend"
             raise ConfigError(key, f"fa4: FlashAttention-4 is used for head_dim in {FA4_HEAD_DIMS} (its gradients "
                                    f"were checked at those), and {source} has {head_dim}; set flash or auto")
 

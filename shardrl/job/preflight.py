@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from shardrl.job.errors import ConfigError
+from shardrl.job.model_check import MEGATRON_GROUPS
 from shardrl.job.options import EngineOptions
 from shardrl.job.plan import JobPlan
 from shardrl.models.config import ModelConfig, ModelConfigError
@@ -65,10 +66,8 @@ def check_launch(plan: JobPlan) -> None:
 def trained_models(plan: JobPlan) -> list[tuple[str, EngineOptions]]:
     """(the role's megatron config key, its model's engine options) of every model the run builds from a
     Megatron-style group: actor, reference, critic, distillation teacher, reward model."""
-    roles = [("actor_rollout_ref.actor.megatron", plan.actor), ("actor_rollout_ref.ref.megatron", plan.ref),
-             ("critic.megatron", plan.critic), ("distillation.teacher_model.megatron", plan.teacher),
-             ("reward_model.megatron", plan.reward_model)]
-    return [(key, options.model.engine) for key, options in roles if options is not None]
+    built = [(group, getattr(plan, role)) for role, group in MEGATRON_GROUPS.items()]  # plan fields are role names
+    return [(group, options.model.engine) for group, options in built if options is not None]
 
 
 def model_paths(plan: JobPlan) -> list[tuple[str, str]]:

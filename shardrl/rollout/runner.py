@@ -58,8 +58,9 @@ class EngineConfig:
     # rows bucket (in fp32 per (rows, length) bucket), tens of seconds each, and past torch's recompile limit (8)
     # new buckets run the plain forward: worth it for long runs of few bucket shapes, hence off by default.
     compile_decode: bool = False
-    # Larger decode batches run eagerly: host-bound, 2.4x slower per step at 1,024 rows (494M Qwen2 shape on an
-    # H200). 1,024 covers verl's default max_num_seqs; a graph's buffers grow with its rows (logits over the vocab).
+    # Larger decode batches run eagerly: host-bound, 4.97x slower per step at 1,024 rows (1.67x with compile_decode;
+    # 494M Qwen2 shape on an H200). 1,024 covers verl's default max_num_seqs; a graph's buffers grow with its rows
+    # (logits over the vocabulary).
     max_graph_rows: int = 1024
     # Identical sequences in one prefill step (the n samples of a prompt) are run through the model once and their
     # keys and values copied to the others' cache rows (verl's `enable_prefix_caching`, narrowed to whole sequences
