@@ -251,6 +251,61 @@ def host_syncs_line(prof: profile, seconds: float, cuda: bool) -> str:
             f"({100 * kernels / seconds:.0f}%)")
 
 
+def busy_runs(events: list) -> list[tuple[float, float, object, object]]:
+    """(start, end, first kernel, last kernel) of each stretch in which some CUDA kernel ran (any stream), in time
+    order, microseconds."""
+    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+    runs: list[list] = []
+    for kernel in kernels:
+        begin, end = kernel.time_range.start, kernel.time_range.end
+        if runs and begin <= runs[-1][1]:
+            if end > runs[-1][1]:
+                runs[-1][1], runs[-1][3] = end, kernel
+        else:
+            runs.append([begin, end, kernel, kernel])
+    return [tuple(run) for run in runs]
+
+
+# Gap lengths (microseconds) that tell host-bound stretches (many short gaps: launches slower than the kernels) from
+# stalls (a few long ones: a wait, an allocation, Python work between launches).
+GAP_CLASSES = ((20, "< 20 us"), (200, "20-200 us"), (2000, "0.2-2 ms"), (float("inf"), ">= 2 ms"))
+
+
+def idle_by_launcher(prof: profile, top: int = 12) -> str:
+    """Where the GPU stood idle in a CPU + CUDA profiled step, by the host op that launched the kernel ending each
+    gap (the kernel's linked correlation id names the innermost op; its outermost caller, e.g. an autograd node's
+    `evaluate_function`, groups a layer's backward), with the gaps counted by length. The profiler's own host cost
+    lengthens host-bound gaps somewhat; the CUDA-only `idle_gaps` measures the total without it."""
+    events = list(prof.events())
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+    runs = busy_runs(events)
+    by_op: Counter[str] = Counter()
+    by_root: Counter[str] = Counter()
+    count_op: Counter[str] = Counter()
+    by_length = [[0, 0.0] for _ in GAP_CLASSES]
+    for before, after in zip(runs, runs[1:]):
+        gap = after[0] - before[1]
+        op = ops.get(after[2].linked_correlation_id)
+        root = op
+        while root is not None and root.cpu_parent is not None:
+            root = root.cpu_parent
+        name = op.name if op is not None else "(no host op)"
+        by_op[name] += gap
+        count_op[name] += 1
+        by_root[root.name if root is not None else "(no host op)"] += gap
+        slot = next(i for i, (limit, _) in enumerate(GAP_CLASSES) if gap < limit)
+        by_length[slot][0] += 1
+        by_length[slot][1] += gap
+    total = sum(by_op.values())
+    lines = [f"idle {total / 1e3:.1f} ms in {len(runs) - 1} gaps (CPU + CUDA profile); by length: " + ", ".join(
+        f"{label} {n} gaps {t / 1e3:.1f} ms" for (_, label), (n, t) in zip(GAP_CLASSES, by_length))]
+    lines.append("  idle before the kernels of (innermost host op):")
+    lines += [f"    {t / 1e3:8.2f} ms {count_op[name]:6d} gaps  {name[:80]}" for name, t in by_op.most_common(top)]
+    lines.append("  idle before the kernels of (outermost host op):")
+    lines += [f"    {t / 1e3:8.2f} ms  {name[:90]}" for name, t in by_root.most_common(top)]
+    return "\n".join(lines)
+
+
 def idle_gaps(train_step: Callable[[], object], device: torch.device, top: int = 10) -> str:
     """Profile one more step with CUDA activity only (kernel and runtime-call times, little host overhead) and find
     where the GPU stood idle: the union of kernel intervals over all streams against the step's wall time, and the
@@ -262,18 +317,10 @@ def idle_gaps(train_step: Callable[[], object], device: torch.device, top: int =
         sync(device)
     wall = time.perf_counter() - start
     events = list(prof.events())
-    kernels = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                     if e.device_type == DeviceType.CUDA)
+    merged = [[begin, end, first.name, last.name] for begin, end, first, last in busy_runs(events)]
     calls = sorted((e.time_range.start, e.name) for e in events if e.device_type == DeviceType.CPU)
-    if not kernels:
+    if not merged:
         return "idle gaps: no kernel events recorded"
-    merged: list[list] = []  # [start, end, first kernel, last kernel] of each busy run, microseconds
-    for begin, end, name in kernels:
-        if merged and begin <= merged[-1][1]:
-            if end > merged[-1][1]:
-                merged[-1][1], merged[-1][3] = end, name
-        else:
-            merged.append([begin, end, name, name])
     busy = sum(end - begin for begin, end, _, _ in merged) / 1e6
     gaps = sorted(((after[0] - before[1], before, after) for before, after in zip(merged, merged[1:])),
                   key=lambda g: -g[0])[:top]
@@ -392,7 +439,7 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
         seconds = time.perf_counter() - start
         table = top_ops_table(prof, cuda, setup.profile_rows) + "\n" + host_syncs_line(prof, seconds, cuda)
         if cuda:
-            table += "\n" + idle_gaps(train_step, device) + "\n" + sync_sites(train_step)
+            table += "\n" + "\n".join((idle_by_launcher(prof), idle_gaps(train_step, device), sync_sites(train_step)))
     return dict(times=times, peak_gib=peak_gib, profile=table)
 
 

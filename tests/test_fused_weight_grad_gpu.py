@@ -2,7 +2,9 @@
 over several micro batches of bf16 column- and row-parallel linears, main_grad equals sum_mb grad^T x computed in
 fp64 from the same bf16 tensors to fp32 precision (rounding each micro batch's gradient to bf16 first, the unfused
 path, is ~1e-3 off), no bf16 `.grad` is left on the weights, biases still accumulate through the hook, input
-gradients are unchanged, and a backward after `finalize` is refused as on the hook path."""
+gradients are unchanged, and a backward after `finalize` is refused as on the hook path. The experts' grouped-GEMM
+weight gradients and the hook's bf16 gradients are added into main_grad by one Triton pass (`add_into_main_grad`),
+bit for bit what torch's mixed-dtype `add_` gives."""
 
 from __future__ import annotations
 
@@ -10,11 +12,13 @@ import pytest
 import torch
 
 from shardrl.parallel.data import GradBuffers
+from shardrl.parallel.expert import MoELayer
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.tensor import ColumnParallelLinear, RowParallelLinear
 
 pytestmark = pytest.mark.gpu
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 
 @pytest.mark.parametrize("kind", ["column", "row"])
@@ -52,3 +56,58 @@ def test_weight_gradient_accumulates_into_main_grad_in_fp32(kind):
     x = torch.randn(8, in_size, device=device, dtype=torch.bfloat16)
     with pytest.raises(RuntimeError, match="backward after finalize"):
         layer(x).sum().backward()
+
+
+@needs_cuda
+@pytest.mark.parametrize("numel", [16 * 4096 * 3, 1_000_003, 5])  # the fast launch, Triton's own (odd size), tiny
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_grad_add_kernel_is_torch_add_bit_for_bit(numel, dtype):
+    from shardrl.parallel.grad_add_kernel import add_into_fp32
+
+    gen = torch.Generator(device="cuda").manual_seed(numel)
+    main = torch.randn(numel, device="cuda", generator=gen) * 3
+    grad = torch.randn(numel, device="cuda", generator=gen).to(dtype)
+    before = main.clone()
+    want = main.clone().add_(grad)  # torch's mixed-dtype addition
+    add_into_fp32(main, grad)
+    assert torch.equal(main, want)
+    assert not torch.equal(main, before)
+
+
+@needs_cuda
+def test_expert_weight_gradients_go_into_main_grad():
+    """An MoE layer on the grouped path over four micro batches: each expert weight's main_grad is the fp32 sum of
+    the micro batches' bf16 gradients (same bits as a torch-only reference layer whose `.grad`s are added with
+    torch), no `.grad` is stored, the input gradients match, and a backward after finalize is refused."""
+    from test_expert import E, F_SIZE, H, K, NAMES
+
+    device = torch.device("cuda")
+    hidden, ffn = H * 8, F_SIZE * 8  # multiples of 8: the grouped GEMM's alignment
+    layout = Layout.create(LayoutSpec(world_size=1), device=device)
+    layers = [MoELayer(hidden, ffn, E, K, layout, NAMES, norm_topk_prob=True, dtype=torch.bfloat16) for _ in "ab"]
+    layers[1].load_state_dict(layers[0].state_dict())
+    ours, reference = layers
+    buffers = GradBuffers(ours.parameters(), layout)
+    buffers.zero()
+    names = ("w_gate", "w_up", "w_down")
+    want = {n: torch.zeros_like(getattr(ours, n), dtype=torch.float32) for n in names}
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):  # micro batches
+        x = torch.randn(300, hidden, generator=gen).to(device, torch.bfloat16)
+        grad = torch.randn(300, hidden, generator=gen).to(device, torch.bfloat16)
+        x_ours, x_ref = x.clone().requires_grad_(), x.clone().requires_grad_()
+        ours(x_ours).backward(grad)
+        reference.zero_grad(set_to_none=True)
+        reference(x_ref).backward(grad)
+        for n in names:
+            want[n].add_(getattr(reference, n).grad)
+        assert torch.equal(x_ours.grad, x_ref.grad)
+    for n in names:
+        param = getattr(ours, n)
+        assert param.grad is None, n  # added into main_grad by the backward, not held by autograd
+        assert want[n].abs().sum() > 0, n
+        assert torch.equal(param.main_grad, want[n]), n
+    assert ours.router.weight.main_grad.abs().sum() > 0  # the router's (an nn.Linear) through the hook
+    buffers.finalize()
+    with pytest.raises(RuntimeError, match="backward after finalize"):
+        ours(torch.randn(8, hidden, device=device, dtype=torch.bfloat16)).sum().backward()

@@ -8,7 +8,9 @@ Choices (read by the optimizer, offload and checkpoint code):
   ``param.grad``. So micro batches of a bf16 model accumulate in fp32, and the data-parallel reduction runs in place
   on the flat buffers with no copies. The linears' weight-gradient GEMMs on CUDA skip ``param.grad`` altogether and
   add into ``main_grad`` themselves (`accumulate_weight_grad`): no bf16 gradient is rounded or stored, and the
-  separate addition pass is gone.
+  separate addition pass is gone. The experts' grouped GEMMs have no fp32 output: their backward adds each bf16
+  weight gradient into ``main_grad`` at once (`add_into_main_grad`, one vectorised pass on CUDA), again with no
+  ``param.grad`` and no hook.
 * Buffers are keyed by (data-parallel group, parameter dtype, weight decay): dense parameters reduce over
   ``"dp_cp"``, expert parameters (``spec.expert``) over ``"edp"``; the dtype is the one updated values are gathered
   in by the distributed optimizer; weight decay is off for parameters whose HF tensor is 1-D (norms, biases) and is
@@ -73,6 +75,31 @@ def accumulate_weight_grad(weight: nn.Parameter, grad: Tensor, x: Tensor) -> Ten
     _check_open(weight)
     torch.addmm(main, grad.t(), x, out_dtype=torch.float32, out=main)
     return None
+
+
+def add_into_main_grad(weight: nn.Parameter, grad: Tensor) -> Tensor | None:
+    """Add a weight gradient that a backward computed as its own tensor (the experts' grouped GEMMs have no fp32
+    output) into `weight.main_grad` now and return None, so autograd stores nothing and runs no hook; without a
+    `GradBuffers` main_grad the gradient is returned for autograd to accumulate."""
+    main = getattr(weight, "main_grad", None)
+    if main is None:
+        return grad
+    _check_open(weight)
+    _add_into(main, grad)
+    return None
+
+
+def _add_into(main: Tensor, grad: Tensor) -> None:
+    """main (fp32) += grad: on CUDA for a bf16/fp16 gradient one vectorised pass (`grad_add_kernel`: torch's
+    mixed-dtype addition loads one element at a time), elsewhere torch's."""
+    if (grad.is_cuda and main.device == grad.device and grad.dtype in FUSED_GRAD_DTYPES
+            and main.dtype == torch.float32 and grad.shape == main.shape and main.is_contiguous()
+            and grad.is_contiguous()):
+        from shardrl.parallel.grad_add_kernel import add_into_fp32  # Triton: CUDA installs only
+
+        add_into_fp32(main, grad)
+    else:
+        main.add_(grad)
 
 
 @dataclass
@@ -234,7 +261,7 @@ class GradBuffers:
         _check_open(param)
         if param.grad is None:  # the weight-gradient GEMM already added into main_grad (autograd got None)
             return
-        param.main_grad.add_(param.grad)
+        _add_into(param.main_grad, param.grad)
         param.grad = None
 
     def owner(self, buf: GradBuffer) -> tuple[int, int]:

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shardrl.parallel.activation import gated_silu
+from shardrl.parallel.data import add_into_main_grad
 
 
 @dataclass(frozen=True)
@@ -94,17 +95,35 @@ def _grouped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down
         # grouped_mm computes x_e @ b[e] with b [E, K, N]; the transposed view is the column-major operand it prefers.
         return F.grouped_mm(rows, weights.transpose(1, 2), offs=offsets)
 
-    gate, up = grouped(x, w_gate), grouped(x, w_up)  # [N, F]
+    gate, up = _ExpertLinear.apply(x, w_gate, offsets), _ExpertLinear.apply(x, w_up, offsets)  # [N, F]
     if adapters is not None and adapters.gate_up_a is not None:
         shared = grouped(x, adapters.gate_up_a)  # [N, r]
         b_gate, b_up = adapters.gate_up_b
         gate = gate + grouped(shared, b_gate) * adapters.scale
         up = up + grouped(shared, b_up) * adapters.scale
     hidden = gated_silu(gate, up)
-    down = grouped(hidden, w_down)  # [N, H]
+    down = _ExpertLinear.apply(hidden, w_down, offsets)  # [N, H]
     if adapters is not None and adapters.down_a is not None:
         down = down + grouped(grouped(hidden, adapters.down_a), adapters.down_b) * adapters.scale
     return _ContiguousGrad.apply(down)
+
+
+class _ExpertLinear(torch.autograd.Function):
+    """y = x_e @ w[e]^T over each expert's rows (offsets [E]: each expert's end row), forward and backward the same
+    grouped GEMMs as `grouped_mm`'s own autograd; the weight gradient goes into the weights' fp32 main_grad at once
+    (`add_into_main_grad`) rather than through autograd's accumulation and the gradient hook."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
+        ctx.save_for_backward(x, weights, offsets)
+        return F.grouped_mm(x, weights.transpose(1, 2), offs=offsets)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        x, weights, offsets = ctx.saved_tensors
+        wants_x, wants_weights, _ = ctx.needs_input_grad
+        grad_x, grad_weights = _grouped_backward(grad.contiguous(), x, weights, offsets, wants_x, wants_weights)
+        return grad_x, grad_weights, None
 
 
 class _ContiguousGrad(torch.autograd.Function):
@@ -164,7 +183,8 @@ class _BitwiseGroupedPair(torch.autograd.Function):
 def _grouped_backward(grad: Tensor, x: Tensor, weights: Tensor, offsets: Tensor, wants_x: bool,
                       wants_weights: bool) -> tuple[Tensor | None, Tensor | None]:
     """Gradients of y = x_e @ w[e]^T per expert's rows (offsets [E]: each expert's end row) from grad [N, out]:
-    x's [N, in] and the weights' [E, out, in] (expert e's grad^T @ x over its rows)."""
+    x's [N, in] and the weights' [E, out, in] (expert e's grad^T @ x over its rows; None where it went into the
+    weights' main_grad, `add_into_main_grad`)."""
     grad_x = F.grouped_mm(grad, weights, offs=offsets) if wants_x else None
-    grad_weights = F.grouped_mm(grad.t(), x, offs=offsets) if wants_weights else None
+    grad_weights = add_into_main_grad(weights, F.grouped_mm(grad.t(), x, offs=offsets)) if wants_weights else None
     return grad_x, grad_weights
