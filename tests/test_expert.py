@@ -143,7 +143,7 @@ def test_matches_per_token_reference_with_an_idle_expert():
     w = full_weights(3, H, F_SIZE, E)
     w["router"][3] = -10.0 * w["router"][3].abs()  # positive tokens never pick expert 3
     x = torch.rand(7, H)
-    layer = make_layer(norm_topk=False)
+    layer = make_layer(norm_topk=False, router=RouterOptions(aux_loss_coef=0.01))
     load_full(layer, w)
     torch.testing.assert_close(layer(x), reference_moe(x, w, K, norm_topk=False), **ATOL)
     assert layer.last_tokens_per_expert[3] == 0 and layer.last_tokens_per_expert.sum() == 7 * K
@@ -182,7 +182,8 @@ def test_router_losses_hand_computed():
     # assignment fractions f = (1/2, 1/2, 0); mean probs P = (5/12, 5/12, 1/6)
     # aux = 3 * (1/2 * 5/12 + 1/2 * 5/12) = 5/4; z = mean(logsumexp^2) = (ln 6)^2.
     names = MoENames("r", "g{expert}", "u{expert}", "d{expert}")
-    layer = MoELayer(2, 4, 3, 1, Layout.single(), names, norm_topk_prob=False)
+    layer = MoELayer(2, 4, 3, 1, Layout.single(), names, norm_topk_prob=False,
+                     router=RouterOptions(aux_loss_coef=1.0, z_loss_coef=1.0))
     with torch.no_grad():
         layer.router.weight.copy_(torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0]]))
     layer(torch.tensor([[math.log(4), 0.0], [0.0, math.log(4)]]))
@@ -215,6 +216,15 @@ def test_router_losses_change_only_the_gradient():
     (scale * (aux_coef * aux + z_coef * z)).backward()
     torch.testing.assert_close(with_loss[1] - plain[1], router.grad, **ATOL)
     torch.testing.assert_close(with_loss[2] - plain[2], xr.grad, **ATOL)
+
+
+def test_no_router_statistics_without_a_router_loss():
+    """With both coefficients 0 a training forward computes no router statistics (at TP > 1 each would cost an
+    all-reduce per layer) and returns the experts' output itself."""
+    layer = make_layer(norm_topk=True)
+    out = layer(torch.randn(4, H, requires_grad=True))
+    assert layer.last_aux_loss is None and layer.last_tokens_per_expert is None
+    assert "InjectLossGrad" not in type(out.grad_fn).__name__
 
 
 def test_no_router_loss_graph_without_grad():

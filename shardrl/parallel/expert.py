@@ -87,7 +87,8 @@ class MoELayer(nn.Module):
         self.fp32_logits = router.fp32_logits
         # Weight of this micro batch's router losses, set by the trainer (e.g. micro-batch tokens / global tokens).
         self.aux_loss_scale = 1.0
-        # Metrics of the last forward with autograd over the micro batch of this TP group (unweighted, detached):
+        # The router losses of the last forward with autograd and a router loss on, over the micro batch of this TP
+        # group (unweighted, detached):
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None  # [E] top-k assignments per expert
@@ -157,7 +158,9 @@ class MoELayer(nn.Module):
         counts = torch.zeros(self.num_experts, dtype=torch.long, device=x.device).scatter_add_(
             0, flat, torch.ones_like(flat))  # [E]
         out = self._combine(x, top_experts, top_probs.to(x.dtype), counts, num_tokens)
-        if not torch.is_grad_enabled():  # inference (rollout, logprobs): no router losses, nor their all-reduce
+        if not torch.is_grad_enabled() or not (self.aux_loss_coef or self.z_loss_coef):
+            # Inference (rollout, logprobs) or no router loss: none of their statistics, nor (at TP > 1) the
+            # all-reduce of them in every layer.
             return out
         return self._attach_router_losses(out, logits, probs, counts)
 
@@ -216,8 +219,6 @@ class MoELayer(nn.Module):
 
     def _attach_router_losses(self, out: Tensor, logits: Tensor, probs: Tensor, counts: Tensor) -> Tensor:
         aux, z = self._router_losses(logits, probs, counts)
-        if not (self.aux_loss_coef or self.z_loss_coef) or not torch.is_grad_enabled():
-            return out
         loss = self.aux_loss_scale * (self.aux_loss_coef * aux + self.z_loss_coef * z)
         return _InjectLossGrad.apply(out, loss)
 
