@@ -12,7 +12,10 @@ import ray.cloudpickle
 import torch
 import torch.distributed as dist
 
-from shardrl.controller import Dispatch, ResourcePool, Role, WorkerError, WorkerGroup, dispatch_mode, init_ray
+from shardrl.controller.cluster import init_ray
+from shardrl.controller.dispatch import Dispatch, dispatch_mode
+from shardrl.controller.group import Role, WorkerError, WorkerGroup
+from shardrl.controller.pool import ResourcePool
 from shardrl.controller.dispatch import DispatchError, route
 from shardrl.data.batch import Batch
 from shardrl.parallel.layout import GroupRegistry, Layout

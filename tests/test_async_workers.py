@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from shardrl.controller.dispatch import Dispatch, route
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.parallel import layout as layout_module

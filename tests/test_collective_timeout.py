@@ -12,7 +12,11 @@ import ray.cloudpickle
 import torch
 import torch.distributed as dist
 
-from shardrl.controller import Dispatch, ResourcePool, Role, WorkerError, WorkerGroup, collective_timeout, init_ray
+from shardrl.controller.cluster import init_ray
+from shardrl.controller.dispatch import Dispatch
+from shardrl.controller.group import Role, WorkerError, WorkerGroup
+from shardrl.controller.rank_env import collective_timeout
+from shardrl.controller.pool import ResourcePool
 from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.layout_spec import LayoutSpec
 

@@ -14,16 +14,10 @@ import ray.cloudpickle
 import torch
 import torch.distributed as dist
 
-from shardrl.controller import (
-    Dispatch,
-    ResourcePool,
-    ResourcePoolError,
-    Role,
-    WorkerError,
-    WorkerGroup,
-    dispatch_mode,
-    init_ray,
-)
+from shardrl.controller.cluster import init_ray
+from shardrl.controller.dispatch import Dispatch, dispatch_mode
+from shardrl.controller.group import Role, WorkerError, WorkerGroup
+from shardrl.controller.pool import ResourcePool, ResourcePoolError
 from shardrl.data.batch import NUM_PAD_KEY, Batch
 from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.layout_spec import LayoutSpec

@@ -16,7 +16,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 from shardrl.algos.aggregate import LossScale
 from shardrl.algos.distillation import DistillationSettings, distillation_loss
 from shardrl.algos.policy_loss import ClipRange
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
 from shardrl.data.batch import Batch
 from shardrl.data.chat import prompt_token_ids

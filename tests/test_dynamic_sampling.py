@@ -11,7 +11,7 @@ import torch
 from transformers import AutoTokenizer
 from trainer_in_gloo import RankHandle
 
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.data.rl_dataset import PromptLoader, RLDataset

@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
 from shardrl.data.batch import Batch
 from shardrl.job.errors import ConfigError

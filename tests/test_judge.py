@@ -17,7 +17,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.job.errors import ConfigError

@@ -16,7 +16,7 @@ from transformers import (AutoModelForSequenceClassification, AutoTokenizer, Lla
                           LlamaForSequenceClassification, PreTrainedTokenizerFast, Qwen2Config,
                           PreTrainedTokenizerBase, Qwen2ForSequenceClassification)
 
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data.batch import Batch
 from shardrl.data.chat import left_pad, prompt_token_ids
 from shardrl.job.options import EngineOptions, ForwardBatching, ModelOptions, OffloadOptions, RewardModelOptions

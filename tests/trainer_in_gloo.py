@@ -8,7 +8,7 @@ import torch.distributed as dist
 from transformers import AutoTokenizer
 
 from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, route
-from shardrl.controller.host import COLLECTIVE_TIMEOUT_ENV
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data.batch import Batch
 from shardrl.job.load import compose
 from shardrl.job.plan import plan_job

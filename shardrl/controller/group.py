@@ -22,7 +22,8 @@ import ray
 from ray.exceptions import RayActorError, RayError, RayTaskError
 
 from shardrl.controller.dispatch import DISPATCH_ATTR, DISPATCH_LAYOUT_ATTR, Dispatch, route
-from shardrl.controller.host import Driver, RankHost, rank_env
+from shardrl.controller.host import Driver, RankHost
+from shardrl.controller.rank_env import rank_env
 from shardrl.controller.pool import ResourcePool
 from shardrl.errors import UserError
 from shardrl.parallel.layout_spec import LayoutSpec

@@ -2,7 +2,7 @@
 
 Worker classes are plain Python classes that find torch.distributed already initialised (STYLE #5): a test builds
 them under `run_distributed`, the controller builds them here. The env contract below is the same one
-`torch.distributed` and `run_distributed` use, plus our collective timeout and device.
+`torch.distributed` and `run_distributed` use, plus our collective timeout and device (`rank_env`).
 
 Several roles (actor + rollout + ref, verl's "hybrid engine") live in one host and so share one process and one
 default process group; each role builds its own `Layout` over the same ranks, all from the host's one
@@ -11,57 +11,19 @@ default process group; each role builds its own `Layout` over the same ranks, al
 
 from __future__ import annotations
 
-import datetime
 import os
 import sys
 import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import ray
 
-from shardrl.parallel.launch import free_port, join_default_group
+from shardrl.controller.rank_env import init_distributed_from_env
+from shardrl.parallel.launch import free_port
 from shardrl.parallel.layout import GroupRegistry
-
-DEVICE_ENV = "SHARDRL_DEVICE"
-COLLECTIVE_TIMEOUT_ENV = "SHARDRL_COLLECTIVE_TIMEOUT_S"
-
-
-def rank_env(
-    rank: int,
-    world_size: int,
-    local_rank: int,
-    master_addr: str,
-    master_port: int,
-    device: Literal["cpu", "cuda"],
-    collective_timeout: datetime.timedelta,
-) -> dict[str, str]:
-    """Environment of one rank; on CUDA, Ray has already narrowed CUDA_VISIBLE_DEVICES to the rank's GPU."""
-    return {
-        "RANK": str(rank),
-        "WORLD_SIZE": str(world_size),
-        "LOCAL_RANK": str(local_rank),
-        "MASTER_ADDR": master_addr,
-        "MASTER_PORT": str(master_port),
-        DEVICE_ENV: device,
-        COLLECTIVE_TIMEOUT_ENV: str(collective_timeout.total_seconds()),
-    }
-
-
-def collective_timeout() -> datetime.timedelta:
-    """The group's collective timeout, for process groups a worker builds itself (`Layout.create(timeout=...)`)."""
-    return datetime.timedelta(seconds=float(os.environ[COLLECTIVE_TIMEOUT_ENV]))
-
-
-def init_distributed_from_env() -> None:
-    """Join the default process group described by `rank_env` (gloo on CPU, NCCL on the one visible GPU)."""
-    backend = "nccl" if os.environ[DEVICE_ENV] == "cuda" else "gloo"
-    join_default_group(
-        int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), backend, collective_timeout(), cuda_index=0
-    )
-
 
 @dataclass(frozen=True)
 class Driver:

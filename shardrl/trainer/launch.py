@@ -16,7 +16,9 @@ from shardrl.agents.driver import AgentSettings, agent_host
 from shardrl.agents.loop import AGENT_LOOPS
 from shardrl.agents.registry import interaction_names_of, tool_schemas_of
 from shardrl.algos import make_kl_controller
-from shardrl.controller import ResourcePool, Role, WorkerGroup, init_ray
+from shardrl.controller.cluster import init_ray
+from shardrl.controller.group import Role, WorkerGroup
+from shardrl.controller.pool import ResourcePool
 from shardrl.data import builtin_task
 from shardrl.data.chat import pad_id
 from shardrl.data.rl_dataset import DatasetError, PromptLoader, RLDataset

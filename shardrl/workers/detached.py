@@ -9,7 +9,7 @@ Both workers make the sync group from the registry their layouts use (one group 
 from __future__ import annotations
 
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
-from shardrl.controller.host import collective_timeout
+from shardrl.controller.rank_env import collective_timeout
 from shardrl.job.options import ActorOptions, RefOptions, TeacherOptions, WeightSyncOptions
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.sync.detached import DetachedSync

@@ -12,7 +12,7 @@ from typing import Any
 
 from shardrl.agents.driver import RunnerStats, build_runner
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
-from shardrl.controller.host import collective_timeout
+from shardrl.controller.rank_env import collective_timeout
 from shardrl.data.batch import Batch
 from shardrl.job.options import ActorOptions, RefOptions, RolloutOptions, TeacherOptions
 from shardrl.models.config import ModelConfig

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 
-from shardrl.controller.host import collective_timeout
+from shardrl.controller.rank_env import collective_timeout
 from shardrl.data.batch import Batch
 from shardrl.job.options import ModelOptions
 from shardrl.models.checkpoint import load_model_from_dist
