@@ -139,10 +139,10 @@ class _ContiguousGrad(torch.autograd.Function):
         return grad.contiguous()
 
 
-class _BitwiseGrouped(torch.autograd.Function):
+class _BitwiseGrouped(_ExpertLinear):
     """y = x_e @ w[e]^T per expert's rows. Forward: the batch-invariant grouped GEMM (`bitwise_kernels`) over a tile
-    map of the rows, whose row bits do not depend on how many rows any expert got. Backward: torch's grouped GEMMs
-    (the two products of `grouped_mm`'s own backward, at the map's expert ends: no host read)."""
+    map of the rows, whose row bits do not depend on how many rows any expert got. Backward: `_ExpertLinear`'s
+    (torch's grouped GEMMs at the map's expert ends: no host read)."""
 
     @staticmethod
     def forward(ctx, x: Tensor, weights: Tensor, tiles) -> Tensor:
@@ -150,13 +150,6 @@ class _BitwiseGrouped(torch.autograd.Function):
 
         ctx.save_for_backward(x, weights, tiles.expert_end)
         return grouped_matmul(x, weights, tiles)
-
-    @staticmethod
-    def backward(ctx, grad: Tensor):
-        x, weights, offsets = ctx.saved_tensors
-        wants_x, wants_weights, _ = ctx.needs_input_grad
-        grad_x, grad_weights = _grouped_backward(grad.contiguous(), x, weights, offsets, wants_x, wants_weights)
-        return grad_x, grad_weights, None
 
 
 class _BitwiseGroupedPair(torch.autograd.Function):
