@@ -10,6 +10,10 @@ Then the experts, whose grouped GEMMs have no fp32 output: the bf16 weight gradi
 MoE bench model (16 experts, 1408 x 2048; 32,768 rows over the experts) added by torch's mixed-dtype `add_` against
 the Triton pass (`grad_add_kernel`, what `data.add_into_main_grad` runs), alone and after the grouped GEMM.
 
+Last the embedding of the dense bench model (128k x 2048, 8192 tokens): torch's backward (a dense bf16 [V, H]
+gradient) plus the addition into main_grad, against the rows' gradients put into main_grad's rows
+(`data.accumulate_embedding_grad`).
+
     PYTHONPATH=. python bench/weight_grad_fusion.py
 """
 
@@ -79,6 +83,34 @@ def experts() -> None:
           f"{with_gemm['torch'] / with_gemm['triton']:.2f}x")
 
 
+
+def embedding() -> None:
+    from shardrl.parallel.grad_add_kernel import add_into_fp32
+
+    vocab, hidden, tokens = 128256, 2048, 8192
+    ids = torch.randint(0, vocab, (tokens,), device="cuda")
+    grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
+    main_grad = torch.zeros(vocab, hidden, device="cuda", dtype=torch.float32)
+
+    def dense_then_add() -> None:
+        add_into_fp32(main_grad, torch.ops.aten.embedding_dense_backward(grad, ids, vocab, -1, False))
+
+    def rows() -> None:
+        main_grad.index_put_((ids,), grad.float(), accumulate=True)
+
+    reference = torch.zeros(vocab, hidden, device="cuda", dtype=torch.float64).index_add_(0, ids, grad.double())
+    errors = []
+    for fn in (dense_then_add, rows):
+        main_grad.zero_()
+        fn()
+        errors.append(((main_grad - reference).abs().max() / reference.abs().max()).item())
+    dense_ms, rows_ms = cuda_ms(dense_then_add), cuda_ms(rows)
+    print(f"embedding [{vocab} x {hidden}] over {tokens} tokens into fp32 main_grad: dense gradient + add "
+          f"{dense_ms:.3f} ms, rows into main_grad {rows_ms:.3f} ms -> {dense_ms / rows_ms:.2f}x; relative error "
+          f"{errors[0]:.1e} -> {errors[1]:.1e}")
+
+
 if __name__ == "__main__":
     main()
     experts()
+    embedding()

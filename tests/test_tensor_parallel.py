@@ -12,6 +12,7 @@ from shardrl.models.config import ModelConfig
 from shardrl.models.hf_bridge import load_hf_weights
 from shardrl.models.tiny import hf_logits, make_tiny_checkpoint, packed_batch
 from shardrl.models.transformer import Transformer
+from shardrl.parallel.data import GradBuffers
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.layout_spec import LayoutSpec
@@ -110,6 +111,14 @@ def _check_embedding_and_logprobs(layout: Layout, ckpt: Path, t: dict, sp: bool)
     # Complete without any further sum: with SP the backward of the reduce-scatter gathers every token's gradient.
     assert not get_spec(emb.weight).sum_grad_over_group
     assert_close(emb.weight.grad, _shard(ref_grad, emb.weight))
+    # With a GradBuffers main_grad the rows' gradients go into its rows (two backwards: they accumulate), no .grad.
+    emb.weight.grad = None
+    buffers = GradBuffers(emb.parameters(), layout)
+    buffers.zero()
+    for _ in range(2):
+        (emb(ids) * (_chunk(t["up"], layout) if sp else t["up"])).sum().backward()
+    assert emb.weight.grad is None
+    assert_close(emb.weight.main_grad, 2 * _shard(ref_grad, emb.weight))
 
     logits = t["logits"].clone().requires_grad_()
     ref_lp, ref_ent = _reference_logprobs(logits, ids)

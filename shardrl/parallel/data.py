@@ -10,7 +10,8 @@ Choices (read by the optimizer, offload and checkpoint code):
   add into ``main_grad`` themselves (`accumulate_weight_grad`): no bf16 gradient is rounded or stored, and the
   separate addition pass is gone. The experts' grouped GEMMs have no fp32 output: their backward adds each bf16
   weight gradient into ``main_grad`` at once (`add_into_main_grad`, one vectorised pass on CUDA), again with no
-  ``param.grad`` and no hook.
+  ``param.grad`` and no hook. Embeddings add their rows' gradients into ``main_grad``'s rows
+  (`accumulate_embedding_grad`): the dense vocabulary-sized gradient is never formed.
 * Buffers are keyed by (data-parallel group, parameter dtype, weight decay): dense parameters reduce over
   ``"dp_cp"``, expert parameters (``spec.expert``) over ``"edp"``; the dtype is the one updated values are gathered
   in by the distributed optimizer; weight decay is off for parameters whose HF tensor is 1-D (norms, biases) and is
@@ -74,6 +75,22 @@ def accumulate_weight_grad(weight: nn.Parameter, grad: Tensor, x: Tensor) -> Ten
         return grad.t().mm(x)
     _check_open(weight)
     torch.addmm(main, grad.t(), x, out_dtype=torch.float32, out=main)
+    return None
+
+
+def accumulate_embedding_grad(weight: nn.Parameter, ids: Tensor, grad: Tensor) -> Tensor | None:
+    """The weight gradient of rows = weight[ids] (ids [T], grad [T, H]) for an embedding's backward.
+
+    Where `weight` has a `GradBuffers` main_grad on grad's device, each row's gradient is added into its main_grad
+    row in fp32 (`index_put_` with accumulate: duplicates summed in sorted order, no atomics) and None is returned:
+    the dense [V, H] gradient that torch's embedding backward writes (zeroed, filled, then added into main_grad by
+    the hook: over 3 GB of traffic per micro batch at a 128k vocabulary) is never formed. Otherwise that dense
+    gradient is returned for autograd."""
+    main = getattr(weight, "main_grad", None)
+    if main is None or main.device != grad.device:
+        return torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], -1, False)
+    _check_open(weight)
+    main.index_put_((ids,), grad.to(main.dtype), accumulate=True)
     return None
 
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from shardrl.parallel.data import accumulate_embedding_grad
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec
 from shardrl.parallel.tensor import Group, exit_tp, group_rank, group_size, sharded_param
@@ -43,12 +44,27 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] -> [T, H] (replicated) or this rank's token chunk [T_r, H] with sequence parallelism."""
         if self.group is None:
-            return F.embedding(input_ids, self.weight)
+            return _Embedding.apply(input_ids, self.weight)
         local = input_ids - self.start  # [T]
         outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = F.embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        rows = _Embedding.apply(local.masked_fill(outside, 0), self.weight)  # [T, H]
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         return exit_tp(rows, self.group, self.sequence_parallel)
+
+
+class _Embedding(torch.autograd.Function):
+    """rows = weight[ids], whose backward adds the rows' gradients into the weight's fp32 main_grad
+    (`accumulate_embedding_grad`) instead of forming the dense vocabulary-sized gradient."""
+
+    @staticmethod
+    def forward(ctx, ids: Tensor, weight: Tensor) -> Tensor:
+        ctx.save_for_backward(ids, weight)
+        return F.embedding(ids, weight)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        ids, weight = ctx.saved_tensors
+        return None, accumulate_embedding_grad(weight, ids, grad) if ctx.needs_input_grad[1] else None
 
 
 # fp32 elements of one token chunk's temporaries in the logprob maths ([C, V/tp] each, two alive at once): bounds
