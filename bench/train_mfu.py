@@ -415,6 +415,37 @@ def nccl_environment() -> str:
     return settings
 
 
+class GCPauses:
+    """Python's garbage collector during the timed steps: how often each generation ran and how long the host stood
+    in it. A full (generation 2) collection walks every tracked object of the process, which grows with everything
+    imported; a pause longer than the GPU's queued work leaves the GPU idle with no host sync to show for it."""
+
+    def __init__(self) -> None:
+        self.counting = False
+        self.runs = [0, 0, 0]
+        self.seconds = [0.0, 0.0, 0.0]
+        self._start = 0.0
+
+    def __enter__(self) -> GCPauses:
+        gc.callbacks.append(self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        elif self.counting:
+            self.runs[info["generation"]] += 1
+            self.seconds[info["generation"]] += time.perf_counter() - self._start
+
+    def summary(self, steps: int) -> str:
+        return ("GC per timed step: " + ", ".join(f"gen {g} x{self.runs[g] / steps:.1f} "
+                                                   f"{1e3 * self.seconds[g] / steps:.2f} ms" for g in range(3))
+                + f"; {len(gc.get_objects())} objects tracked")
+
+
 def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Setup) -> dict:
     """Seconds of each timed step (after the warm-up steps), peak memory, and the profile of one more step."""
     device = engine.layout.device
@@ -422,13 +453,15 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
-    for step in range(setup.warmup + setup.steps):
-        sync(device)
-        start = time.perf_counter()
-        train_step()
-        sync(device)
-        if step >= setup.warmup:
-            times.append(time.perf_counter() - start)
+    with GCPauses() as pauses:
+        for step in range(setup.warmup + setup.steps):
+            sync(device)
+            start = time.perf_counter()
+            pauses.counting = step >= setup.warmup
+            train_step()
+            sync(device)
+            if step >= setup.warmup:
+                times.append(time.perf_counter() - start)
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
     table = None
     if setup.profile:
@@ -440,7 +473,7 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
         table = top_ops_table(prof, cuda, setup.profile_rows) + "\n" + host_syncs_line(prof, seconds, cuda)
         if cuda:
             table += "\n" + "\n".join((idle_by_launcher(prof), idle_gaps(train_step, device), sync_sites(train_step)))
-    return dict(times=times, peak_gib=peak_gib, profile=table)
+    return dict(times=times, peak_gib=peak_gib, profile=table, gc=pauses.summary(setup.steps))
 
 
 def layouts(args: argparse.Namespace) -> dict[str, dict]:
@@ -460,7 +493,7 @@ def report(name: str, cfg: ModelConfig, setup: Setup, world: int, result: dict, 
     print(f"{name:5s} [{result['variant']}] recompute {recompute}: step {seconds:.3f} s "
           f"(min {min(result['times']):.3f}), {tokens / seconds:,.0f} tok/s ({tokens / seconds / world:,.0f} per "
           f"rank), {flops / seconds / world / 1e12:.1f} model TFLOP/s per rank, MFU {100 * mfu:.1f}% "
-          f"(PaLM convention {100 * mfu_palm:.1f}%), peak memory {result['peak_gib']:.1f} GiB")
+          f"(PaLM convention {100 * mfu_palm:.1f}%), peak memory {result['peak_gib']:.1f} GiB\n  {result['gc']}")
     if result["profile"] is not None:
         print(f"top kernels of one {name} step [{result['variant']}] (recompute {recompute.strip()}), rank 0:\n"
               f"{result['profile']}")
