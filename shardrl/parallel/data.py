@@ -82,7 +82,9 @@ def accumulate_embedding_grad(weight: nn.Parameter, ids: Tensor, grad: Tensor) -
     """The weight gradient of rows = weight[ids] (ids [T], grad [T, H]) for an embedding's backward.
 
     Where `weight` has a `GradBuffers` main_grad on grad's device, each row's gradient is added into its main_grad
-    row in fp32 (`index_put_` with accumulate: duplicates summed in sorted order, no atomics) and None is returned:
+    row in fp32 and None is returned (deterministic on both devices: CUDA's accumulating `index_put_` sums the
+    duplicates of an id after sorting, with no atomics; on CPU, where that op may run threads in any order,
+    `index_add_` adds in token order):
     the dense [V, H] gradient that torch's embedding backward writes (zeroed, filled, then added into main_grad by
     the hook: over 3 GB of traffic per micro batch at a 128k vocabulary) is never formed. Otherwise that dense
     gradient is returned for autograd."""
@@ -90,7 +92,11 @@ def accumulate_embedding_grad(weight: nn.Parameter, ids: Tensor, grad: Tensor) -
     if main is None or main.device != grad.device:
         return torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], -1, False)
     _check_open(weight)
-    main.index_put_((ids,), grad.to(main.dtype), accumulate=True)
+    rows = grad.to(main.dtype)
+    if main.is_cuda:
+        main.index_put_((ids,), rows, accumulate=True)
+    else:
+        main.index_add_(0, ids, rows)
     return None
 
 
