@@ -277,7 +277,7 @@ def idle_by_launcher(prof: profile, top: int = 12) -> str:
     `evaluate_function`, groups a layer's backward), with the gaps counted by length. The profiler's own host cost
     lengthens host-bound gaps somewhat; the CUDA-only `idle_gaps` measures the total without it."""
     events = list(prof.events())
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0}
+    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0 and e.id > 0}
     runs = busy_runs(events)
     by_op: Counter[str] = Counter()
     by_root: Counter[str] = Counter()
