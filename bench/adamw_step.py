@@ -4,7 +4,8 @@ lerp, mul, addcmul, sqrt, div, add, addcdiv, and the clipping multiply: eight pa
 optimizer state, same process (GPU only).
 
 Sizes are bench/train_mfu.py's models: 1.24B parameters (dense) and 2.5B (the MoE, all experts), as 2-D bf16
-weights of 64M elements plus a few 1-D ones (no weight decay), in the optimizer's own 40 MB gradient buckets. Each
+weights of 64M elements plus a few 1-D ones (no weight decay), in the optimizer's own pieces (40 MB gradient
+buckets, consecutive ones joined: one piece per buffer without the distributed optimizer). Each
 timed call updates with clipping active (scale 0.5). Prints milliseconds per update, the ratio, the state's bytes
 per millisecond, and the largest difference between the two updates' master weights from one identical state.
 

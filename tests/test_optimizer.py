@@ -14,6 +14,7 @@ from torch import nn
 from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import GroupRegistry, Layout
 from shardrl.parallel.layout_spec import LayoutSpec
+from shardrl.parallel import optimizer
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 from shardrl.parallel.spec import ShardSpec, get_spec, set_spec
 from test_grad_finalize import SMALL_BUCKET_MB, ToyModel, batch, create_layout, full_params, reference_loss, shard_of
@@ -174,6 +175,30 @@ def _scheduled_lrs(steps: int, **kwargs) -> list[float]:
         scheduler.step()
         lrs.append(opt.lr)
     return lrs
+
+
+def test_update_joins_consecutive_buckets_up_to_the_piece_cap(monkeypatch):
+    """Without the distributed optimizer the buckets of a buffer are updated as one piece (four host views, not four
+    per bucket), split only at MAX_PIECE_ELEMENTS; three steps give the same parameters either way."""
+    layout = Layout.single()
+    results = {}
+    for cap in (optimizer.MAX_PIECE_ELEMENTS, 200):
+        monkeypatch.setattr(optimizer, "MAX_PIECE_ELEMENTS", cap)
+        model, opt = _model_and_optimizer(layout, distributed=False)
+        grads = opt._owned_pieces()[0]
+        assert sum(len(buf.buckets) for buf in opt.grads.buffers) > len(opt.grads.buffers)  # several buckets each
+        if cap == 200:  # above every bucket of this model (a bucket is never cut), below every buffer
+            assert len(grads) > len(opt.grads.buffers) and max(g.numel() for g in grads) <= cap
+        else:
+            assert len(grads) == len(opt.grads.buffers)
+        for step in range(STEPS):
+            opt.zero_grad()
+            model.loss(batch(step)).backward()
+            opt.step()
+        results[cap] = _params(model)
+    joined, split = results.values()
+    for name, (_, value) in joined.items():
+        assert torch.equal(value, split[name][1]), name
 
 
 def test_lr_schedules_hand_computed():

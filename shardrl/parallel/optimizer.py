@@ -27,6 +27,10 @@ from shardrl.parallel.data import GradBuffer, GradBuffers
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import get_spec
 
+# The largest piece of state one update passes to torch's multi-tensor kernel: joined buckets stay below 2**31
+# elements, so no piece depends on that kernel's indexing past 32 bits (an expert buffer at EP 1 can exceed it).
+MAX_PIECE_ELEMENTS = 2**30
+
 
 def _copy_all(params: list[Tensor], sources: list[Tensor]) -> None:
     """params[i] <- sources[i] (cast to the param's dtype) in one multi-tensor copy; empties both lists."""
@@ -99,16 +103,25 @@ class AdamW:
         return grad_norm, False
 
     def _owned_pieces(self) -> tuple[list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[bool]]:
-        """(grads, masters, exp_avgs, exp_avg_sqs, decays): this rank's chunk of every bucket. Views are taken
-        afresh: offloading may move the tensors."""
+        """(grads, masters, exp_avgs, exp_avg_sqs, decays): this rank's chunk of every bucket, consecutive chunks
+        joined up to `MAX_PIECE_ELEMENTS` (without the distributed optimizer a buffer is one piece or a few: a MoE's
+        experts were ~250 buckets, four views each, sliced on the host while the GPU waited after the norm's read).
+        Views are taken afresh: offloading may move the tensors."""
         pieces: tuple[list, list, list, list, list] = ([], [], [], [], [])
         for buf, state in zip(self.grads.buffers, self.states):
             rank, count = self.grads.owner(buf)
+            spans: list[list[int]] = []  # [lo, hi, pos] in buf.data and in the state tensors
             for bucket in range(len(buf.buckets)):
                 lo, hi = buf.chunk(bucket, rank, count)
                 if hi == lo:  # nothing of this bucket is this rank's
                     continue
                 pos = buf.buckets[bucket][0] // count
+                if (spans and spans[-1][1] == lo and spans[-1][2] + spans[-1][1] - spans[-1][0] == pos
+                        and hi - spans[-1][0] <= MAX_PIECE_ELEMENTS):
+                    spans[-1][1] = hi
+                else:
+                    spans.append([lo, hi, pos])
+            for lo, hi, pos in spans:
                 chunk = (buf.data[lo:hi], *(t[pos:pos + hi - lo] for t in
                                             (state.master, state.exp_avg, state.exp_avg_sq)), buf.decay)
                 for items, piece in zip(pieces, chunk):
