@@ -77,8 +77,9 @@ def test_grad_add_kernel_is_torch_add_bit_for_bit(numel, dtype):
 @needs_cuda
 def test_expert_weight_gradients_go_into_main_grad():
     """An MoE layer on the grouped path over four micro batches: each expert weight's main_grad is the fp32 sum of
-    the micro batches' bf16 gradients (same bits as a torch-only reference layer whose `.grad`s are added with
-    torch), no `.grad` is stored, the input gradients match, and a backward after finalize is refused."""
+    the micro batches' bf16 gradients (against a reference layer without gradient buffers, on torch's own grouped
+    GEMM autograd, whose `.grad`s are added with torch: equal up to the bf16 rounding of each gradient), no `.grad`
+    is stored, the input gradients match, and a backward after finalize is refused."""
     from test_expert import E, F_SIZE, H, K, NAMES
 
     device = torch.device("cuda")
@@ -101,12 +102,13 @@ def test_expert_weight_gradients_go_into_main_grad():
         reference(x_ref).backward(grad)
         for n in names:
             want[n].add_(getattr(reference, n).grad)
-        assert torch.equal(x_ours.grad, x_ref.grad)
+        torch.testing.assert_close(x_ours.grad, x_ref.grad, rtol=1.6e-2, atol=1e-2 * x_ref.grad.abs().max().item())
     for n in names:
         param = getattr(ours, n)
         assert param.grad is None, n  # added into main_grad by the backward, not held by autograd
         assert want[n].abs().sum() > 0, n
-        assert torch.equal(param.main_grad, want[n]), n
+        scale = want[n].abs().max().item()
+        torch.testing.assert_close(param.main_grad, want[n], rtol=0, atol=1e-2 * scale, msg=n)
     assert ours.router.weight.main_grad.abs().sum() > 0  # the router's (an nn.Linear) through the hook
     buffers.finalize()
     with pytest.raises(RuntimeError, match="backward after finalize"):

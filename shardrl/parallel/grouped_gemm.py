@@ -95,17 +95,26 @@ def _grouped_ffn(x: Tensor, counts: Tensor, w_gate: Tensor, w_up: Tensor, w_down
         # grouped_mm computes x_e @ b[e] with b [E, K, N]; the transposed view is the column-major operand it prefers.
         return F.grouped_mm(rows, weights.transpose(1, 2), offs=offsets)
 
-    gate, up = _ExpertLinear.apply(x, w_gate, offsets), _ExpertLinear.apply(x, w_up, offsets)  # [N, F]
+    gate, up = _expert_linear(x, w_gate, offsets), _expert_linear(x, w_up, offsets)  # [N, F]
     if adapters is not None and adapters.gate_up_a is not None:
         shared = grouped(x, adapters.gate_up_a)  # [N, r]
         b_gate, b_up = adapters.gate_up_b
         gate = gate + grouped(shared, b_gate) * adapters.scale
         up = up + grouped(shared, b_up) * adapters.scale
     hidden = gated_silu(gate, up)
-    down = _ExpertLinear.apply(hidden, w_down, offsets)  # [N, H]
+    down = _expert_linear(hidden, w_down, offsets)  # [N, H]
     if adapters is not None and adapters.down_a is not None:
         down = down + grouped(grouped(hidden, adapters.down_a), adapters.down_b) * adapters.scale
     return _ContiguousGrad.apply(down)
+
+
+def _expert_linear(x: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
+    """Each expert's rows @ weights[e]^T. Under autograd, for weights with a `GradBuffers` main_grad, through
+    `_ExpertLinear` (the weight gradient goes into main_grad at once); otherwise (inference, the rollout's compiled
+    decode included) torch's grouped GEMM with its own autograd."""
+    if torch.is_grad_enabled() and weights.requires_grad and hasattr(weights, "main_grad"):
+        return _ExpertLinear.apply(x, weights, offsets)
+    return F.grouped_mm(x, weights.transpose(1, 2), offs=offsets)
 
 
 class _ExpertLinear(torch.autograd.Function):

@@ -44,12 +44,20 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, input_ids: Tensor) -> Tensor:
         """input_ids [T] -> [T, H] (replicated) or this rank's token chunk [T_r, H] with sequence parallelism."""
         if self.group is None:
-            return _Embedding.apply(input_ids, self.weight)
+            return _embedding(input_ids, self.weight)
         local = input_ids - self.start  # [T]
         outside = (local < 0) | (local >= self.weight.shape[0])
-        rows = _Embedding.apply(local.masked_fill(outside, 0), self.weight)  # [T, H]
+        rows = _embedding(local.masked_fill(outside, 0), self.weight)  # [T, H]
         rows = rows.masked_fill(outside.unsqueeze(-1), 0.0)
         return exit_tp(rows, self.group, self.sequence_parallel)
+
+
+def _embedding(ids: Tensor, weight: Tensor) -> Tensor:
+    """weight[ids]. Under autograd, for a weight with a `GradBuffers` main_grad, through `_Embedding` (the rows'
+    gradients go into main_grad's rows); otherwise (inference, the rollout's compiled decode included) torch's."""
+    if torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad"):
+        return _Embedding.apply(ids, weight)
+    return F.embedding(ids, weight)
 
 
 class _Embedding(torch.autograd.Function):
