@@ -275,17 +275,24 @@ def idle_by_launcher(prof: profile, top: int = 12) -> str:
     """Where the GPU stood idle in a CPU + CUDA profiled step, by the host op that launched the kernel ending each
     gap (the kernel's linked correlation id names the innermost op; its outermost caller, e.g. an autograd node's
     `evaluate_function`, groups a layer's backward), with the gaps counted by length. The profiler's own host cost
-    lengthens host-bound gaps somewhat; the CUDA-only `idle_gaps` measures the total without it."""
-    events = list(prof.events())
-    ops = {e.id: e for e in events if e.device_type == DeviceType.CPU and e.linked_correlation_id == 0 and e.id > 0}
-    runs = busy_runs(events)
+    lengthens host-bound gaps somewhat; the CUDA-only `idle_gaps` measures the total without it. Kernels are read
+    from the raw profiler events, which carry the linked id on every torch version."""
+    ops = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU and e.id > 0}
+    kernels = sorted((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.linked_correlation_id())
+                     for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
+    runs: list[list] = []  # [start, end, linked id of the first kernel], microseconds
+    for begin, end, linked in kernels:
+        if runs and begin <= runs[-1][1]:
+            runs[-1][1] = max(runs[-1][1], end)
+        else:
+            runs.append([begin, end, linked])
     by_op: Counter[str] = Counter()
     by_root: Counter[str] = Counter()
     count_op: Counter[str] = Counter()
     by_length = [[0, 0.0] for _ in GAP_CLASSES]
     for before, after in zip(runs, runs[1:]):
         gap = after[0] - before[1]
-        op = ops.get(after[2].linked_correlation_id)
+        op = ops.get(after[2]) if after[2] > 0 else None
         root = op
         while root is not None and root.cpu_parent is not None:
             root = root.cpu_parent
@@ -297,7 +304,7 @@ def idle_by_launcher(prof: profile, top: int = 12) -> str:
         by_length[slot][0] += 1
         by_length[slot][1] += gap
     total = sum(by_op.values())
-    lines = [f"idle {total / 1e3:.1f} ms in {len(runs) - 1} gaps (CPU + CUDA profile); by length: " + ", ".join(
+    lines = [f"idle {total / 1e3:.1f} ms in {max(len(runs) - 1, 0)} gaps (CPU + CUDA profile); by length: " + ", ".join(
         f"{label} {n} gaps {t / 1e3:.1f} ms" for (_, label), (n, t) in zip(GAP_CLASSES, by_length))]
     lines.append("  idle before the kernels of (innermost host op):")
     lines += [f"    {t / 1e3:8.2f} ms {count_op[name]:6d} gaps  {name[:80]}" for name, t in by_op.most_common(top)]
