@@ -75,8 +75,8 @@ def experts() -> None:
     times = {name: cuda_ms(lambda: add(main_grad, weight_grad)) for name, add in (("torch", torch_add),
                                                                                   ("triton", triton_add))}
     print(f"expert weight gradient [{num_experts} x {ffn} x {hidden}] into fp32 main_grad: torch add_ "
-          f"{times['torch']:.3f} ms ({bytes_moved / times['torch'] / 1e9:.0f} GB/s), Triton pass "
-          f"{times['triton']:.3f} ms ({bytes_moved / times['triton'] / 1e9:.0f} GB/s) -> "
+          f"{times['torch']:.3f} ms ({bytes_moved / times['torch'] / 1e6:.0f} GB/s), Triton pass "
+          f"{times['triton']:.3f} ms ({bytes_moved / times['triton'] / 1e6:.0f} GB/s) -> "
           f"{times['torch'] / times['triton']:.2f}x")
     with_gemm = {name: cuda_ms(gemm_then(add)) for name, add in (("torch", torch_add), ("triton", triton_add))}
     print(f"  with its grouped GEMM over {rows} rows: {with_gemm['torch']:.3f} -> {with_gemm['triton']:.3f} ms, "
