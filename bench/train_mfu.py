@@ -251,19 +251,17 @@ def host_syncs_line(prof: profile, seconds: float, cuda: bool) -> str:
             f"({100 * kernels / seconds:.0f}%)")
 
 
-def busy_runs(events: list) -> list[tuple[float, float, object, object]]:
-    """(start, end, first kernel, last kernel) of each stretch in which some CUDA kernel ran (any stream), in time
-    order, microseconds."""
-    kernels = sorted((e for e in events if e.device_type == DeviceType.CUDA), key=lambda e: e.time_range.start)
+def busy_runs(kernels: list[tuple[float, float, object]]) -> list[list]:
+    """[start, end, first kernel's tag, last kernel's tag] of each stretch in which some kernel of `kernels`
+    ((start, end, tag), any stream, any order) ran, in time order."""
     runs: list[list] = []
-    for kernel in kernels:
-        begin, end = kernel.time_range.start, kernel.time_range.end
+    for begin, end, tag in sorted(kernels, key=lambda k: k[0]):
         if runs and begin <= runs[-1][1]:
             if end > runs[-1][1]:
-                runs[-1][1], runs[-1][3] = end, kernel
+                runs[-1][1], runs[-1][3] = end, tag
         else:
-            runs.append([begin, end, kernel, kernel])
-    return [tuple(run) for run in runs]
+            runs.append([begin, end, tag, tag])
+    return runs
 
 
 # Gap lengths (microseconds) that tell host-bound stretches (many short gaps: launches slower than the kernels) from
@@ -278,28 +276,21 @@ def idle_by_launcher(prof: profile, top: int = 12) -> str:
     lengthens host-bound gaps somewhat; the CUDA-only `idle_gaps` measures the total without it. Kernels are read
     from the raw profiler events, which carry the linked id on every torch version."""
     ops = {e.id: e for e in prof.events() if e.device_type == DeviceType.CPU and e.id > 0}
-    kernels = sorted((e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.linked_correlation_id())
-                     for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA)
-    runs: list[list] = []  # [start, end, linked id of the first kernel], microseconds
-    for begin, end, linked in kernels:
-        if runs and begin <= runs[-1][1]:
-            runs[-1][1] = max(runs[-1][1], end)
-        else:
-            runs.append([begin, end, linked])
+    runs = busy_runs([(e.start_ns() / 1e3, (e.start_ns() + e.duration_ns()) / 1e3, e.linked_correlation_id())
+                      for e in prof.profiler.kineto_results.events() if e.device_type() == DeviceType.CUDA])
     by_op: Counter[str] = Counter()
     by_root: Counter[str] = Counter()
     count_op: Counter[str] = Counter()
     by_length = [[0, 0.0] for _ in GAP_CLASSES]
     for before, after in zip(runs, runs[1:]):
         gap = after[0] - before[1]
-        op = ops.get(after[2]) if after[2] > 0 else None
-        root = op
+        op = root = ops.get(after[2])  # linked id 0: launched outside any op
         while root is not None and root.cpu_parent is not None:
             root = root.cpu_parent
         name = op.name if op is not None else "(no host op)"
         by_op[name] += gap
         count_op[name] += 1
-        by_root[root.name if root is not None else "(no host op)"] += gap
+        by_root[root.name if root is not None else name] += gap
         slot = next(i for i, (limit, _) in enumerate(GAP_CLASSES) if gap < limit)
         by_length[slot][0] += 1
         by_length[slot][1] += gap
@@ -324,7 +315,8 @@ def idle_gaps(train_step: Callable[[], object], device: torch.device, top: int =
         sync(device)
     wall = time.perf_counter() - start
     events = list(prof.events())
-    merged = [[begin, end, first.name, last.name] for begin, end, first, last in busy_runs(events)]
+    merged = busy_runs([(e.time_range.start, e.time_range.end, e.name) for e in events
+                        if e.device_type == DeviceType.CUDA])  # microseconds
     calls = sorted((e.time_range.start, e.name) for e in events if e.device_type == DeviceType.CPU)
     if not merged:
         return "idle gaps: no kernel events recorded"

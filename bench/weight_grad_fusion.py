@@ -83,27 +83,31 @@ def experts() -> None:
           f"{with_gemm['torch'] / with_gemm['triton']:.2f}x")
 
 
-
 def embedding() -> None:
-    from shardrl.parallel.grad_add_kernel import add_into_fp32
+    from shardrl.parallel.data import GradBuffers, accumulate_embedding_grad, add_into_main_grad
+    from shardrl.parallel.layout import Layout
+    from shardrl.parallel.spec import ShardSpec, set_spec
 
     vocab, hidden, tokens = 128256, 2048, 8192
+    layout = Layout.single("cuda")
+    weight = set_spec(torch.nn.Parameter(torch.empty(vocab, hidden, device="cuda", dtype=torch.bfloat16)),
+                      ShardSpec("embed_tokens.weight", (vocab, hidden)))
+    buffers = GradBuffers([weight], layout)
     ids = torch.randint(0, vocab, (tokens,), device="cuda")
     grad = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
-    main_grad = torch.zeros(vocab, hidden, device="cuda", dtype=torch.float32)
 
-    def dense_then_add() -> None:
-        add_into_fp32(main_grad, torch.ops.aten.embedding_dense_backward(grad, ids, vocab, -1, False))
+    def dense_then_add() -> None:  # torch's embedding backward, then what the hook did with its result
+        add_into_main_grad(weight, torch.ops.aten.embedding_dense_backward(grad, ids, vocab, -1, False))
 
     def rows() -> None:
-        main_grad.index_put_((ids,), grad.float(), accumulate=True)
+        accumulate_embedding_grad(weight, ids, grad)
 
     reference = torch.zeros(vocab, hidden, device="cuda", dtype=torch.float64).index_add_(0, ids, grad.double())
     errors = []
     for fn in (dense_then_add, rows):
-        main_grad.zero_()
+        buffers.zero()
         fn()
-        errors.append(((main_grad - reference).abs().max() / reference.abs().max()).item())
+        errors.append(((weight.main_grad - reference).abs().max() / reference.abs().max()).item())
     dense_ms, rows_ms = cuda_ms(dense_then_add), cuda_ms(rows)
     print(f"embedding [{vocab} x {hidden}] over {tokens} tokens into fp32 main_grad: dense gradient + add "
           f"{dense_ms:.3f} ms, rows into main_grad {rows_ms:.3f} ms -> {dense_ms / rows_ms:.2f}x; relative error "

@@ -78,16 +78,21 @@ def accumulate_weight_grad(weight: nn.Parameter, grad: Tensor, x: Tensor) -> Ten
     return None
 
 
+def fills_main_grad(weight: Tensor) -> bool:
+    """Whether a backward now would add `weight`'s gradient into its `GradBuffers` main_grad itself: the test by
+    which the embedding and the experts' GEMMs pick their autograd functions (inference keeps torch's ops)."""
+    return torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad")
+
+
 def accumulate_embedding_grad(weight: nn.Parameter, ids: Tensor, grad: Tensor) -> Tensor | None:
     """The weight gradient of rows = weight[ids] (ids [T], grad [T, H]) for an embedding's backward.
 
     Where `weight` has a `GradBuffers` main_grad on grad's device, each row's gradient is added into its main_grad
-    row in fp32 and None is returned (deterministic on both devices: CUDA's accumulating `index_put_` sums the
-    duplicates of an id after sorting, with no atomics; on CPU, where that op may run threads in any order,
-    `index_add_` adds in token order):
-    the dense [V, H] gradient that torch's embedding backward writes (zeroed, filled, then added into main_grad by
-    the hook: over 3 GB of traffic per micro batch at a 128k vocabulary) is never formed. Otherwise that dense
-    gradient is returned for autograd."""
+    row in fp32 and None is returned, so the dense [V, H] gradient that torch's embedding backward writes (zeroed,
+    filled, then added into main_grad by the hook: over 3 GB of traffic per micro batch at a 128k vocabulary) is
+    never formed. Deterministic on both devices: CUDA's accumulating `index_put_` sums the duplicates of an id after
+    sorting, with no atomics; on CPU, where that op may run threads in any order, `index_add_` adds in token order.
+    Otherwise that dense gradient is returned for autograd."""
     main = getattr(weight, "main_grad", None)
     if main is None or main.device != grad.device:
         return torch.ops.aten.embedding_dense_backward(grad, ids, weight.shape[0], -1, False)

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from shardrl.parallel.activation import gated_silu
-from shardrl.parallel.data import add_into_main_grad
+from shardrl.parallel.data import add_into_main_grad, fills_main_grad
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,7 @@ def _expert_linear(x: Tensor, weights: Tensor, offsets: Tensor) -> Tensor:
     """Each expert's rows @ weights[e]^T. Under autograd, for weights with a `GradBuffers` main_grad, through
     `_ExpertLinear` (the weight gradient goes into main_grad at once); otherwise (inference, the rollout's compiled
     decode included) torch's grouped GEMM with its own autograd."""
-    if torch.is_grad_enabled() and weights.requires_grad and hasattr(weights, "main_grad"):
+    if fills_main_grad(weights):
         return _ExpertLinear.apply(x, weights, offsets)
     return F.grouped_mm(x, weights.transpose(1, 2), offs=offsets)
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from shardrl.parallel.data import accumulate_embedding_grad
+from shardrl.parallel.data import accumulate_embedding_grad, fills_main_grad
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import ShardSpec
 from shardrl.parallel.tensor import Group, exit_tp, group_rank, group_size, sharded_param
@@ -55,7 +55,7 @@ class VocabParallelEmbedding(nn.Module):
 def _embedding(ids: Tensor, weight: Tensor) -> Tensor:
     """weight[ids]. Under autograd, for a weight with a `GradBuffers` main_grad, through `_Embedding` (the rows'
     gradients go into main_grad's rows); otherwise (inference, the rollout's compiled decode included) torch's."""
-    if torch.is_grad_enabled() and weight.requires_grad and hasattr(weight, "main_grad"):
+    if fills_main_grad(weight):
         return _Embedding.apply(ids, weight)
     return F.embedding(ids, weight)
 
