@@ -106,6 +106,7 @@ class Setup:
     distributed_optimizer: bool
     profile: bool
     profile_rows: int
+    lag: bool
 
 
 def parse_args() -> argparse.Namespace:
@@ -128,6 +129,9 @@ def parse_args() -> argparse.Namespace:
                    help="profile one more step; print its top kernels (--profile-rows), its host-sync count and (GPU) "
                         "where they come from")
     p.add_argument("--profile-rows", type=int, default=10, help="rows of each --profile table")
+    p.add_argument("--lag", action="store_true",
+                   help="(GPU) run one more step with timing markers and no profiler: by phase, the host's and the "
+                        "GPU's time and how far the GPU runs behind the host (near zero: it waits for the host)")
     p.add_argument("--no-tp-overlap", action="store_true",
                    help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")
     p.add_argument("--tp-comm-chunks", type=int, default=1, help="row-parallel forward pipelines this many pieces")
@@ -378,6 +382,8 @@ def measure(setup: Setup) -> list[dict] | None:
             engine = ModelEngine(cfg, layout, options,
                                  weights_loader=lambda chunks: random_init(chunks, cfg.initializer_range))
             result = time_steps(engine, lambda: update_policy(engine, batch, loss, update), setup)
+            if setup.lag and layout.device.type == "cuda":
+                result["lag"] = HostLag(engine).table(lambda: update_policy(engine, batch, loss, update))
             results.append(dict(result, recompute=recompute, variant=variant, num_seqs=num_seqs * layout.dp_size))
             del engine  # free it before the next setting's engine is built
             gc.collect()
@@ -452,6 +458,7 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
     if cuda:
         torch.cuda.reset_peak_memory_stats(device)
     times = []
+    allocator_before = allocator_counts(device)
     with GCPauses() as pauses:
         for step in range(setup.warmup + setup.steps):
             sync(device)
@@ -461,6 +468,7 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
             sync(device)
             if step >= setup.warmup:
                 times.append(time.perf_counter() - start)
+    allocator = {k: v - allocator_before[k] for k, v in allocator_counts(device).items()}
     peak_gib = torch.cuda.max_memory_allocated(device) / 2**30 if cuda else 0.0
     table = None
     if setup.profile:
@@ -472,7 +480,87 @@ def time_steps(engine: ModelEngine, train_step: Callable[[], object], setup: Set
         table = top_ops_table(prof, cuda, setup.profile_rows) + "\n" + host_syncs_line(prof, seconds, cuda)
         if cuda:
             table += "\n" + "\n".join((idle_by_launcher(prof), idle_gaps(train_step, device), sync_sites(train_step)))
-    return dict(times=times, peak_gib=peak_gib, profile=table, gc=pauses.summary(setup.steps))
+    return dict(times=times, peak_gib=peak_gib, profile=table, gc=pauses.summary(setup.steps), allocator=allocator)
+
+
+def allocator_counts(device: torch.device) -> dict[str, int]:
+    """The caching allocator's counters that mean a slow step: device allocations and frees (cudaMalloc/cudaFree,
+    the latter synchronising) and retries (a failed allocation that freed the whole cache and synchronised)."""
+    if device.type != "cuda":
+        return {}
+    stats = torch.cuda.memory_stats(device)
+    return {key: stats.get(key, 0) for key in ("num_device_alloc", "num_device_free", "num_alloc_retries")}
+
+
+class HostLag:
+    """How far the GPU runs behind the host through one step, without a profiler (whose cost per launch distorts
+    where idle time falls). At each marker the host notes its clock and records a CUDA event: at the start of the
+    step, before every decoder layer's forward, where every layer's backward begins (a hook on its output's
+    gradient), around the optimizer step and at the end. A marker's lag is its event's GPU time minus the host's time
+    there, both since the step's first marker (recorded on an idle GPU). The GPU only idles where the lag is near
+    zero, i.e. where it has caught up with the host and waits for the next launch; a phase whose host time exceeds
+    its GPU time is host-bound."""
+
+    def __init__(self, engine: ModelEngine) -> None:
+        self.marks: list[tuple[str, float, torch.cuda.Event]] = []
+        self.micro = -1
+        for chunk in engine.chunks:
+            for index, layer in enumerate(chunk.layers):
+                layer.register_forward_pre_hook(self._forward_pre(index))
+                layer.register_forward_hook(self._forward_post(index))
+        optimizer = engine.optimizer
+        step = optimizer.step
+
+        def marked_step():
+            self.mark("optimizer")
+            result = step()
+            self.mark("after optimizer")
+            return result
+
+        optimizer.step = marked_step
+
+    def _forward_pre(self, index: int) -> Callable:
+        def hook(module, args) -> None:
+            if index == 0:
+                self.micro += 1
+            self.mark(f"forward {self.micro}")
+        return hook
+
+    def _forward_post(self, index: int) -> Callable:
+        def hook(module, args, output: torch.Tensor) -> None:
+            if output.requires_grad:
+                micro = self.micro
+                output.register_hook(lambda grad: self.mark(f"backward {micro}"))
+        return hook
+
+    def mark(self, name: str) -> None:
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        self.marks.append((name, time.perf_counter(), event))
+
+    def table(self, train_step: Callable[[], object]) -> str:
+        """Run `train_step` once with the markers; one line per phase (consecutive markers of one name)."""
+        torch.cuda.synchronize()
+        self.marks, self.micro = [], -1
+        self.mark("before the first forward")
+        train_step()
+        self.mark("end (host waits for the GPU)")
+        torch.cuda.synchronize()
+        host0, event0 = self.marks[0][1], self.marks[0][2]
+        points = [(name, 1e3 * (host - host0), event0.elapsed_time(event)) for name, host, event in self.marks]
+        phases: list[list] = []  # [name, host start, gpu start, least lag inside, lag at its first marker]
+        for name, host, gpu in points:
+            if not phases or phases[-1][0] != name:
+                phases.append([name, host, gpu, gpu - host, gpu - host])
+            phases[-1][3] = min(phases[-1][3], gpu - host)
+        lines = [f"host/GPU lag of one more step (ms; lag = GPU behind host at the phase's markers):",
+                 f"  {'phase':<30} {'host':>8} {'GPU':>8} {'lag at start':>13} {'least lag':>10}"]
+        for (name, host, gpu, least, first), after in zip(phases, phases[1:] + [None]):
+            if after is None:
+                lines.append(f"  {name:<30} {'':>8} {'':>8} {first:13.2f}")
+                continue
+            lines.append(f"  {name:<30} {after[1] - host:8.2f} {after[2] - gpu:8.2f} {first:13.2f} {least:10.2f}")
+        return "\n".join(lines)
 
 
 def layouts(args: argparse.Namespace) -> dict[str, dict]:
@@ -492,7 +580,11 @@ def report(name: str, cfg: ModelConfig, setup: Setup, world: int, result: dict, 
     print(f"{name:5s} [{result['variant']}] recompute {recompute}: step {seconds:.3f} s "
           f"(min {min(result['times']):.3f}), {tokens / seconds:,.0f} tok/s ({tokens / seconds / world:,.0f} per "
           f"rank), {flops / seconds / world / 1e12:.1f} model TFLOP/s per rank, MFU {100 * mfu:.1f}% "
-          f"(PaLM convention {100 * mfu_palm:.1f}%), peak memory {result['peak_gib']:.1f} GiB\n  {result['gc']}")
+          f"(PaLM convention {100 * mfu_palm:.1f}%), peak memory {result['peak_gib']:.1f} GiB\n  {result['gc']}\n"
+          f"  steps (s): {', '.join(f'{t:.3f}' for t in result['times'])}; allocator during them: "
+          f"{', '.join(f'{k} {v}' for k, v in result['allocator'].items()) or 'n/a'}")
+    if "lag" in result:
+        print(result["lag"])
     if result["profile"] is not None:
         print(f"top kernels of one {name} step [{result['variant']}] (recompute {recompute.strip()}), rank 0:\n"
               f"{result['profile']}")
@@ -555,7 +647,7 @@ def main() -> None:
         spec = LayoutSpec(world_size=args.world, **sizes[name])
         setup = Setup(shapes[name], sizes[name], args.seq_len, args.seqs_per_micro, args.micro_batches, args.warmup,
                       args.steps, recompute, variants, args.sequence_parallel, args.distributed_optimizer,
-                      args.profile, args.profile_rows)
+                      args.profile, args.profile_rows, args.lag)
         print(f"{name}: {active_params(cfg) / 1e6:,.1f}M active params, "
               f"layout TP{spec.tp} CP{spec.cp} DP{spec.dp} EP{spec.ep}")
         results = run_distributed(args.world, measure, setup, backend=backend, timeout=timeout)[0]
