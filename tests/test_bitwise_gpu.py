@@ -65,7 +65,7 @@ def test_matmul_rows_do_not_depend_on_the_batch():
 
 def test_rms_norm_and_attention_rows_do_not_depend_on_the_batch():
     from shardrl.models.attention import bitwise_attention
-    from shardrl.parallel.bitwise_kernels import rms_norm
+    from shardrl.models.norm_kernel import rms_norm
 
     g = torch.Generator("cuda").manual_seed(1)
     x = torch.randn(300, 896, device="cuda", generator=g, dtype=torch.bfloat16)
@@ -102,6 +102,7 @@ def test_rms_norm_and_attention_rows_do_not_depend_on_the_batch():
 def test_fast_launches_equal_tritons_own():
     """`FastKernel` (the compiled kernel's launcher called directly) gives Triton's own launch's bits, on aligned
     inputs (its direct path, after the first call) and on a misaligned one (Triton's path again)."""
+    from shardrl.models import norm_kernel
     from shardrl.parallel import bitwise_kernels as bk
     from shardrl.parallel.triton_launch import FastKernel
 
@@ -110,9 +111,9 @@ def test_fast_launches_equal_tritons_own():
     w = torch.randn(256, 512, device="cuda", generator=g, dtype=torch.bfloat16) * 0.05
     norm_w = torch.rand(512, device="cuda", generator=g, dtype=torch.bfloat16) + 0.5
     aligned, misaligned = x[:, :512].contiguous(), x[:, 1:]  # the second starts 2 bytes past an aligned address
-    cases = {"matmul": lambda a: bk.matmul(a, w), "rms_norm": lambda a: bk.rms_norm(a, norm_w, 1e-6)}
+    cases = {"matmul": lambda a: bk.matmul(a, w), "rms_norm": lambda a: norm_kernel.rms_norm(a, norm_w, 1e-6)}
     fast = {name: [fn(aligned), fn(aligned), fn(misaligned)] for name, fn in cases.items()}
-    assert bk._MATMUL.compiled and bk._RMS_NORM.compiled
+    assert bk._MATMUL.compiled and norm_kernel._RMS_NORM.compiled
     direct = FastKernel.launch
     FastKernel.launch = lambda self, grid, tensors, scalars, num_warps, num_stages=3, **constexprs: \
         self.launch_through_triton(grid, tensors, scalars, num_warps, num_stages, constexprs)
@@ -122,25 +123,6 @@ def test_fast_launches_equal_tritons_own():
                 assert torch.equal(out, fn(a)), name
     finally:
         FastKernel.launch = direct
-
-
-def test_rms_norm_backward_is_the_reference_gradient():
-    from shardrl.parallel.bitwise_kernels import rms_norm, rms_norm_backward
-
-    g = torch.Generator("cuda").manual_seed(4)
-    for rows, width in ((8192, 512), (777, 64), (3, 896), (0, 128)):
-        x = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
-        w = (torch.rand(width, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
-        grad = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
-        rstd = torch.empty(rows, 1, device="cuda")
-        rms_norm(x, w, 1e-6, rstd)
-        grad_x, grad_w = rms_norm_backward(grad, x, w, rstd)
-        x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
-        (reference_rms_norm(x64, w64, 1e-6) * grad.double()).sum().backward()
-        if rows:
-            assert _close(grad_x, x64.grad, 1e-2) and _close(grad_w, w64.grad, 1e-2), (rows, width)
-        else:
-            assert grad_x.shape == (0, width) and torch.equal(grad_w, torch.zeros_like(grad_w))
 
 
 def _rollout(path, bitwise: bool, temperature: float):

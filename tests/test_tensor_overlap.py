@@ -195,3 +195,20 @@ def test_compiled_elementwise_chains_match_eager():
         for a, b in zip(compiled_leaves, leaves):
             if isinstance(a, torch.Tensor):
                 assert_close(a.grad, b.grad)
+
+
+def test_single_rank_columns_sum_their_input_gradients_in_one_backward():
+    """Without a TP group the gate/up input gradients are summed in place by one autograd node (no collective):
+    output and every gradient against torch, with the overlap flag on or off."""
+    layout = Layout.single("cpu")
+    t = _full_tensors()
+    ref = _reference(t)
+    for overlap in (TPOverlap(backward=True), TPOverlap(backward=False)):
+        got = _run_mlp(layout, t, False, overlap)
+        for name, value in got.items():
+            assert_close(value, ref[name], msg=name)
+    gate, up = (ColumnParallelLinear(H, F_SIZE, layout, name) for name in ("gate", "up"))
+    x = t["x"].clone().requires_grad_()
+    a, b = column_parallel(x, (gate, up), None, False, T, True)
+    assert type(a.grad_fn).__name__ == type(b.grad_fn).__name__ == "_ColumnParallelBackward"
+    assert type(column_parallel(x, (gate,), None, False, T, True)[0].grad_fn).__name__ != "_ColumnParallelBackward"

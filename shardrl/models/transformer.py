@@ -54,8 +54,10 @@ class DecoderLayer(nn.Module):
                            sequence_parallel, dtype, fast)
 
     def forward(self, h: Tensor, seqs: PackedSeqs) -> Tensor:
-        h = h + self.self_attn(self.input_layernorm(h), seqs)
-        return h + self.mlp(self.post_attention_layernorm(h), seqs.num_tokens)
+        normed, h = self.input_layernorm.with_residual(h)
+        h = h + self.self_attn(normed, seqs)
+        normed, h = self.post_attention_layernorm.with_residual(h)
+        return h + self.mlp(normed, seqs.num_tokens)
 
 
 class Transformer(nn.Module):

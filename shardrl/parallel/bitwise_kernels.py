@@ -9,7 +9,7 @@ What makes each one invariant:
   chosen per batch size, changes which elements a program computes, not how each is summed). Rows of different
   experts (the grouped form, MoE) never share a tile's output. The batch size is not specialised
   (`do_not_specialize`), so M = 1 compiles to the same code as M = 4096.
-* RMSNorm: one program per row, the whole row in one block.
+* RMSNorm (`models/norm_kernel.py`): one program per row, the whole row in one block.
 * Attention: one program per (tile, KV head), a tile's rows being (query, head of the group) pairs, one tile height
   for every call; every row walks its keys in BLOCK_N blocks from position 0 with one online-softmax update per
   block. A decode query (the first rows of a tile) and the same query inside a prefill or training tile see the same
@@ -104,7 +104,8 @@ def _matmul_kernel(x_ptr, w_ptr, w2_ptr, bias_ptr, y_ptr, y2_ptr, tile_expert_pt
 _MATMUL = FastKernel(_matmul_kernel)
 
 
-def _rows_contiguous(x: Tensor) -> Tensor:
+def rows_contiguous(x: Tensor) -> Tensor:
+    """x, or a copy whose last dimension is contiguous: the kernels step along a row one element at a time."""
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -130,7 +131,7 @@ def _gemm_config(num_rows: int, num_cols: int, heights: tuple[int, ...],
 def matmul(x: Tensor, weight: Tensor, bias: Tensor | None = None,
            config: tuple[int, int, int, int] | None = None) -> Tensor:
     """x [M, K] @ weight [N, K]^T (+ bias [N]) -> [M, N] in x's dtype; `config` overrides the tile choice (tests)."""
-    x, weight = _rows_contiguous(x), _rows_contiguous(weight)
+    x, weight = rows_contiguous(x), rows_contiguous(weight)
     num_rows, depth = x.shape
     num_cols = weight.shape[0]
     y = x.new_empty(num_rows, num_cols)
@@ -213,7 +214,7 @@ def grouped_matmul_pair(x: Tensor, first: Tensor, second: Tensor, tiles: ExpertT
 
 def _grouped(x: Tensor, weights: Tensor, second: Tensor | None, tiles: ExpertTiles,
              config: tuple[int, int, int, int] | None) -> tuple[Tensor, Tensor | None]:
-    x = _rows_contiguous(x)
+    x = rows_contiguous(x)
     weights = weights if weights.stride(-1) == 1 else weights.contiguous()
     num_rows, depth = x.shape
     num_experts, num_cols, _ = weights.shape
@@ -232,108 +233,6 @@ def _grouped(x: Tensor, weights: Tensor, second: Tensor | None, tiles: ExpertTil
                    GROUPED=True, PAIRED=second is not None, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=block_n,
                    BLOCK_K=BLOCK_K)
     return y, y2
-
-
-@triton.jit(do_not_specialize=["num_cols"])
-def _rms_norm_kernel(x_ptr, w_ptr, y_ptr, rstd_ptr, num_cols, stride_x, stride_y, eps, BLOCK: tl.constexpr,
-                     STORE_RSTD: tl.constexpr):
-    """Program row: y = w * (x / sqrt(mean(x^2) + eps) rounded to x's dtype), HF's order of roundings;
-    `STORE_RSTD`: also 1 / sqrt(mean(x^2) + eps) in fp32 (the fused backward takes it)."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, BLOCK)
-    inside = cols < num_cols
-    x = tl.load(x_ptr + row * stride_x + cols, mask=inside, other=0.0).to(tl.float32)
-    inv = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / num_cols + eps)
-    if STORE_RSTD:
-        tl.store(rstd_ptr + row, inv)
-    normed = (x * inv).to(y_ptr.dtype.element_ty).to(tl.float32)
-    w = tl.load(w_ptr + cols, mask=inside, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + cols, (normed * w).to(y_ptr.dtype.element_ty), mask=inside)
-
-
-_RMS_NORM = FastKernel(_rms_norm_kernel)
-
-
-def rms_norm(x: Tensor, weight: Tensor, eps: float, rstd: Tensor | None = None) -> Tensor:
-    """x [..., H] -> the same shape, normalised per row of H; `rstd` [rows, 1] fp32: filled with each row's
-    reciprocal RMS (training)."""
-    rows = _rows_contiguous(x).reshape(-1, x.shape[-1])
-    y = torch.empty_like(rows)
-    if rows.shape[0]:
-        _RMS_NORM.launch((rows.shape[0],), (rows, weight, y, rstd if rstd is not None else y),
-                         (rows.shape[1], rows.stride(0), y.stride(0), eps), 4,
-                         BLOCK=triton.next_power_of_2(rows.shape[1]), STORE_RSTD=rstd is not None)
-    return y.view(x.shape)
-
-
-@triton.jit(do_not_specialize=["num_rows", "num_cols", "rows_per_program"])
-def _rms_norm_backward_kernel(x_ptr, w_ptr, grad_ptr, rstd_ptr, grad_x_ptr, partial_ptr, num_rows, num_cols,
-                              rows_per_program, stride_x, stride_grad, stride_grad_x, BLOCK_R: tl.constexpr,
-                              BLOCK: tl.constexpr):
-    """Program p, rows p * rows_per_program.. (BLOCK_R at a time): the input gradient of each row, and the sum over
-    its rows of grad * normed (the weight's gradient, normed rounded as in the forward) into partial[p], fp32."""
-    program = tl.program_id(0)
-    cols = tl.arange(0, BLOCK)
-    col_ok = cols < num_cols
-    w = tl.load(w_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
-    grad_w = tl.zeros((BLOCK,), dtype=tl.float32)
-    first = program * rows_per_program
-    for start in range(0, rows_per_program, BLOCK_R):
-        rows = first + start + tl.arange(0, BLOCK_R)
-        row_ok = rows < num_rows
-        inside = row_ok[:, None] & col_ok[None, :]
-        at = rows.to(tl.int64)[:, None]
-        x = tl.load(x_ptr + at * stride_x + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        grad = tl.load(grad_ptr + at * stride_grad + cols[None, :], mask=inside, other=0.0).to(tl.float32)
-        rstd = tl.load(rstd_ptr + rows, mask=row_ok, other=0.0)
-        x_hat = x * rstd[:, None]
-        grad_w += tl.sum(grad * x_hat.to(x_ptr.dtype.element_ty).to(tl.float32), axis=0)
-        grad_normed = grad * w[None, :]
-        mean = tl.sum(grad_normed * x_hat, axis=1) / num_cols
-        grad_x = rstd[:, None] * (grad_normed - x_hat * mean[:, None])
-        tl.store(grad_x_ptr + at * stride_grad_x + cols[None, :], grad_x.to(grad_x_ptr.dtype.element_ty),
-                 mask=inside)
-    tl.store(partial_ptr + program * num_cols + cols, grad_w, mask=col_ok)
-
-
-@triton.jit(do_not_specialize=["num_rows", "num_cols"])
-def _column_sum_kernel(partial_ptr, out_ptr, num_rows, num_cols, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr):
-    """Program c: out[cols of block c] = sum over the rows of partial [num_rows, num_cols] fp32, in row order."""
-    cols = tl.program_id(0) * BLOCK_C + tl.arange(0, BLOCK_C)
-    col_ok = cols < num_cols
-    total = tl.zeros((BLOCK_C,), dtype=tl.float32)
-    for start in range(0, num_rows, BLOCK_R):
-        rows = start + tl.arange(0, BLOCK_R)
-        inside = (rows < num_rows)[:, None] & col_ok[None, :]
-        total += tl.sum(tl.load(partial_ptr + rows[:, None] * num_cols + cols[None, :], mask=inside, other=0.0), 0)
-    tl.store(out_ptr + cols, total.to(out_ptr.dtype.element_ty), mask=col_ok)
-
-
-_RMS_NORM_BACKWARD = FastKernel(_rms_norm_backward_kernel)
-_COLUMN_SUM = FastKernel(_column_sum_kernel)
-NORM_BACKWARD_PROGRAMS = 528  # 4 per SM of an H200: enough rows in flight, few partial sums to add
-
-
-def rms_norm_backward(grad: Tensor, x: Tensor, weight: Tensor, rstd: Tensor) -> tuple[Tensor, Tensor]:
-    """The gradients of `rms_norm` (which filled `rstd`) w.r.t. x and weight, in two launches: every row's input
-    gradient with per-program partial weight gradients, then their sum (fixed order: deterministic). Not batch
-    invariant, nor meant to be: no rollout runs a backward."""
-    rows, grad_rows = _rows_contiguous(x).reshape(-1, x.shape[-1]), _rows_contiguous(grad).reshape(-1, x.shape[-1])
-    num_rows, num_cols = rows.shape
-    grad_x = torch.empty_like(rows)
-    grad_weight = torch.empty_like(weight)
-    block = triton.next_power_of_2(num_cols)
-    block_r = min(64, max(1, 4096 // block))
-    per_program = triton.cdiv(triton.cdiv(max(num_rows, 1), NORM_BACKWARD_PROGRAMS), block_r) * block_r
-    programs = triton.cdiv(num_rows, per_program)
-    partial = torch.empty(programs, num_cols, dtype=torch.float32, device=x.device)
-    if num_rows:
-        _RMS_NORM_BACKWARD.launch((programs,), (rows, weight, grad_rows, rstd, grad_x, partial),
-                                  (num_rows, num_cols, per_program, rows.stride(0), grad_rows.stride(0),
-                                   grad_x.stride(0)), 4 if block <= 2048 else 8, BLOCK_R=block_r, BLOCK=block)
-    _COLUMN_SUM.launch((triton.cdiv(num_cols, 64),), (partial, grad_weight), (programs, num_cols), 4,
-                       BLOCK_R=32, BLOCK_C=64)
-    return grad_x.view(x.shape), grad_weight
 
 
 @triton.jit(do_not_specialize=["stride_lse_h"])

@@ -59,11 +59,14 @@ def column_parallel(x: Tensor, linears: Sequence[ColumnParallelLinear], group: G
                     num_tokens: int, overlap: bool) -> list[Tensor]:
     """Enter the TP region with x [T, H] (or this rank's SP chunk) and apply every linear: [T, out_i/tp] each.
 
-    Without a group, with `overlap` off, without autograd or with a LoRA adapter on any linear (the overlapped
-    backward knows the base weights only) this is `enter_tp` followed by the linears (one GEMM for all of them when
-    an inference engine packed them, see `apply_columns`).
+    Under autograd the backward sums the linears' input gradients in place, one GEMM adding into the last (autograd
+    would add them in separate passes), and with a group it starts their collective before the weight gradients.
+    Without autograd, with a LoRA adapter on any linear (this backward knows the base weights only), with a group
+    but `overlap` off, or without a group for a single linear or bitwise GEMMs, this is `enter_tp` followed by the
+    linears (one GEMM for all of them when an inference engine packed them, see `apply_columns`).
     """
-    if group is None or not overlap or not torch.is_grad_enabled() or any(map(has_adapter, linears)):
+    plain = group is None and (len(linears) == 1 or any(linear.bitwise for linear in linears))
+    if plain or (group is not None and not overlap) or not torch.is_grad_enabled() or any(map(has_adapter, linears)):
         full = enter_tp(x, group, sequence_parallel, num_tokens)  # [T, H]
         return apply_columns(full, linears)
     has_bias = tuple(linear.bias is not None for linear in linears)
@@ -84,7 +87,7 @@ class _ColumnParallel(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Tensor, group: dist.ProcessGroup, sequence_parallel: bool, num_tokens: int,
                 has_bias: tuple[bool, ...], *params: Tensor) -> tuple[Tensor, ...]:
-        full = all_gather_tokens(x, group, num_tokens) if sequence_parallel else x  # [T, H]
+        full = all_gather_tokens(x, group, num_tokens) if sequence_parallel and group is not None else x  # [T, H]
         params_iter = iter(params)
         weights, biases = [], []
         for bias in has_bias:
@@ -100,7 +103,9 @@ class _ColumnParallel(torch.autograd.Function):
         grad_full = grads[0].mm(weights[0])  # [T, H] = sum_i grad_i [T, out_i/tp] @ W_i [out_i/tp, H]
         for grad, weight in zip(grads[1:], weights[1:]):
             grad_full.addmm_(grad, weight)
-        if ctx.sequence_parallel:
+        if ctx.group is None:
+            grad_x, work = grad_full, None
+        elif ctx.sequence_parallel:
             grad_x, work = reduce_scatter_tokens(grad_full, ctx.group, async_op=True)  # [T_r, H]
         else:
             grad_x, work = grad_full, dist.all_reduce(grad_full, group=ctx.group, async_op=True)
@@ -111,7 +116,8 @@ class _ColumnParallel(torch.autograd.Function):
             grad_params.append(accumulate_weight_grad(weight, grad, full) if next(wants) else None)
             if bias:
                 grad_params.append(grad.sum(0) if next(wants) else None)
-        work.wait()
+        if work is not None:
+            work.wait()
         return grad_x, None, None, None, None, *grad_params
 
 
