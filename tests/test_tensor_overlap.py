@@ -212,3 +212,24 @@ def test_single_rank_columns_sum_their_input_gradients_in_one_backward():
     a, b = column_parallel(x, (gate, up), None, False, T, True)
     assert type(a.grad_fn).__name__ == type(b.grad_fn).__name__ == "_ColumnParallelBackward"
     assert type(column_parallel(x, (gate,), None, False, T, True)[0].grad_fn).__name__ != "_ColumnParallelBackward"
+
+
+def test_single_rank_row_parallel_adds_the_residual_inside_its_gemm():
+    """Without a TP group the residual stream joins the output projection's GEMM (no separate addition node): the
+    output and the gradients of x, the weight and the residual against torch."""
+    layout = Layout.single("cpu")
+    t = _full_tensors()
+    down = RowParallelLinear(F_SIZE, H, layout, "down")
+    _load({"down.weight": down.weight}, t)
+    x = torch.randn(T, F_SIZE, generator=torch.Generator().manual_seed(3)).requires_grad_()
+    residual = t["x"].clone().requires_grad_()
+    y = row_parallel(x, down, 1, residual)
+    assert type(y.grad_fn).__name__ in ("AddmmBackward0", "_LinearBackward"), type(y.grad_fn).__name__
+    (y * t["grad_y"]).sum().backward()
+    leaves = [x.detach().clone().requires_grad_(), t["down.weight"].clone().requires_grad_(),
+              t["x"].clone().requires_grad_()]
+    want = leaves[2] + F.linear(leaves[0], leaves[1])
+    (want * t["grad_y"]).sum().backward()
+    assert_close(y, want)
+    for got, leaf in zip((x.grad, down.weight.grad, residual.grad), leaves):
+        assert_close(got, leaf.grad)

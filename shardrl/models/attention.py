@@ -277,8 +277,9 @@ class Attention(nn.Module):
         """The linears that read the layer's input, in output order (an inference engine packs them: one GEMM)."""
         return self.q_proj, self.k_proj, self.v_proj
 
-    def forward(self, x: Tensor, seqs: PackedSeqs) -> Tensor:
-        """x [T, H] (or this rank's SP chunk [T_r, H]) -> same shape."""
+    def forward(self, x: Tensor, seqs: PackedSeqs, residual: Tensor | None = None) -> Tensor:
+        """x [T, H] (or this rank's SP chunk [T_r, H]) -> same shape, plus `residual` where given (the output
+        projection adds it)."""
         q, k, v = column_parallel(x, self.column_linears, self.group, self.sequence_parallel, seqs.num_tokens,
                                   self.fast.tp_overlap.backward)
         q = q.unflatten(-1, (-1, self.head_dim))  # [T, nq/tp, D]
@@ -293,4 +294,4 @@ class Attention(nn.Module):
             out = packed_attention(q, k, v, seqs, self.scale, self.fast.bitwise, self.kernel)  # [T, nq/tp, D]
         else:
             out = seqs.kv_cache.attend(self.layer_id, q, k, v, seqs, self.scale)
-        return row_parallel(out.flatten(1), self.o_proj, self.fast.tp_overlap.chunks)
+        return row_parallel(out.flatten(1), self.o_proj, self.fast.tp_overlap.chunks, residual)

@@ -40,12 +40,12 @@ class MLP(nn.Module):
         """The linears that read the block's input, in output order (an inference engine packs them: one GEMM)."""
         return self.gate_proj, self.up_proj
 
-    def forward(self, x: Tensor, num_tokens: int) -> Tensor:
-        """x [T, H] (or this rank's SP chunk) -> same shape; `num_tokens` is T."""
+    def forward(self, x: Tensor, num_tokens: int, residual: Tensor | None = None) -> Tensor:
+        """x [T, H] (or this rank's SP chunk) -> same shape, plus `residual` where given; `num_tokens` is T."""
         gate, up = column_parallel(x, self.column_linears, self.group, self.sequence_parallel, num_tokens,
                                    self.fast.tp_overlap.backward)  # [T, F/tp] each
         return row_parallel(gated_silu(gate, up, elementwise(swiglu, self.fast.compile)), self.down_proj,
-                            self.fast.tp_overlap.chunks)
+                            self.fast.tp_overlap.chunks, residual)
 
 
 class MoEBlock(nn.Module):
@@ -73,12 +73,12 @@ class MoEBlock(nn.Module):
             self.shared_expert_gate = ReplicatedLinear(config.hidden_size, 1, layout, f"{prefix}.shared_expert_gate",
                                                        sequence_parallel, dtype, fast.bitwise)
 
-    def forward(self, x: Tensor, num_tokens: int) -> Tensor:
-        """x [T, H] (or this rank's SP chunk) -> same shape; `num_tokens` is T."""
+    def forward(self, x: Tensor, num_tokens: int, residual: Tensor | None = None) -> Tensor:
+        """x [T, H] (or this rank's SP chunk) -> same shape, plus `residual` where given; `num_tokens` is T."""
         if self.sequence_parallel:
             out = self.experts(x, num_tokens)
         else:
             out = gather_tokens(self.experts(scatter_tokens(x, self.group), num_tokens), self.group, num_tokens)
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x, num_tokens)
-        return out
+        return out if residual is None else residual + out

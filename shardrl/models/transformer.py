@@ -55,9 +55,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, h: Tensor, seqs: PackedSeqs) -> Tensor:
         normed, h = self.input_layernorm.with_residual(h)
-        h = h + self.self_attn(normed, seqs)
+        h = self.self_attn(normed, seqs, residual=h)
         normed, h = self.post_attention_layernorm.with_residual(h)
-        return h + self.mlp(normed, seqs.num_tokens)
+        return self.mlp(normed, seqs.num_tokens, residual=h)
 
 
 class Transformer(nn.Module):

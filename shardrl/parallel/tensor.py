@@ -187,37 +187,48 @@ def shard_index(layout: Layout, num_shards: int) -> int:
 
 class _Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, bitwise: bool) -> Tensor:
+    def forward(ctx, x: Tensor, weight: Tensor, bias: Tensor | None, bitwise: bool,
+                residual: Tensor | None) -> Tensor:
         ctx.save_for_backward(x, weight)
-        return _linear_forward(x, weight, bias, bitwise)
+        return _linear_forward(x, weight, bias, bitwise, residual)
 
     @staticmethod
     def backward(ctx, grad: Tensor):
         x, weight = ctx.saved_tensors
-        wants_x, wants_weight, wants_bias, _ = ctx.needs_input_grad
+        wants_x, wants_weight, wants_bias, _, wants_residual = ctx.needs_input_grad
         grad_rows = grad.reshape(-1, grad.shape[-1])  # [N, out]
         grad_x = grad.matmul(weight) if wants_x else None
         grad_weight = accumulate_weight_grad(weight, grad_rows, x.reshape(-1, x.shape[-1])) if wants_weight else None
-        return grad_x, grad_weight, grad_rows.sum(0) if wants_bias else None, None
+        return grad_x, grad_weight, grad_rows.sum(0) if wants_bias else None, None, grad if wants_residual else None
 
 
-def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, bitwise: bool) -> Tensor:
-    """F.linear, or with `bitwise` on CUDA the batch-invariant GEMM (`bitwise_kernels.matmul`): each output row's
-    bits then depend on its own input row only, not on how many rows the batch has."""
+def _linear_forward(x: Tensor, weight: Tensor, bias: Tensor | None, bitwise: bool,
+                    residual: Tensor | None = None) -> Tensor:
+    """F.linear (plus `residual`), or with `bitwise` on CUDA the batch-invariant GEMM (`bitwise_kernels.matmul`):
+    each output row's bits then depend on its own input row only, not on how many rows the batch has. Off bitwise
+    mode and without a bias the residual joins the GEMM (addmm, beta 1: its epilogue reads it), which saves a
+    separate addition's pass over the [T, out] activations."""
     if not (bitwise and x.is_cuda):
-        return F.linear(x, weight, bias)
+        if residual is None:
+            return F.linear(x, weight, bias)
+        if bias is None and x.dim() == residual.dim() == 2:
+            return torch.addmm(residual, x, weight.t())
+        return residual + F.linear(x, weight, bias)
     from shardrl.parallel.bitwise_kernels import matmul  # Triton: CUDA installs only
 
-    return matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    y = matmul(x.reshape(-1, x.shape[-1]), weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return y if residual is None else residual + y
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, bitwise: bool = False) -> Tensor:
-    """F.linear; under autograd, for a weight with a fp32 `main_grad` (`GradBuffers`), its backward hands the weight
-    gradient to `accumulate_weight_grad` (fused into main_grad on CUDA). `bitwise`: the forward GEMM is batch
-    invariant (`_linear_forward`); the backward is the same either way."""
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None, bitwise: bool = False,
+           residual: Tensor | None = None) -> Tensor:
+    """F.linear, plus `residual` [..., out] where given (see `_linear_forward`); under autograd, for a weight with a
+    fp32 `main_grad` (`GradBuffers`), its backward hands the weight gradient to `accumulate_weight_grad` (fused into
+    main_grad on CUDA). `bitwise`: the forward GEMM is batch invariant (`_linear_forward`); the backward is the same
+    either way."""
     if torch.is_grad_enabled() and weight.requires_grad and (hasattr(weight, "main_grad") or bitwise):
-        return _Linear.apply(x, weight, bias, bitwise)
-    return _linear_forward(x, weight, bias, bitwise)
+        return _Linear.apply(x, weight, bias, bitwise, residual)
+    return _linear_forward(x, weight, bias, bitwise, residual)
 
 
 def sharded_param(spec: ShardSpec, layout: Layout, dtype: torch.dtype) -> nn.Parameter:
@@ -351,10 +362,15 @@ class RowParallelLinear(nn.Module):
             layout, dtype) if bias else None
         self.lora: nn.Module | None = None  # a LoRA adapter: its B (A_r x_r) joins the partial sum before the reduce
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, residual: Tensor | None = None) -> Tensor:
+        """The output, plus `residual` (the residual stream it joins) where given: without a TP group, a bias or a
+        LoRA adapter, inside the GEMM (`linear`)."""
+        if residual is not None and self.group is None and self.bias is None and not has_adapter(self):
+            return linear(x, self.weight, bitwise=self.bitwise, residual=residual)
         y = with_adapter(self, x, linear(x, self.weight, bitwise=self.bitwise))
         y = exit_tp(y, self.group, self.sequence_parallel)  # [T or T/tp, out]
-        return y if self.bias is None else y + self.bias
+        y = y if self.bias is None else y + self.bias
+        return y if residual is None else residual + y
 
 
 class ReplicatedLinear(nn.Module):

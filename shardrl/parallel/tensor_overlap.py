@@ -74,13 +74,14 @@ def column_parallel(x: Tensor, linears: Sequence[ColumnParallelLinear], group: G
     return list(_ColumnParallel.apply(x, group, sequence_parallel, num_tokens, has_bias, *params))
 
 
-def row_parallel(x: Tensor, linear: RowParallelLinear, chunks: int) -> Tensor:
-    """`linear(x)` for x [T, in/tp], with the forward collective pipelined over `chunks` token pieces (not with a
-    LoRA adapter: it joins the partial sum before the one reduce)."""
+def row_parallel(x: Tensor, linear: RowParallelLinear, chunks: int, residual: Tensor | None = None) -> Tensor:
+    """`linear(x, residual)` for x [T, in/tp], with the forward collective pipelined over `chunks` token pieces
+    (not with a LoRA adapter: it joins the partial sum before the one reduce)."""
     if linear.group is None or chunks == 1 or has_adapter(linear):
-        return linear(x)
+        return linear(x, residual)
     y = _RowParallelChunked.apply(x, linear.weight, linear.group, linear.sequence_parallel, chunks)
-    return y if linear.bias is None else y + linear.bias
+    y = y if linear.bias is None else y + linear.bias
+    return y if residual is None else residual + y
 
 
 class _ColumnParallel(torch.autograd.Function):
