@@ -70,12 +70,12 @@ class _Identity(torch.autograd.Function):
 
 
 def launch_costs(tokens: int, hidden: int) -> None:
+    from shardrl.models import norm_kernel
     from shardrl.parallel import bitwise_kernels as bk
 
     x = torch.randn(tokens, hidden, device="cuda", dtype=torch.bfloat16)
     w = torch.randn(hidden, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
     norm_w = torch.ones(hidden, device="cuda", dtype=torch.bfloat16)
-    rstd = torch.empty(tokens, 1, device="cuda")
     experts = torch.randn(32, 256, hidden, device="cuda", dtype=torch.bfloat16) * 0.05
     counts = torch.full((32,), tokens // 32, device="cuda", dtype=torch.long)
     tiles = bk.expert_tiles(counts, tokens)
@@ -92,8 +92,8 @@ def launch_costs(tokens: int, hidden: int) -> None:
         "grouped_matmul": lambda: bk.grouped_matmul(x, experts, tiles),
         "grouped_matmul_pair (gate and up)": lambda: bk.grouped_matmul_pair(x, experts, experts, tiles),
         "expert_tiles": lambda: bk.expert_tiles(counts, tokens),
-        "rms_norm (+rstd)": lambda: bk.rms_norm(x, norm_w, 1e-6, rstd),
-        "rms_norm_backward": lambda: bk.rms_norm_backward(x, x, norm_w, rstd),
+        "rms_norm": lambda: norm_kernel.rms_norm(x, norm_w, 1e-6),
+        "rms_norm_backward": lambda: norm_kernel.rms_norm_backward(x, x, norm_w, 1e-6),
     }
     for name, fn in kernels.items():
         use_triton_launch(True)

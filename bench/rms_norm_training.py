@@ -1,7 +1,7 @@
 """A decoder layer's RMSNorm in training, forward + backward: torch's ops (the fused normalisation, the weight's
-multiply, their autograd backward, and autograd's add of the residual stream's gradient) against the Triton kernels
-(`models/norm_kernel.py`: one forward pass; one backward pass that also adds the residual stream's gradient), on
-the same tensors, same process (GPU only).
+multiply, their autograd backward, and autograd's add of the residual stream's gradient) against the training path
+(`models/norm.py`: torch's forward, then the Triton backward of `models/norm_kernel.py`, one pass that also adds the
+residual stream's gradient), on the same tensors, same process (GPU only).
 
 The block timed is `y = h + norm(h)`: h is the residual stream, so its gradient is the normalisation's plus the
 one flowing past it, as in every decoder layer (twice per layer). Shapes: one micro batch of `bench/train_mfu.py`

@@ -507,7 +507,7 @@ class HostLag:
         for chunk in engine.chunks:
             for index, layer in enumerate(chunk.layers):
                 layer.register_forward_pre_hook(self._forward_pre(index))
-                layer.register_forward_hook(self._forward_post(index))
+                layer.register_forward_hook(self._forward_post)
         optimizer = engine.optimizer
         step = optimizer.step
 
@@ -526,12 +526,10 @@ class HostLag:
             self.mark(f"forward {self.micro}")
         return hook
 
-    def _forward_post(self, index: int) -> Callable:
-        def hook(module, args, output: torch.Tensor) -> None:
-            if output.requires_grad:
-                micro = self.micro
-                output.register_hook(lambda grad: self.mark(f"backward {micro}"))
-        return hook
+    def _forward_post(self, module, args, output: torch.Tensor) -> None:
+        if output.requires_grad:
+            micro = self.micro
+            output.register_hook(lambda grad: self.mark(f"backward {micro}"))
 
     def mark(self, name: str) -> None:
         event = torch.cuda.Event(enable_timing=True)

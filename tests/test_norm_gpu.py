@@ -19,16 +19,14 @@ def _close(a: torch.Tensor, b: torch.Tensor, rel: float) -> bool:
 @pytest.mark.parametrize("rows,width", [(8192, 2048), (777, 64), (3, 896), (0, 128)])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_backward_is_the_reference_gradient(rows: int, width: int, with_residual: bool):
-    from shardrl.models.norm_kernel import rms_norm, rms_norm_backward
+    from shardrl.models.norm_kernel import rms_norm_backward
 
     g = torch.Generator("cuda").manual_seed(rows + width)
     x = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
     w = (torch.rand(width, device="cuda", generator=g) + 0.5).to(torch.bfloat16)
     grad = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16)
     residual = torch.randn(rows, width, device="cuda", generator=g, dtype=torch.bfloat16) if with_residual else None
-    rstd = torch.empty(rows, 1, device="cuda")
-    rms_norm(x, w, 1e-6, rstd)
-    grad_x, grad_w = rms_norm_backward(grad, x, w, rstd, residual)
+    grad_x, grad_w = rms_norm_backward(grad, x, w, 1e-6, residual)
     x64, w64 = x.double().requires_grad_(), w.double().requires_grad_()
     loss = (reference_rms_norm(x64, w64, 1e-6) * grad.double()).sum()
     if with_residual:
@@ -68,6 +66,21 @@ def test_module_in_a_residual_block_matches_autograd_of_torch_ops():
     assert _close(x_kernel.grad, x64.grad, 2e-2)
     for norm, weight64 in zip(norms, weights64):
         assert _close(norm.weight.grad, weight64.grad, 2e-2)
+
+
+def test_training_forward_equals_the_forward_without_autograd():
+    """Old log-probs come from a pass without autograd: the training pass must see the same activations, bit for
+    bit, so that the first update's ratio is exactly 1 (bitwise mode: its own kernel in both)."""
+    g = torch.Generator("cuda").manual_seed(5)
+    x = torch.randn(2048, 896, device="cuda", generator=g, dtype=torch.bfloat16)
+    for bitwise in (False, True):
+        norm = RMSNorm(896, 1e-6, "norm", device=torch.device("cuda"), dtype=torch.bfloat16, bitwise=bitwise)
+        with torch.no_grad():
+            norm.weight.copy_(torch.rand(896, device="cuda", generator=g) + 0.5)
+            without_grad = norm(x)
+        normed, _ = norm.with_residual(x.clone().requires_grad_())
+        assert type(normed.grad_fn).__name__ == "_KernelRMSNormBackward"
+        assert torch.equal(normed, without_grad), bitwise
 
 
 def test_forward_only_keeps_torch_fused_normalisation():

@@ -24,9 +24,10 @@ class RMSNorm(nn.Module):
 
     `sum_grad_over_group`: this rank sees only part of what the weight touches (its sequence-parallel tokens, or its
     attention heads for q/k norms), so the weight's gradient is summed over TP. `compile`, `bitwise`: see
-    `fast_paths`. On CUDA, bitwise mode and every pass that builds a graph (training) run the Triton kernels
-    (`norm_kernel.py`: one pass forward, one backward); the forward-only pass without bitwise mode keeps torch's
-    fused normalisation, which CUDA graphs capture as they are.
+    `fast_paths`. On CUDA every pass that builds a graph (training) takes its backward from a Triton kernel
+    (`norm_kernel.py`: one pass, which also adds the residual stream's gradient with `with_residual`); the forward
+    is torch's, as without autograd, so old log-probs and the training pass see the same activations. Bitwise mode
+    runs the batch-invariant Triton forward in every pass.
     """
 
     def __init__(self, size: int, eps: float, name: str, sum_grad_over_group: bool = False,
@@ -39,7 +40,7 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         if self._runs_kernel(x):
-            return _KernelRMSNorm.apply(x, self.weight, self.eps, False)[0]
+            return _KernelRMSNorm.apply(x, self.weight, self.eps, self.bitwise, False)[0]
         return elementwise(rms_norm, self.compile)(x, self.weight, self.eps)
 
     def with_residual(self, x: Tensor) -> tuple[Tensor, Tensor]:
@@ -47,7 +48,7 @@ class RMSNorm(nn.Module):
         there, so that on the kernel path the normalisation's backward adds the residual stream's gradient into
         x's gradient in its own pass (else autograd adds the two in a separate kernel)."""
         if self._runs_kernel(x):
-            return _KernelRMSNorm.apply(x, self.weight, self.eps, True)
+            return _KernelRMSNorm.apply(x, self.weight, self.eps, self.bitwise, True)
         return self(x), x
 
     def _runs_kernel(self, x: Tensor) -> bool:
@@ -55,25 +56,28 @@ class RMSNorm(nn.Module):
 
 
 class _KernelRMSNorm(torch.autograd.Function):
-    """Forward: the batch-invariant Triton kernel (`norm_kernel.rms_norm`), which also keeps each row's reciprocal
-    RMS. Backward: both gradients from it in two Triton launches (the same function as torch's autograd up to
-    rounding). With `pass_through` the input is also returned; its gradient (the residual stream's) is added into
-    the input's gradient by the backward kernel."""
+    """Forward: `rms_norm` (torch's ops, as every pass without autograd computes it), or with `bitwise` the
+    batch-invariant Triton kernel (`norm_kernel.rms_norm`). Backward: both gradients in two Triton launches (the
+    same function as torch's autograd up to rounding). With `pass_through` the input is also returned; its gradient
+    (the residual stream's) is added into the input's gradient by the backward kernel."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, weight: Tensor, eps: float, pass_through: bool) -> tuple[Tensor, ...]:
-        from shardrl.models.norm_kernel import rms_norm as kernel_rms_norm  # Triton: CUDA installs only
+    def forward(ctx, x: Tensor, weight: Tensor, eps: float, bitwise: bool, pass_through: bool) -> tuple[Tensor, ...]:
+        if bitwise:
+            from shardrl.models.norm_kernel import rms_norm as kernel_rms_norm  # Triton: CUDA installs only
 
-        rstd = x.new_empty(x.numel() // x.shape[-1], 1, dtype=torch.float32)
-        out = kernel_rms_norm(x, weight, eps, rstd)
-        ctx.save_for_backward(x, weight, rstd)
+            out = kernel_rms_norm(x, weight, eps)
+        else:
+            out = rms_norm(x, weight, eps)
+        ctx.save_for_backward(x, weight)
+        ctx.eps = eps
         return (out, x) if pass_through else (out,)
 
     @staticmethod
     def backward(ctx, grad: Tensor, residual_grad: Tensor | None = None):
         from shardrl.models.norm_kernel import rms_norm_backward  # Triton: CUDA installs only
 
-        x, weight, rstd = ctx.saved_tensors
-        grad_x, grad_weight = rms_norm_backward(grad, x, weight, rstd, residual_grad)
-        wants_x, wants_weight, _, _ = ctx.needs_input_grad
-        return grad_x if wants_x else None, grad_weight if wants_weight else None, None, None
+        x, weight = ctx.saved_tensors
+        grad_x, grad_weight = rms_norm_backward(grad, x, weight, ctx.eps, residual_grad)
+        wants_x, wants_weight, *_ = ctx.needs_input_grad
+        return grad_x if wants_x else None, grad_weight if wants_weight else None, None, None, None
