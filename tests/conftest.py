@@ -1,12 +1,19 @@
-"""Fixtures shared by several test files."""
+"""Fixtures shared by several test files, and the switch to Triton's interpreter on machines without CUDA."""
 
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 from collections.abc import Callable, Iterator
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # Without a GPU Triton can only interpret (tests/test_kernels_interpreted.py). The switch must precede triton's
+    # import: triton.language's own helpers (tl.zeros, ...) are decorated then, and stay compiled-only otherwise.
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture

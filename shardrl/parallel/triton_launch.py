@@ -10,7 +10,9 @@ options, the tensors' dtypes, the scalars' types, the device. That key decides T
 the common case: every pointer 16-byte aligned, every specialised integer a multiple of 16, every integer inside
 int32. There the call goes straight to the compiled kernel's launcher with raw pointers. Any other call, and the
 first of each key, goes through Triton's own launch, which compiles where needed; so do all calls while a Triton
-launch hook (a profiler) is set, and under torch.compile (which traces Triton's launch, not this one).
+launch hook (a profiler) is set, and under torch.compile (which traces Triton's launch, not this one). Under
+Triton's interpreter (TRITON_INTERPRET=1, the CPU tests of the kernels) there is nothing compiled to call: every call
+goes through Triton's launch.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import triton
 from torch import Tensor
 from triton import knobs
+from triton.runtime.interpreter import InterpretedFunction
 
 _INT32_MIN, _INT32_MAX = -0x80000000, 0x7FFFFFFF
 
@@ -29,8 +32,11 @@ class FastKernel:
     """A `@triton.jit` kernel whose parameters are its pointers (named `*_ptr`) first, then its scalars, then its
     constexprs; `launch` is `fn[grid](*tensors, *scalars, **constexprs, num_warps=..., num_stages=...)`."""
 
-    def __init__(self, fn: triton.runtime.JITFunction) -> None:
+    def __init__(self, fn: triton.runtime.JITFunction | InterpretedFunction) -> None:
         self.fn = fn
+        self.interpreted = isinstance(fn, InterpretedFunction)  # TRITON_INTERPRET=1: numpy on the host, no launcher
+        if self.interpreted:
+            return
         params = [p for p in fn.params if not p.is_constexpr]
         self.num_pointers = sum(p.name.endswith("_ptr") for p in params)
         if any(p.name.endswith("_ptr") for p in params[self.num_pointers:]):
@@ -40,6 +46,9 @@ class FastKernel:
 
     def launch(self, grid: Sequence[int], tensors: Sequence[Tensor], scalars: Sequence[int | float],
                num_warps: int, num_stages: int = 3, **constexprs) -> None:
+        if self.interpreted:
+            self.launch_through_triton(grid, tensors, scalars, num_warps, num_stages, constexprs)
+            return
         pointers = [t.data_ptr() for t in tensors]
         unusual = 0  # nonzero: a key of ours might not decide Triton's specialisation
         for pointer in pointers:
