@@ -111,6 +111,41 @@ def test_rms_norm_backward_of_strided_rows(kernels):
     assert all(map(torch.equal, strided, contiguous))
 
 
+@pytest.mark.parametrize("bitwise", [False, True])
+def test_rms_norm_module_in_a_residual_block_is_autograd_of_torch_ops(kernels, monkeypatch, bitwise):
+    """The block a decoder layer builds, on the kernel path that CUDA takes (switched on here for CPU tensors):
+    normed, h = norm.with_residual(x); out = final_norm(h + normed @ W). Forward, x's gradient (through the
+    normalisation and the residual stream) and both weights' gradients against the same block in float64."""
+    from shardrl.models.norm import RMSNorm, rms_norm as reference_rms_norm
+
+    monkeypatch.setattr(RMSNorm, "_runs_kernel", lambda self, x: True)
+    g = torch.Generator().manual_seed(7)
+    tokens, width = 50, 256
+    x = torch.randn(tokens, width, generator=g).bfloat16()
+    proj = (torch.randn(width, width, generator=g) / width ** 0.5).bfloat16()
+    upstream = torch.randn(tokens, width, generator=g).bfloat16()
+    norms = [RMSNorm(width, 1e-6, f"norm{i}", dtype=torch.bfloat16, bitwise=bitwise) for i in range(2)]
+    with torch.no_grad():
+        for norm in norms:
+            norm.weight.copy_(torch.rand(width, generator=g) + 0.5)
+    leaf = x.clone().requires_grad_()
+    normed, h = norms[0].with_residual(leaf)
+    assert type(normed.grad_fn).__name__ == "_KernelRMSNormBackward"
+    out = norms[1](h + normed @ proj)
+    (out * upstream).sum().backward()
+    with torch.no_grad():  # the pass without autograd (old log-probs) sees the training pass's activations
+        assert torch.equal(norms[0](x), normed) and (bitwise or torch.equal(normed, reference_rms_norm(
+            x, norms[0].weight, 1e-6)))
+
+    x64 = x.double().requires_grad_()
+    weights64 = [norm.weight.detach().double().requires_grad_() for norm in norms]
+    out64 = reference_rms_norm(x64 + reference_rms_norm(x64, weights64[0], 1e-6) @ proj.double(), weights64[1], 1e-6)
+    (out64 * upstream.double()).sum().backward()
+    assert _relative_error(out, out64) < 1e-2 and _relative_error(leaf.grad, x64.grad) < 2e-2
+    for norm, weight64 in zip(norms, weights64):
+        assert _relative_error(norm.weight.grad, weight64.grad) < 2e-2
+
+
 def test_rms_norm_forward_rows_do_not_depend_on_the_batch(kernels):
     from shardrl.models.norm import rms_norm as reference_rms_norm
 
