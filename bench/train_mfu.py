@@ -445,8 +445,8 @@ class GCPauses:
             self.runs[info["generation"]] += 1
             self.seconds[info["generation"]] += time.perf_counter() - self._start
 
-    def summary(self, steps: int) -> str:
-        return ("GC per timed step: " + ", ".join(f"gen {g} x{self.runs[g] / steps:.1f} "
+    def summary(self, steps: int, what: str = "timed step") -> str:
+        return (f"GC per {what}: " + ", ".join(f"gen {g} x{self.runs[g] / steps:.1f} "
                                                    f"{1e3 * self.seconds[g] / steps:.2f} ms" for g in range(3))
                 + f"; {len(gc.get_objects())} objects tracked")
 
@@ -540,9 +540,11 @@ class HostLag:
         """Run `train_step` once with the markers; one line per phase (consecutive markers of one name)."""
         torch.cuda.synchronize()
         self.marks, self.micro = [], -1
-        self.mark("before the first forward")
-        train_step()
-        self.mark("end (host waits for the GPU)")
+        with GCPauses() as pauses:  # a full collection before the first forward would show as idle GPU there
+            pauses.counting = True
+            self.mark("before the first forward")
+            train_step()
+            self.mark("end (host waits for the GPU)")
         torch.cuda.synchronize()
         host0, event0 = self.marks[0][1], self.marks[0][2]
         points = [(name, 1e3 * (host - host0), event0.elapsed_time(event)) for name, host, event in self.marks]
@@ -558,7 +560,7 @@ class HostLag:
                 lines.append(f"  {name:<30} {'':>8} {'':>8} {first:13.2f}")
                 continue
             lines.append(f"  {name:<30} {after[1] - host:8.2f} {after[2] - gpu:8.2f} {first:13.2f} {least:10.2f}")
-        return "\n".join(lines)
+        return "\n".join(lines + ["  " + pauses.summary(1, "lag step")])
 
 
 def layouts(args: argparse.Namespace) -> dict[str, dict]:
