@@ -93,6 +93,49 @@ def vocab_parallel_logprobs(logits: Tensor, targets: Tensor, group: Group, vocab
     return _VocabParallelLogProbs.apply(logits, targets, group, vocab_size, chunk_elements)
 
 
+def real_columns(logits: Tensor, group: Group, vocab_size: int) -> tuple[Tensor, int]:
+    """logits [T, Vp/tp] -> (this rank's real columns [T, V'/tp], the global id of its first column): the vocab
+    padding is the tail of the last blocks."""
+    num_local = logits.shape[1]
+    start = group_rank(group) * num_local
+    return logits[:, :min(max(vocab_size - start, 0), num_local)], start
+
+
+def local_columns(ids: Tensor, start: int, num_valid: int) -> tuple[Tensor, Tensor]:
+    """Global token ids [..., k] -> (their column in this rank's block, clamped into it [..., k]; whether this rank
+    holds them [..., k])."""
+    local = ids - start
+    mine = (local >= 0) & (local < num_valid)
+    return local.clamp(0, max(num_valid - 1, 0)), mine
+
+
+def held_values(z: Tensor, index: Tensor, mine: Tensor) -> Tensor:
+    """z's values at `index` [T, k] (fp32) where this rank holds the column (`mine`), else 0."""
+    if not z.shape[1]:  # a rank of vocab padding only
+        return torch.zeros(index.shape, dtype=torch.float32, device=z.device)
+    return torch.where(mine, z.gather(-1, index).float(), 0.0)
+
+
+def softmax_normaliser(z: Tensor, group: Group, chunk_elements: int, held: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """z [T, V'/tp] this rank's real columns, `held` [T, E] fp32 values each held by one rank (0 on the others) ->
+    (log sum exp over the whole vocab [T], E_p[z] [T], `held` summed over TP [T, E]).
+
+    Each rank's statistics are relative to its own max, rescaled to the global max after one MAX all-reduce; then one
+    SUM all-reduce carries sum exp(z - max), sum exp(z - max) * z and `held`."""
+    block_max, block_sum_exp, block_sum_exp_z = block_softmax_stats(z, chunk_elements)  # [T] each
+    z_max = block_max
+    if group is not None:
+        z_max = block_max.clone()
+        dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
+    rescale = (block_max - z_max).exp()  # [T]; 0 on a rank with no real column
+    sums = torch.cat([block_sum_exp.unsqueeze(-1) * rescale.unsqueeze(-1),
+                      block_sum_exp_z.unsqueeze(-1) * rescale.unsqueeze(-1), held], dim=-1)  # [T, 2 + E]
+    if group is not None:
+        dist.all_reduce(sums, group=group)
+    sum_exp, sum_exp_z = sums[:, 0], sums[:, 1]  # [T] each
+    return z_max + sum_exp.log(), sum_exp_z / sum_exp, sums[:, 2:]
+
+
 def block_softmax_stats(z: Tensor, chunk_elements: int) -> tuple[Tensor, Tensor, Tensor]:
     """z [T, V'] (this rank's real vocab columns) -> (max, sum exp(z - max), sum exp(z - max) * z), each [T] fp32;
     max -inf and sums 0 when V' is 0. The one device switch of the forward: CUDA runs one fused pass
@@ -111,14 +154,15 @@ def softmax_stats_reference(z: Tensor, chunk_elements: int) -> tuple[Tensor, Ten
     sums = z.new_zeros(2, num_tokens, dtype=torch.float32)  # [2, T]
     if num_cols:
         z_max = z.amax(dim=-1).float()  # exact in any dtype
-        for lo, hi in _token_chunks(num_tokens, num_cols, chunk_elements):
+        for lo, hi in token_chunks(num_tokens, num_cols, chunk_elements):
             exp = (z[lo:hi] - z_max[lo:hi, None]).exp_()  # [C, V'] fp32
             sums[0, lo:hi] = exp.sum(-1)
             sums[1, lo:hi] = exp.mul_(z[lo:hi]).sum(-1)
     return z_max, sums[0], sums[1]
 
 
-def _token_chunks(num_tokens: int, num_cols: int, chunk_elements: int) -> list[tuple[int, int]]:
+def token_chunks(num_tokens: int, num_cols: int, chunk_elements: int) -> list[tuple[int, int]]:
+    """Token ranges [lo, hi) of at most `chunk_elements` / `num_cols` tokens: one chunk's fp32 temporaries."""
     size = max(chunk_elements // max(num_cols, 1), 1)
     return [(lo, min(lo + size, num_tokens)) for lo in range(0, num_tokens, size)]
 
@@ -127,31 +171,13 @@ class _VocabParallelLogProbs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, targets: Tensor, group: Group, vocab_size: int,
                 chunk_elements: int) -> tuple[Tensor, Tensor]:
-        num_tokens, num_local = logits.shape
-        start = group_rank(group) * num_local
-        num_valid = min(max(vocab_size - start, 0), num_local)  # vocab padding is the tail of the last blocks
-        z = logits[:, :num_valid]  # [T, V'/tp] this rank's real columns
-        local_target = targets - start  # [T]
-        mine = (local_target >= 0) & (local_target < num_valid)  # [T] this rank holds the target column
-        index = local_target.clamp(0, max(num_valid - 1, 0)).unsqueeze(-1)  # [T, 1]
-        # Each rank's statistics relative to its own max, rescaled to the global max after one MAX all-reduce; then
-        # one SUM all-reduce for sum exp(z - max), sum exp(z - max) * z and the target's z (held by one rank).
-        block_max, block_sum_exp, block_sum_exp_z = block_softmax_stats(z, chunk_elements)  # [T] each
-        z_max = block_max
-        if group is not None:
-            z_max = block_max.clone()
-            dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
-        rescale = (block_max - z_max).exp()  # [T]; 0 on a rank with no real column
-        target_z = (torch.where(mine, z.gather(-1, index).squeeze(-1).float(), 0.0) if num_valid
-                    else torch.zeros_like(block_max))
-        sums = torch.stack([block_sum_exp * rescale, block_sum_exp_z * rescale, target_z], dim=-1)  # [T, 3]
-        if group is not None:
-            dist.all_reduce(sums, group=group)
-        sum_exp, sum_exp_z, target_z = sums.unbind(-1)  # [T] each
-        log_norm = z_max + sum_exp.log()  # [T]
-        mean_z = sum_exp_z / sum_exp  # [T] E_p[z]
+        z, start = real_columns(logits, group, vocab_size)  # [T, V'/tp] this rank's real columns
+        index, mine = local_columns(targets.unsqueeze(-1), start, z.shape[1])  # [T, 1] each
+        target_z = held_values(z, index, mine)  # [T, 1]
+        log_norm, mean_z, target_z = softmax_normaliser(z, group, chunk_elements, target_z)
+        target_z, mine = target_z.squeeze(-1), mine.squeeze(-1)  # [T] each
         ctx.save_for_backward(logits, log_norm, mean_z, index, mine)
-        ctx.num_valid, ctx.chunk_elements = num_valid, chunk_elements
+        ctx.num_valid, ctx.chunk_elements = z.shape[1], chunk_elements
         ctx.set_materialize_grads(False)  # an unused output (entropy as a metric only) costs no backward work
         return target_z - log_norm, log_norm - mean_z
 
@@ -186,7 +212,7 @@ def logits_grad_reference(logits: Tensor, log_norm: Tensor, mean_z: Tensor, grad
                           chunk_elements: int) -> Tensor:
     """`block_logits_grad` in torch ops, on any device."""
     grad = torch.zeros_like(logits) if num_valid < logits.shape[1] else torch.empty_like(logits)  # [T, V/tp]
-    for lo, hi in _token_chunks(logits.shape[0], num_valid, chunk_elements) if num_valid else []:
+    for lo, hi in token_chunks(logits.shape[0], num_valid, chunk_elements) if num_valid else []:
         z = logits[lo:hi, :num_valid]  # [C, V'/tp]
         probs = (z - log_norm[lo:hi, None]).exp_()  # [C, V'/tp] fp32
         if grad_entropy is None:
