@@ -27,7 +27,8 @@ NOT_CONSUMERS = {"format_plan"}  # the dry run's printout reads keys to show the
 PASS_THROUGH = {str(JOB / "schema.py"), __file__}  # properties, `at` and this recorder read for their caller
 
 # Configs that together take every conditional branch of the planner (a critic, a reference policy, KL in reward,
-# dynamic sampling, overlong shaping, a reward model on its own pool or not, a judge, both async modes).
+# dynamic sampling, overlong shaping, a reward model on its own pool or not, a judge, both async modes, both
+# kinds of distillation loss).
 VARIANTS = [
     ("ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                      "algorithm.use_kl_in_reward=true", "reward_model.overlong_buffer.enable=true",
@@ -39,7 +40,8 @@ VARIANTS = [
     ("ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                      "actor_rollout_ref.actor.use_dynamic_bsz=true", "actor_rollout_ref.ref.log_prob_use_dynamic_bsz=true",
                      "critic.use_dynamic_bsz=true", "distillation.enabled=true",
-                     "distillation.teacher_model.model_path=/a/teacher", "reward_model.enable=true",
+                     "distillation.teacher_model.model_path=/a/teacher",
+                     "distillation.distillation_loss.loss_mode=forward_kl_topk", "reward_model.enable=true",
                      "reward_model.model.path=/a/rm", "reward_model.use_dynamic_bsz=true"]),
     ("ppo_trainer", ["reward_model.judge.enable=true", "reward_model.judge.model_path=/a/judge"]),
     ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),

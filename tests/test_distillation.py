@@ -1,6 +1,7 @@
 """On-policy distillation (verl's `distillation` keys): the loss against hand-computed values, its guards (padding,
 clamps, micro-batch splits), the config's refusals, the teacher at another layout than the student, and a student
-trained against a fixed teacher alone moving toward it."""
+trained against a fixed teacher alone moving toward it; for the estimators and for forward_kl_topk (the teacher's
+top k against transformers', the student's loss the same at every micro-batch cut, DP, TP and CP)."""
 
 import json
 import math
@@ -14,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardrl.algos.aggregate import LossScale
-from shardrl.algos.distillation import DistillationSettings, distillation_loss
+from shardrl.algos.distillation import DistillationSettings, distillation_loss, topk_distillation_loss
 from shardrl.algos.policy_loss import ClipRange
 from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
@@ -91,10 +92,36 @@ def test_micro_batches_add_up_to_the_whole_batch():
         assert parts.item() == pytest.approx(whole.item())
 
 
+def test_forward_kl_topk_is_floored_at_zero_then_the_loss_or_minus_the_advantage():
+    """Supervised: the token mean of max(d, 0), its gradient into d (none where d < 0: the top k hold less than all
+    the mass); policy gradient at the anchor: the same value, its gradient through the student's log-prob only."""
+    forward_kl = torch.tensor([[0.3, -0.2, 1.5], [0.7, 0.1, 9.0]])
+    masses = torch.tensor([[0.5, 0.9, 0.2], [0.6, 0.7, 0.0]]), torch.tensor([[0.8, 0.8, 0.9], [0.7, 0.9, 1.0]])
+    scale = LossScale.from_mask(MASK, 3)
+    d = forward_kl.clone().requires_grad_()
+    loss, metrics = topk_distillation_loss(d, *masses, STUDENT, STUDENT, MASK, scale, "token-mean",
+                                           settings("forward_kl_topk", policy_gradient=False, topk=4))
+    assert loss.item() == pytest.approx((0.3 + 0.0 + 1.5 + 0.7 + 0.1) / 5)
+    assert metrics["student_mass"].item() == pytest.approx((0.5 + 0.9 + 0.2 + 0.6 + 0.7) / 5)
+    assert metrics["teacher_mass"].item() == pytest.approx((0.8 + 0.8 + 0.9 + 0.7 + 0.9) / 5)
+    loss.backward()
+    torch.testing.assert_close(d.grad, torch.tensor([[0.2, 0.0, 0.2], [0.2, 0.2, 0.0]]))
+    student = STUDENT.clone().requires_grad_()
+    loss, _ = topk_distillation_loss(forward_kl.requires_grad_(), *masses, student, STUDENT, MASK, scale,
+                                     "token-mean", settings("forward_kl_topk", topk=4))
+    assert loss.item() == pytest.approx((0.3 + 0.0 + 1.5 + 0.7 + 0.1) / 5)
+    loss.backward()
+    floored = (forward_kl.detach().clamp_min(0) * MASK) / 5
+    torch.testing.assert_close(student.grad, floored)
+    assert forward_kl.grad is None
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["distillation.enabled=true"], "distillation.teacher_model.model_path"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
-      "distillation.distillation_loss.loss_mode=forward_kl_topk"], "distillation.distillation_loss.loss_mode"),
+      "distillation.distillation_loss.topk=16"], "distillation.distillation_loss.topk"),
+    (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
+      "distillation.distillation_loss.loss_mode=forward_kl_topk_tail"], "distillation.distillation_loss.loss_mode"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
       "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=false"],
      "distillation.distillation_loss.loss_mode"),
@@ -139,13 +166,17 @@ def test_a_teacher_with_another_vocabulary_is_refused(task, tmp_path):
     assert err.value.key == "distillation.teacher_model.model_path"
 
 
-def teacher_log_probs(model_path: str, teacher_path: str, overrides: list[str], batch: Batch):
+def teacher_scores(model_path: str, teacher_path: str, overrides: list[str], batch: Batch) -> dict:
     from shardrl.workers.actor import ActorRefWorker
 
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
     plan = plan_job(compose("ppo_trainer", overrides)).with_total_steps(1)
     worker = ActorRefWorker(plan.actor, plan.ref, model_path, teacher=plan.teacher)
-    return worker.compute_teacher_log_prob(batch).tensors["teacher_log_probs"]
+    return dict(worker.compute_teacher_log_prob(batch).tensors.items())
+
+
+def teacher_log_probs(model_path: str, teacher_path: str, overrides: list[str], batch: Batch):
+    return teacher_scores(model_path, teacher_path, overrides, batch)["teacher_log_probs"]
 
 
 def sample_batch(vocab: int) -> Batch:
@@ -180,9 +211,45 @@ def test_the_teacher_at_tp2_and_at_pp2_gives_the_single_process_log_probs(task, 
             torch.testing.assert_close(scored, single, rtol=1e-5, atol=1e-5)
 
 
-def first_token_reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[list[int]]) -> float:
-    """Exact KL(student || teacher) of the first response token's distribution, averaged over fixed prompts (no
-    sampling noise: the full softmax of both models)."""
+def test_the_teacher_topk_at_tp2_and_at_pp2_is_transformers_topk(task, teacher):
+    """forward_kl_topk's teacher: the top 5 log-probs and ids of every response position, as transformers' full
+    log_softmax gives them, at one process, TP2 and PP2; the student's tokens do not matter to them."""
+    base = ["trainer.device=cpu", "distillation.enabled=true", f"distillation.teacher_model.model_path={teacher}",
+            "distillation.distillation_loss.loss_mode=forward_kl_topk", "distillation.distillation_loss.topk=5",
+            "distillation.distillation_loss.use_policy_gradient=false", "data.train_batch_size=2",
+            "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+            "actor_rollout_ref.actor.ppo_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=1",
+            "actor_rollout_ref.ref.log_prob_micro_batch_size_per_gpu=1"]
+    batch = sample_batch(AutoConfig.from_pretrained(task["model"]).vocab_size)
+    model = AutoModelForCausalLM.from_pretrained(teacher)
+    with torch.no_grad():
+        expected = model(batch.tensors["input_ids"]).logits[:, 2:5].log_softmax(-1).topk(5, dim=-1)
+    single = teacher_scores(task["model"], str(teacher), base + ["trainer.n_gpus_per_node=1"], batch)
+    assert single["teacher_topk_ids"].shape == (4, 3, 5) and single["teacher_topk_ids"].dtype == torch.int32
+    assert torch.equal(single["teacher_topk_ids"].long(), expected.indices)
+    torch.testing.assert_close(single["teacher_topk_log_probs"], expected.values, rtol=1e-5, atol=1e-5)
+    for layout in (["distillation.teacher_model.megatron.tensor_model_parallel_size=2"],
+                   ["distillation.teacher_model.megatron.pipeline_model_parallel_size=2"]):
+        overrides = base + ["trainer.n_gpus_per_node=2"] + layout
+        for scored in run_distributed(2, teacher_scores, task["model"], str(teacher), overrides, batch):
+            assert torch.equal(scored["teacher_topk_ids"], single["teacher_topk_ids"]), layout
+            torch.testing.assert_close(scored["teacher_topk_log_probs"], single["teacher_topk_log_probs"],
+                                       rtol=1e-5, atol=1e-5)
+
+
+def test_topk_above_the_vocabulary_is_refused_before_workers_start():
+    from shardrl.trainer.launch import check_distillation_topk
+
+    with pytest.raises(ConfigError, match="exceeds the vocabulary's 14 tokens") as err:
+        check_distillation_topk(settings("forward_kl_topk", policy_gradient=False, topk=15), 14)
+    assert err.value.key == "distillation.distillation_loss.topk"
+    check_distillation_topk(settings("forward_kl_topk", policy_gradient=False, topk=14), 14)
+
+
+def first_token_kl(student_dir: Path, teacher_dir: Path, prompts: list[list[int]], forward: bool) -> float:
+    """Exact KL(student || teacher), or with `forward` KL(teacher || student), of the first response token's
+    distribution, averaged over fixed prompts (no sampling noise: the full softmax of both models)."""
     student, teacher = (AutoModelForCausalLM.from_pretrained(d) for d in (student_dir, teacher_dir))
     total = 0.0
     with torch.no_grad():
@@ -190,32 +257,42 @@ def first_token_reverse_kl(student_dir: Path, teacher_dir: Path, prompts: list[l
             x = torch.tensor([ids])
             log_s = student(x).logits[0, -1].log_softmax(-1)
             log_t = teacher(x).logits[0, -1].log_softmax(-1)
-            total += float((log_s.exp() * (log_s - log_t)).sum())
+            p, log_p, log_q = (log_t.exp(), log_t, log_s) if forward else (log_s.exp(), log_s, log_t)
+            total += float((p * (log_p - log_q)).sum())
     return total / len(prompts)
 
 
-def test_a_student_trained_on_the_teacher_alone_moves_toward_it(task, teacher, tmp_path):
-    """No task reward: the exact reverse KL to a fixed teacher of another size, on fixed prompts, falls at every one
+@pytest.mark.parametrize("loss", [["distillation.distillation_loss.loss_mode=k1"],
+                                  ["distillation.distillation_loss.loss_mode=forward_kl_topk",
+                                   "distillation.distillation_loss.topk=4",
+                                   "distillation.distillation_loss.use_policy_gradient=false"]],
+                         ids=["k1", "forward_kl_topk"])
+def test_a_student_trained_on_the_teacher_alone_moves_toward_it(task, teacher, tmp_path, loss):
+    """No task reward: the exact KL to a fixed teacher of another size (reverse for k1, forward for forward_kl_topk,
+    whose top 4 of the 14 tokens hold most but not all of the teacher's mass), on fixed prompts, falls at every one
     of 5 steps (the actor is exported after each)."""
     cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path}",
            "trainer.logger=[file]", "trainer.total_training_steps=5", "trainer.test_freq=-1",
            "trainer.val_before_train=false", "trainer.save_freq=1",
            "actor_rollout_ref.actor.checkpoint.save_contents=[model,hf_model]", "distillation.enabled=true",
            f"distillation.teacher_model.model_path={teacher}", "distillation.distillation_loss.use_task_rewards=false",
-           "distillation.distillation_loss.loss_mode=k1", "data.train_batch_size=128",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=128"]
+           "data.train_batch_size=128", "actor_rollout_ref.actor.ppo_mini_batch_size=128", *loss]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     tokenizer = AutoTokenizer.from_pretrained(task["model"])
     texts = [f"{a}->{b}->" for a, b in ((1, 2), (3, 4), (5, 6), (7, 8), (9, 0), (2, 7))]
     prompts = prompt_token_ids(tokenizer, [[{"role": "user", "content": t}] for t in texts])
-    kl = [first_token_reverse_kl(Path(task["model"]), teacher, prompts)]
-    kl += [first_token_reverse_kl(tmp_path / f"global_step_{step}" / "actor_hf", teacher, prompts)
+    forward = "topk" in loss[0]
+    kl = [first_token_kl(Path(task["model"]), teacher, prompts, forward)]
+    kl += [first_token_kl(tmp_path / f"global_step_{step}" / "actor_hf", teacher, prompts, forward)
            for step in range(1, 6)]
     assert kl[0] > 0.5, kl
     assert all(later < earlier for earlier, later in zip(kl, kl[1:])), str(kl)
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert all("actor/distillation/reverse_kl" in r and "actor/pg_loss" in r for r in rows)
+    metric = "actor/distillation/student_mass" if forward else "actor/distillation/reverse_kl"
+    assert all(metric in r and "actor/pg_loss" in r for r in rows)
+    if forward:  # the student's mass on the teacher's top 4 grows
+        assert rows[-1][metric] > rows[0][metric], [r[metric] for r in rows]
 
 
 # The real training path (update_policy: global counts over micro batches and DP), one step at lr 0: the loss and the
@@ -285,3 +362,63 @@ def test_straight_through_kl_keeps_k3s_value_with_another_gradient(distill_refer
     _, reference = distill_reference
     (plus_kl, _, plus_norm), (k3_kl, _, k3_norm) = reference["kl-k3+"], reference["kl-low_var_kl"]
     assert plus_kl == pytest.approx(k3_kl, rel=1e-6) and plus_norm != pytest.approx(k3_norm, rel=1e-3)
+
+
+# forward_kl_topk through the real training path (update_policy, lr 0): its loss, masses and gradient norm are the
+# same at any micro-batch cut and at DP2, TP2 (the student's vocab split) and CP2 (its tokens split).
+TOPK_LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2), "cp2": dict(cp=2)}
+
+
+def topk_step(ckpt: str, sizes: dict, micro_batch_size: int | None, max_token_len: int | None) -> dict[str, tuple]:
+    from test_loss_aggregation import BATCH, training_batch
+
+    from shardrl.job.options import EngineOptions, OptimOptions, PolicyLossOptions, UpdateOptions
+    from shardrl.models.config import ModelConfig
+    from shardrl.parallel.layout import Layout
+    from shardrl.parallel.layout_spec import LayoutSpec
+    from shardrl.workers.actor import update_policy
+    from shardrl.workers.engine import ModelEngine
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    config = ModelConfig.from_pretrained(ckpt)
+    actor = ModelEngine(config, Layout.create(LayoutSpec(world_size=world, **sizes)),
+                        EngineOptions(optim=OptimOptions(lr=0.0)), hf_path=ckpt)
+    layout = actor.layout
+    batch = training_batch(ckpt)
+    mask = batch.tensors["response_mask"].bool()
+    generator = torch.Generator().manual_seed(5)
+    teacher = (torch.randn(*mask.shape, config.vocab_size, generator=generator) * 2).log_softmax(-1).topk(8, dim=-1)
+    batch.tensors["teacher_topk_log_probs"] = torch.where(mask[..., None], teacher.values, math.nan)  # padding: NaN
+    batch.tensors["teacher_topk_ids"] = teacher.indices.int()
+    share = batch.take(list(range(layout.dp_rank * BATCH // layout.dp_size,
+                                  (layout.dp_rank + 1) * BATCH // layout.dp_size)))
+    update = UpdateOptions(mini_batch_size=len(share), micro_batch_size=micro_batch_size, max_token_len=max_token_len)
+    out = {}
+    for name, distill in (("supervised", settings("forward_kl_topk", policy_gradient=False, topk=8)),
+                          ("pg-clamped", settings("forward_kl_topk", topk=8, log_prob_min_clamp=-4.9))):
+        metrics = update_policy(actor, share, PolicyLossOptions(clip=ClipRange(0.2), max_response_length=8), update,
+                                distillation=distill)
+        out[name] = tuple(metrics[key][0] for key in ("distillation/loss", "distillation/student_mass",
+                                                      "distillation/teacher_mass", "grad_norm"))
+    return out
+
+
+@pytest.fixture(scope="module")
+def topk_reference(distill_reference):
+    ckpt, _ = distill_reference
+    return ckpt, topk_step(ckpt, {}, *DISTILL_CUTS["micro8"])
+
+
+def test_forward_kl_topk_is_the_same_for_any_micro_batching(topk_reference):
+    ckpt, reference = topk_reference
+    assert reference["supervised"][0] > 0.1 and 0 < reference["supervised"][1] < reference["supervised"][2] < 1
+    for cut in ("micro1", "dynamic24tokens"):
+        assert_same(topk_step(ckpt, {}, *DISTILL_CUTS[cut]), reference, cut)
+
+
+@pytest.mark.parametrize("layout", list(TOPK_LAYOUTS))
+def test_forward_kl_topk_is_the_same_at_dp2_tp2_and_cp2(topk_reference, layout):
+    ckpt, reference = topk_reference
+    for rank_result in run_distributed(2, topk_step, ckpt, TOPK_LAYOUTS[layout], *DISTILL_CUTS["micro4"]):
+        assert_same(rank_result, reference, layout)
+

@@ -1,9 +1,14 @@
 """On-policy distillation (verl's `distillation.distillation_loss`): the student samples, a frozen teacher scores
 the sampled tokens, and the student learns to make the teacher's choices likely.
 
-Per sampled token, `d = estimator(log p_student, log p_teacher)`, one of the KL(student || teacher) estimators of
-algos.kl (k1 = log p_s - log p_t, k3 = r - 1 - log r with r = p_t / p_s, ...), both log-probs first clamped below at
-`log_prob_min_clamp` and `d` clamped to [-loss_max_clamp, loss_max_clamp]. Then, as verl does:
+Per sampled token a divergence `d`, then clamped to [-loss_max_clamp, loss_max_clamp]:
+* the estimators (`distillation_loss`): `d = estimator(log p_student, log p_teacher)` of the sampled token, one of the
+  KL(student || teacher) estimators of algos.kl (k1 = log p_s - log p_t, k3 = r - 1 - log r with r = p_t / p_s,
+  ...), both log-probs first clamped below at `log_prob_min_clamp`;
+* `forward_kl_topk` (`topk_distillation_loss`): d = KL_k(teacher || student), the forward KL over the teacher's k
+  most likely tokens of the position (computed over the vocab blocks: parallel/vocab_topk.py), floored at 0 (the
+  top k do not hold all the mass, so it can dip below).
+Then, as verl does:
 
 * `use_policy_gradient=true` (Thinking Machines' on-policy distillation, best with k1): `-d`, detached, is each
   token's advantage in PPO's clipped surrogate against the anchor log-probs (the distillation's own clip range);
@@ -29,19 +34,24 @@ from shardrl.algos.policy_loss import ClipRange, ppo_clip_loss
 
 @dataclass(frozen=True)
 class DistillationSettings:
-    estimator: str  # an algos.kl estimator name
+    estimator: str  # an algos.kl estimator name, or "forward_kl_topk"
     use_policy_gradient: bool
     use_task_rewards: bool
     coef: float  # the distillation term's weight beside the task loss (1 when it trains alone)
     loss_max_clamp: float | None
     log_prob_min_clamp: float | None
     clip: ClipRange  # the policy-gradient form's clip range
+    topk: int | None = None  # forward_kl_topk: the teacher's top k per position; None for the estimators
+
+    @property
+    def uses_topk(self) -> bool:
+        return self.topk is not None
 
 
 def distillation_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, teacher_log_prob: torch.Tensor,
                       response_mask: torch.Tensor, scale: LossScale, loss_agg_mode: str,
                       settings: DistillationSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """This micro batch's share of the distillation loss and its metrics; all tensors `[B, T]`.
+    """This micro batch's share of an estimator's distillation loss and its metrics; all tensors `[B, T]`.
 
     `log_prob` is the student's (with grad), `old_log_prob` the PPO anchor, `teacher_log_prob` the teacher's of the
     same sampled tokens. Metrics (shares of mini-batch token means): `reverse_kl` (the k1 estimate of KL(student ||
@@ -56,8 +66,33 @@ def distillation_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, teache
     student = torch.where(valid, student, 0.0)
     teacher = torch.where(valid, teacher, 0.0)
     per_token = torch.where(valid, kl_estimate(student, teacher, settings.estimator), 0.0)  # [B, T]
-    metrics = {"reverse_kl": scaled_token_mean((student - teacher).detach(), response_mask, scale),
-               "abs_loss": scaled_token_mean(per_token.detach().abs(), response_mask, scale)}
+    metrics = {"reverse_kl": scaled_token_mean((student - teacher).detach(), response_mask, scale)}
+    return _objective(per_token, log_prob, old_log_prob, response_mask, scale, loss_agg_mode, settings, metrics)
+
+
+def topk_distillation_loss(forward_kl: torch.Tensor, student_mass: torch.Tensor, teacher_mass: torch.Tensor,
+                           log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
+                           scale: LossScale, loss_agg_mode: str,
+                           settings: DistillationSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """This micro batch's share of forward_kl_topk's loss and its metrics; all tensors `[B, T]`.
+
+    `forward_kl` is KL_k(teacher || student) of each position (differentiable in the student's logits), the masses
+    the probability each gives the teacher's top k. Metrics: `student_mass`, `teacher_mass` (token means),
+    `abs_loss` (|d| before the clamp), and the policy-gradient form's `pg_clipfrac` / `ppo_kl`."""
+    valid = response_mask.bool()
+    per_token = torch.where(valid, forward_kl, 0.0).clamp_min(0.0)  # [B, T]
+    metrics = {"student_mass": scaled_token_mean(torch.where(valid, student_mass, 0.0), response_mask, scale),
+               "teacher_mass": scaled_token_mean(torch.where(valid, teacher_mass, 0.0), response_mask, scale)}
+    return _objective(per_token, log_prob, old_log_prob, response_mask, scale, loss_agg_mode, settings, metrics)
+
+
+def _objective(per_token: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,
+               response_mask: torch.Tensor, scale: LossScale, loss_agg_mode: str, settings: DistillationSettings,
+               metrics: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token divergence d [B, T] (0 on padding), clamped, as the loss itself or as -d advantages of the
+    clipped surrogate."""
+    valid = response_mask.bool()
+    metrics = metrics | {"abs_loss": scaled_token_mean(per_token.detach().abs(), response_mask, scale)}
     if settings.loss_max_clamp is not None:
         per_token = per_token.clamp(-settings.loss_max_clamp, settings.loss_max_clamp)
     if not settings.use_policy_gradient:

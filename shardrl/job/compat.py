@@ -91,8 +91,6 @@ REFUSED: tuple[Refused, ...] = (
               "false") for group in ("", "teacher_model.")),
     *(Refused(f"distillation.{group}{size}", _is(0), 8, "the teacher has no pool of its own (it shares the trainer "
               "pool); leave it 0") for group in ("", "teacher_model.") for size in ("n_gpus_per_node", "nnodes")),
-    Refused("distillation.distillation_loss.topk", _is(None), 32, "top-k distillation losses are not supported (the "
-            "teacher scores the sampled token); leave it null"),
     Refused("distillation.teacher_model.megatron.use_distributed_optimizer", _is(False), True, "the teacher never "
             "trains: it has no optimizer to distribute; set false"),
     *(Refused(f"reward_model.megatron.{state}_offload", _is(False), True, f"the reward model never trains: it has no "

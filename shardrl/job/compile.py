@@ -56,6 +56,7 @@ from shardrl.job.schema import (
     JudgeConfig,
     MultiTurnConfig,
     CheckpointConfig,
+    DEFAULT_DISTILLATION_TOPK,
     MegatronConfig,
     OptimConfig,
     PPOConfig,
@@ -162,7 +163,8 @@ def distillation_settings(config: PPOConfig) -> DistillationSettings:
         estimator=loss.loss_mode, use_policy_gradient=loss.use_policy_gradient, use_task_rewards=loss.use_task_rewards,
         coef=loss.distillation_loss_coef if loss.use_task_rewards else 1.0, loss_max_clamp=loss.loss_max_clamp,
         log_prob_min_clamp=loss.log_prob_min_clamp,
-        clip=ClipRange(loss.clip_ratio, loss.clip_ratio_low, loss.clip_ratio_high))
+        clip=ClipRange(loss.clip_ratio, loss.clip_ratio_low, loss.clip_ratio_high),
+        topk=(loss.topk or DEFAULT_DISTILLATION_TOPK) if loss.loss_mode == "forward_kl_topk" else None)
 
 
 def teacher_options(config: PPOConfig, role: RolePlan) -> TeacherOptions:

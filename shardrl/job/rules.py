@@ -110,11 +110,8 @@ def _validate_shared_model_keys(config: PPOConfig) -> None:
                                                      "the critic reads the actor's token ids, so leave it unset")
 
 
-TOPK_DISTILLATION = ("forward_kl_topk", "forward_kl_topk_tail")
-
-
 def _validate_distillation(config: PPOConfig) -> None:
-    """On-policy distillation needs a teacher, and shardrl's teacher gives the log-prob of the sampled token only."""
+    """On-policy distillation needs a teacher; `topk` belongs to forward_kl_topk; k1's gradient ignores the teacher."""
     distillation = config.distillation
     loss, key = distillation.distillation_loss, "distillation.distillation_loss"
     if not distillation.enabled:
@@ -122,9 +119,9 @@ def _validate_distillation(config: PPOConfig) -> None:
     if distillation.teacher_model.model_path is None:
         raise ConfigError("distillation.teacher_model.model_path", "must be set when distillation.enabled=true (an "
                                                                    "HF model directory with the student's tokenizer)")
-    if loss.loss_mode in TOPK_DISTILLATION:
-        raise ConfigError(f"{key}.loss_mode", f"{loss.loss_mode} needs the teacher's top-k logits, which shardrl's "
-                                              "teacher does not give; use k1 (use_policy_gradient=true) or k3")
+    if loss.topk is not None and loss.loss_mode != "forward_kl_topk":
+        raise ConfigError(f"{key}.topk", f"{loss.topk} is for loss_mode=forward_kl_topk; {loss.loss_mode} scores the "
+                                         "sampled token only: leave topk null")
     if not loss.use_policy_gradient and loss.loss_mode in ("kl", "k1"):
         raise ConfigError(f"{key}.loss_mode", f"{loss.loss_mode} with use_policy_gradient=false: k1's gradient does "
                                               "not depend on the teacher; use k3, or use_policy_gradient=true")

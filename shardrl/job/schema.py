@@ -603,10 +603,10 @@ class AsyncTrainingConfig:
     partial_rollout: bool | None = None
 
 
-# verl's distillation loss modes: single-sample KL estimators of the sampled token (shardrl's), and top-k ones
-# (refused by rules.py: they need the teacher's top-k logits).
-DistillationLossMode = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk",
-                               "forward_kl_topk_tail"]
+# verl's distillation loss modes: single-sample KL estimators of the sampled token, and the forward KL over the
+# teacher's top k tokens of each position.
+DistillationLossMode = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "forward_kl_topk"]
+DEFAULT_DISTILLATION_TOPK = 32  # verl's distillation.yaml
 
 
 @dataclass(frozen=True)
@@ -615,7 +615,7 @@ class DistillationLossConfig:
     (shardrl.algos.distillation)."""
 
     loss_mode: DistillationLossMode  # the per-token estimator of KL(student || teacher) on the sampled token
-    topk: PosInt | None  # top-k modes only, which shardrl does not have: null
+    topk: PosInt | None  # forward_kl_topk: the teacher's top k per position; null: 32 (verl's); estimators: null
     use_task_rewards: bool  # false: the distillation loss alone trains the actor
     distillation_loss_coef: NonNegFloat  # its weight beside the task's policy loss (use_task_rewards only)
     loss_max_clamp: PosFloat | None  # per-token loss clamped to [-c, c]; null: no clamp

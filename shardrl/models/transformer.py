@@ -141,10 +141,13 @@ class Transformer(nn.Module):
     def compute_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
         """Log-probabilities of `targets` [T] (the next token of each position) and entropies, both [T] fp32,
         computed vocab-parallel without gathering the logits."""
-        logits = self.compute_logits(hidden, targets.shape[0])  # [T, Vp/tp]
-        if temperature != 1.0:
-            logits = logits / temperature
+        logits = self.scaled_logits(hidden, targets.shape[0], temperature)  # [T, Vp/tp]
         return vocab_parallel_logprobs(logits, targets, self.layout.tp_group, self.config.vocab_size)
+
+    def scaled_logits(self, hidden: Tensor, num_tokens: int, temperature: float) -> Tensor:
+        """`compute_logits` divided by the sampling temperature: what every log-prob of the trainer is taken of."""
+        logits = self.compute_logits(hidden, num_tokens)  # [T, Vp/tp]
+        return logits / temperature if temperature != 1.0 else logits
 
     def compute_values(self, hidden: Tensor, num_tokens: int) -> Tensor:
         """Value-head output [T] (replicated over TP)."""

@@ -16,6 +16,7 @@ from shardrl.agents.driver import AgentSettings, agent_host
 from shardrl.agents.loop import AGENT_LOOPS
 from shardrl.agents.registry import interaction_names_of, tool_schemas_of
 from shardrl.algos import make_kl_controller
+from shardrl.algos.distillation import DistillationSettings
 from shardrl.controller.cluster import init_ray
 from shardrl.controller.group import Role, WorkerGroup
 from shardrl.controller.pool import ResourcePool
@@ -108,6 +109,7 @@ def train(plan: JobPlan) -> None:
     tools = agent_tool_schemas(paths.tool_config)
     if plan.teacher is not None:
         check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
+        check_distillation_topk(plan.actor.distillation, len(tokenizer))
     plan = with_reward_model_tokenizer(plan, tokenizer)
 
     def dataset(files: list[str], max_samples: int, key: str) -> RLDataset:
@@ -324,6 +326,13 @@ def check_teacher_vocabulary(teacher_path: str, student, trust_remote_code: bool
         differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
         raise ConfigError(key, f"the teacher's vocabulary ({len(theirs)} tokens) differs from the student's "
                                f"({len(mine)}), e.g. {differ}; distillation needs the student's tokenizer")
+
+
+def check_distillation_topk(distillation: DistillationSettings, vocab_size: int) -> None:
+    """forward_kl_topk's k is at most the vocabulary (the tokenizer's, which the teacher shares)."""
+    if distillation.uses_topk and distillation.topk > vocab_size:
+        raise ConfigError("distillation.distillation_loss.topk", f"{distillation.topk} exceeds the vocabulary's "
+                                                                 f"{vocab_size} tokens; set at most {vocab_size}")
 
 
 def training_steps(plan: JobPlan, loader: PromptLoader) -> int:

@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from shardrl.algos import LossScale, actor_loss
-from shardrl.algos.distillation import DistillationSettings, distillation_loss
+from shardrl.algos.distillation import DistillationSettings, distillation_loss, topk_distillation_loss
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.data.batch import Batch
 from shardrl.job.options import (
@@ -38,6 +38,8 @@ from shardrl.models.hf_export import GENERATION_CONFIG
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.parallel.lora import adapters_disabled
+from shardrl.parallel.vocab import vocab_parallel_logprobs
+from shardrl.parallel.vocab_topk import vocab_parallel_topk, vocab_parallel_topk_kl
 from shardrl.workers.engine import (
     ROUTED_EXPERTS,
     ROUTING_MISMATCH,
@@ -50,13 +52,47 @@ from shardrl.workers.engine import (
     stack_outputs,
     train_epochs,
 )
-from shardrl.workers.packing import unpack_responses
+from shardrl.workers.packing import pack_responses, unpack_responses
 from shardrl.workers.role_model import build_engine, resident, unpadded_rows
+
+
+TEACHER_TOPK = ("teacher_topk_log_probs", "teacher_topk_ids")  # forward_kl_topk's [B, R, k] teacher tensors
 
 
 def _logprobs(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: float) -> tuple[Tensor, Tensor]:
     log_prob, entropy = chunk.compute_logprobs(hidden, mb.packed.targets, temperature)  # [T], [T]
     return unpack_responses(log_prob, mb.packed), unpack_responses(entropy, mb.packed)  # [b, R] each
+
+
+def _logprobs_and_topk_kl(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: float,
+                          log_prob_min_clamp: float | None) -> tuple[Tensor, ...]:
+    """`_logprobs`, and from the same logits forward_kl_topk's KL to the micro batch's teacher top k and the
+    student's mass on them, all [b, R]."""
+    logits = chunk.scaled_logits(hidden, mb.packed.num_tokens, temperature)  # [T, Vp/tp]
+    group, vocab_size = chunk.layout.tp_group, chunk.config.vocab_size
+    log_prob, entropy = vocab_parallel_logprobs(logits, mb.packed.targets, group, vocab_size)  # [T] each
+    mask = mb.data["response_mask"]
+    teacher_log_probs, teacher_ids = (pack_responses(mb.data[key], mb.packed, mask) for key in TEACHER_TOPK)
+    kl, mass = vocab_parallel_topk_kl(logits, teacher_log_probs, teacher_ids.long(), group, vocab_size,
+                                      log_prob_min_clamp)  # [T] each
+    return tuple(unpack_responses(x, mb.packed) for x in (log_prob, entropy, kl, mass))
+
+
+@torch.no_grad()
+def compute_topk_log_probs(engine: ModelEngine, batch: Batch, batching: ForwardBatching, temperature: float,
+                           k: int) -> Batch:
+    """forward_kl_topk's teacher: the k most likely tokens of every response position under the engine, their
+    log-probs [B, R, k] fp32 (`teacher_topk_log_probs`) and ids [B, R, k] int32 (`teacher_topk_ids`)."""
+    def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        logits = chunk.scaled_logits(hidden, mb.packed.num_tokens, temperature)  # [T, Vp/tp]
+        top = vocab_parallel_topk(logits, k, chunk.layout.tp_group, chunk.config.vocab_size)  # [T, k] each
+        return hidden.new_zeros(()), {key: unpack_responses(x, mb.packed) for key, x in zip(TEACHER_TOPK, top)}
+
+    micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
+                                                batching.max_token_len, count_group=engine.count_group)
+    outputs = engine.run(micro_batches, loss_fn, forward_only=True)
+    log_probs, ids = (stack_outputs(outputs, key, restore).cpu() for key in TEACHER_TOPK)
+    return Batch({TEACHER_TOPK[0]: log_probs, TEACHER_TOPK[1]: ids.int()})
 
 
 @torch.no_grad()
@@ -101,17 +137,29 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
     """The per-micro-batch actor loss (algos.actor_loss with the mini batch's global counts), with on-policy
     distillation's term (algos.distillation) added to it, or alone when distillation trains without task rewards."""
 
+    topk = distillation is not None and distillation.uses_topk
+
     def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
+        if topk:
+            log_prob, entropy, topk_kl, student_mass = _logprobs_and_topk_kl(chunk, hidden, mb, temperature,
+                                                                             distillation.log_prob_min_clamp)
+        else:
+            log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
         d = mb.data
         loss, metrics = actor_loss(
             log_prob, d["old_log_probs"], d["advantages"], d["response_mask"], scale, options.loss_agg_mode,
             options.clip, is_weights=d.get("is_weights"), bypass_is=options.bypass_is, entropy=entropy,
             entropy_coeff=options.entropy_coeff, ref_log_prob=d["ref_log_probs"] if options.use_kl_loss else None,
             kl_loss_coef=options.kl_loss_coef, kl_loss_type=options.kl_loss_type, loss_mode=options.loss_mode)
-        if distillation is not None:
+        if topk:
+            teacher_mass = d[TEACHER_TOPK[0]].exp().sum(-1)  # [b, R]
+            term, term_metrics = topk_distillation_loss(topk_kl, student_mass, teacher_mass, log_prob,
+                                                        d["old_log_probs"], d["response_mask"], scale,
+                                                        options.loss_agg_mode, distillation)
+        elif distillation is not None:
             term, term_metrics = distillation_loss(log_prob, d["old_log_probs"], d["teacher_log_probs"],
                                                    d["response_mask"], scale, options.loss_agg_mode, distillation)
+        if distillation is not None:
             loss = (loss if distillation.use_task_rewards else 0.0) + distillation.coef * term
             metrics |= {"distillation/loss": term.detach()} | {f"distillation/{k}": v for k, v in term_metrics.items()}
         return loss, {**metrics, "log_probs": log_prob}
@@ -128,7 +176,8 @@ def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, up
     keys = ["old_log_probs", "advantages", "response_mask"]
     keys += [k for k in ("is_weights",) if k in batch.tensors.keys()]
     keys += ["ref_log_probs"] if loss.use_kl_loss else []
-    keys += ["teacher_log_probs"] if distillation is not None else []
+    if distillation is not None:
+        keys += list(TEACHER_TOPK) if distillation.uses_topk else ["teacher_log_probs"]
     return replay_overridden_fraction(train_epochs(
         engine, batch, update, keys, lambda scale: policy_loss_fn(loss, scale, temperature, distillation),
         loss.max_response_length, "replay" if replay_routing else None))
@@ -177,10 +226,14 @@ class ActorRefWorker:
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def compute_teacher_log_prob(self, batch: Batch) -> Batch:
-        """The distillation teacher's log-probs of the sampled tokens, at the actor's temperature."""
-        with resident(self.teacher, self.teacher_options.model):
-            log_probs, _ = compute_log_prob(self.teacher, batch, self.teacher_options.log_prob,
-                                            self.options.temperature)
+        """The distillation teacher's log-probs at the actor's temperature: of the sampled tokens
+        (`teacher_log_probs`), or for forward_kl_topk its top k of every response position (`TEACHER_TOPK`)."""
+        distillation, teacher = self.options.distillation, self.teacher_options
+        with resident(self.teacher, teacher.model):
+            if distillation.uses_topk:
+                return compute_topk_log_probs(self.teacher, batch, teacher.log_prob, self.options.temperature,
+                                              distillation.topk)
+            log_probs, _ = compute_log_prob(self.teacher, batch, teacher.log_prob, self.options.temperature)
         return Batch({"teacher_log_probs": log_probs})
 
     @dispatch_mode(Dispatch.DP_COMPUTE)

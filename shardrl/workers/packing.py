@@ -75,3 +75,14 @@ def unpack_responses(per_token: Tensor, packed: Packed) -> Tensor:
     """[T] (or a CP share's [T_r]) values at packed positions -> [B, R] aligned with `responses` (differentiable
     gather)."""
     return whole_micro_batch(per_token, packed)[packed.response_index]
+
+
+def pack_responses(per_response: Tensor, packed: Packed, response_mask: Tensor) -> Tensor:
+    """[B, R, ...] values aligned with `responses` -> [T, ...] at the packed positions that predict them (this CP
+    rank's tokens [T_r, ...] for a CP share), the inverse of `unpack_responses`; 0 at every other position."""
+    total = packed.num_tokens if packed.context is None else sum(packed.context.counts)
+    out = per_response.new_zeros(total, *per_response.shape[2:])
+    valid = response_mask.bool()
+    out[packed.response_index[valid]] = per_response[valid]
+    return out if packed.context is None else out[packed.context.local_index]
+
