@@ -365,8 +365,8 @@ def test_straight_through_kl_keeps_k3s_value_with_another_gradient(distill_refer
 
 
 # forward_kl_topk through the real training path (update_policy, lr 0): its loss, masses and gradient norm are the
-# same at any micro-batch cut and at DP2, TP2 (the student's vocab split) and CP2 (its tokens split).
-TOPK_LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2), "cp2": dict(cp=2)}
+# same at any micro-batch cut and at DP2, TP2 (the student's vocab split), CP2 (its tokens split) and PP2.
+TOPK_LAYOUTS = {"dp2": dict(), "tp2": dict(tp=2), "cp2": dict(cp=2), "pp2": dict(pp=2)}
 
 
 def topk_step(ckpt: str, sizes: dict, micro_batch_size: int | None, max_token_len: int | None) -> dict[str, tuple]:
@@ -417,7 +417,7 @@ def test_forward_kl_topk_is_the_same_for_any_micro_batching(topk_reference):
 
 
 @pytest.mark.parametrize("layout", list(TOPK_LAYOUTS))
-def test_forward_kl_topk_is_the_same_at_dp2_tp2_and_cp2(topk_reference, layout):
+def test_forward_kl_topk_is_the_same_at_dp2_tp2_cp2_and_pp2(topk_reference, layout):
     ckpt, reference = topk_reference
     for rank_result in run_distributed(2, topk_step, ckpt, TOPK_LAYOUTS[layout], *DISTILL_CUTS["micro4"]):
         assert_same(rank_result, reference, layout)
