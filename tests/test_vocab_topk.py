@@ -94,3 +94,28 @@ def test_bf16_logits_give_the_fp32_maths_and_a_bf16_gradient():
     assert teacher_lp.dtype == kl.dtype == torch.float32 and low.grad.dtype == torch.bfloat16
     assert_close(kl, ref_kl.float(), **TOL)
     assert_close(low.grad, ref_grad.bfloat16())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_with_a_real_vocabulary_in_bf16():
+    """The CUDA path (the Triton softmax statistics, torch's topk and gather) on a 151,936-token vocabulary, the
+    student's logits in bf16, against the float64 reference on the same rounded logits (the teacher's in fp32: bf16
+    would tie among its top 32, and a tie may order either way)."""
+    g = torch.Generator().manual_seed(0)
+    vocab, k = 151_936, 32
+    student, teacher = (torch.randn(64, vocab, generator=g) * 3 for _ in range(2))
+    upstream = torch.randn(64, generator=g, dtype=torch.float64)
+    student = student.bfloat16()
+    ref_teacher_lp, ref_ids, ref_kl, ref_mass, ref_grad = _reference(student.double(), teacher.double(), k, -12.0,
+                                                                     upstream)
+    teacher_lp, ids = vocab_parallel_topk(teacher.cuda(), k, None, vocab)
+    assert torch.equal(ids.cpu(), ref_ids)
+    assert_close(teacher_lp.cpu(), ref_teacher_lp.float(), **TOL)
+    logits = student.cuda().requires_grad_()
+    kl, mass = vocab_parallel_topk_kl(logits, teacher_lp, ids, None, vocab, -12.0)
+    (kl * upstream.float().cuda()).sum().backward()
+    assert_close(kl.cpu(), ref_kl.float(), **TOL)
+    assert_close(mass.cpu(), ref_mass.float(), **TOL)
+    assert logits.grad.dtype == torch.bfloat16
+    assert_close(logits.grad.cpu(), ref_grad.bfloat16())
