@@ -156,7 +156,7 @@ def _losses(piece: dict[str, torch.Tensor], mode: str, scale: LossScale,
             loss_mode: str = "vanilla") -> tuple[torch.Tensor, dict]:
     actor, actor_metrics = actor_loss(
         piece["log_prob"], piece["old"], piece["advantages"], piece["mask"], scale, mode,
-        ClipRange(0.2, clip_ratio_high=0.28, clip_ratio_c=3.0), is_weights=piece["is_weights"],
+        ClipRange(0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, dro_beta=0.1), is_weights=piece["is_weights"],
         entropy=piece["entropy"], entropy_coeff=0.01, ref_log_prob=piece["ref"], kl_loss_coef=0.05,
         kl_loss_type="low_var_kl", loss_mode=loss_mode,
     )
@@ -351,17 +351,18 @@ def test_gspo_log_ratio_clamped_above_at_10_only():
 def test_unknown_loss_mode_names_the_key():
     inputs = _gspo_inputs()
     with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode='gpo' is not one of "
-                                         r"\['vanilla', 'gspo', 'gpg', 'cispo', 'sapo'\]"):
+                                         r"\['vanilla', 'gspo', 'gpg', 'cispo', 'sapo', 'geo_mean', 'dppo_tv', "
+                                         r"'dppo_kl', 'dro'\]"):
         actor_loss(**inputs, scale=LossScale.from_mask(inputs["response_mask"], 4), loss_agg_mode="token-mean",
                    clip=GSPO_CLIP, loss_mode="gpo")
 
 
-@pytest.mark.parametrize("loss_mode", ["vanilla", "gspo", "gpg", "cispo", "sapo"])
+@pytest.mark.parametrize("loss_mode", POLICY_LOSS_MODES)
 def test_nan_advantages_and_weights_on_padding_reach_no_loss_or_gradient(loss_mode):
     batch = _ragged_batch(seed=9)
     padding = ~batch["mask"].bool()
     scale = LossScale.from_mask(batch["mask"], 12)
-    clip = ClipRange(0.2, clip_ratio_high=0.28)
+    clip = ClipRange(0.2, clip_ratio_high=0.28, dro_beta=0.1)
 
     def run(advantages, weights):
         log_prob = batch["old"].clone().requires_grad_()

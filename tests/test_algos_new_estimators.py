@@ -1,4 +1,5 @@
-"""GPG, Pass@k GRPO and GDPO advantages; the GPG, CISPO and SAPO surrogates (issue "RL maths").
+"""GPG, Pass@k GRPO, GDPO and the vectorised GRPO / RLOO advantages; the GPG, CISPO, SAPO, GMPO (geo_mean), DPPO
+(dppo_tv, dppo_kl) and DRO surrogates (issue "RL maths").
 
 Every expected value is computed here independently of shardrl.algos: by hand, or by a plain-Python transcription of
 the paper's formula. Masked positions hold NaN / inf in every input; they must reach neither the loss, nor the
@@ -20,6 +21,10 @@ from shardrl.algos import (
     aggregate_loss,
     cispo_loss,
     compute_advantage,
+    dppo_kl_loss,
+    dppo_tv_loss,
+    dro_loss,
+    geo_mean_loss,
     gdpo_reward_components,
     gpg_loss,
     ppo_clip_loss,
@@ -275,9 +280,9 @@ def test_new_surrogates_on_an_all_masked_batch_give_zero():
     log_prob = t([[NAN, INF], [-INF, NAN]]).requires_grad_()
     mask = torch.zeros(2, 2, dtype=torch.float64)
     scale = LossScale.from_mask(mask, 2)
-    for mode in ("gpg", "cispo", "sapo"):
+    for mode in ("gpg", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "dro"):
         loss, metrics = actor_loss(log_prob, t([[INF, NAN], [0, 0]]), t([[NAN, 1], [INF, 0]]), mask, scale,
-                                   "token-mean", ClipRange(), loss_mode=mode)
+                                   "token-mean", ClipRange(dro_beta=0.5), loss_mode=mode)
         (grad,) = torch.autograd.grad(loss, log_prob)
         assert loss.item() == 0.0 and grad.eq(0).all(), mode
         assert all(torch.isfinite(v) for v in metrics.values()), mode
@@ -286,3 +291,137 @@ def test_new_surrogates_on_an_all_masked_batch_give_zero():
 def test_clip_range_refuses_non_positive_sapo_temperatures():
     with pytest.raises(ValueError, match="tau_pos and tau_neg must be > 0"):
         ClipRange(tau_neg=0.0)
+
+
+def test_vectorised_grpo_is_grpo_and_vectorised_rloo_zeroes_one_sample_groups():
+    """verl's *_vectorized estimators: GRPO's is the same maths; RLOO's gives a one-sample group 0, not its score.
+    Groups a = rows 0-2 with scores [1, 0, 0], b = [1, 1], c = [0.5] alone."""
+    for by_std in (True, False):
+        inputs = _inputs(norm_adv_by_std_in_grpo=by_std)
+        torch.testing.assert_close(compute_advantage("grpo_vectorized", inputs), compute_advantage("grpo", inputs))
+    rloo, _ = compute_advantage("rloo", _inputs())
+    vectorised, _ = compute_advantage("rloo_vectorized", _inputs())
+    # leave-one-out: s - mean of the others; a: [1 - 0, 0 - 0.5, 0 - 0.5], b: [0, 0]
+    torch.testing.assert_close(vectorised, _per_token([1.0, -0.5, -0.5, 0.0, 0.0, 0.0], MASK))
+    torch.testing.assert_close(rloo, _per_token([1.0, -0.5, -0.5, 0.0, 0.0, 0.5], MASK))
+
+
+# GMPO: row 0 has ratios [1.5, 0.5, 1.1] with A = 1 (the sequence-level advantage on each token), row 1 ratios
+# [0.5, 3.0] with A = -2; clip 0.2 on the log ratio.
+GEO_RATIOS, GEO_ADV = [[1.5, 0.5, 1.1], [0.5, 3.0]], [1.0, -2.0]
+
+
+def _geo_inputs():
+    log_prob = t([_log(GEO_RATIOS[0]) + [NAN], _log(GEO_RATIOS[1]) + [INF, NAN]]).requires_grad_()
+    old = t([[0, 0, 0, INF], [0, 0, NAN, 0]])
+    advantages = t([[1, 1, 1, NAN], [-2, -2, INF, 0]])
+    mask = t([[1, 1, 1, 0], [1, 1, 0, 0]])
+    return log_prob, old, advantages, mask, LossScale.from_mask(mask, 4)
+
+
+def test_geo_mean_is_the_advantage_times_the_geometric_mean_of_the_side_clipped_ratios():
+    """Per sequence -A exp(mean_t x_t), x_t = min(log r, 0.2) where A > 0, max(log r, -0.2) where A < 0; the term is
+    a mean over sequences whatever loss_agg_mode; d/d log pi_t = -A s_i / L_i / 2 on unclipped tokens, 0 on
+    clipped ones."""
+    log_prob, old, advantages, mask, scale = _geo_inputs()
+    clipped = [[min(math.log(r), 0.2) for r in GEO_RATIOS[0]], [max(math.log(r), -0.2) for r in GEO_RATIOS[1]]]
+    ratios = [math.exp(sum(x) / len(x)) for x in clipped]
+    expected = [-a * s for a, s in zip(GEO_ADV, ratios)]
+    per_token, metrics = geo_mean_loss(log_prob, old, advantages, mask, scale, ClipRange(0.2))
+    torch.testing.assert_close(per_token[mask.bool()], t([expected[0]] * 3 + [expected[1]] * 2))
+    # As verl's, the fractions count the tokens outside [-0.2, 0.2] by their advantage's sign, clipped or not: row 0
+    # (A > 0) has r = 1.5 (clipped) and 0.5 (outside, below: not clipped), row 1 (A < 0) r = 0.5 (clipped) and 3.0.
+    assert metrics["pg_clipfrac"].item() == pytest.approx(2 / 5)
+    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(2 / 5)
+    for agg in ("token-mean", "seq-mean-token-sum"):
+        loss, _ = actor_loss(log_prob, old, advantages, mask, scale, agg, ClipRange(0.2), loss_mode="geo_mean")
+        assert loss.item() == pytest.approx(sum(expected) / 2, abs=1e-12)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    free = [[False, True, True], [False, True]]  # the clipped tokens' log ratio is a constant
+    expected_grad = [-a * s / len(f) / 2 * unclipped for a, s, f in zip(GEO_ADV, ratios, free) for unclipped in f]
+    torch.testing.assert_close(grad[mask.bool()], t(expected_grad))
+    assert grad[~mask.bool()].eq(0).all()
+
+
+def test_geo_mean_weighs_a_sequence_by_the_geometric_mean_of_its_token_weights():
+    log_prob, old, advantages, mask, scale = _geo_inputs()
+    weights = t([[0.5, 2.0, 4.0, NAN], [0.25, 1.0, INF, 0]])
+    plain, _ = actor_loss(log_prob, old, advantages, mask, scale, "token-mean", ClipRange(0.2), loss_mode="geo_mean")
+    per_sequence, _ = geo_mean_loss(log_prob, old, advantages, mask, scale, ClipRange(0.2))
+    weighted, _ = actor_loss(log_prob, old, advantages, mask, scale, "token-mean", ClipRange(0.2),
+                             is_weights=weights, loss_mode="geo_mean")
+    geometric = [(0.5 * 2.0 * 4.0) ** (1 / 3), (0.25 * 1.0) ** (1 / 2)]
+    expected = (per_sequence[0, 0] * geometric[0] + per_sequence[1, 0] * geometric[1]) / 2
+    # (verl's log(w + 1e-10) moves the product by ~1e-9)
+    assert weighted.item() == pytest.approx(expected.item(), rel=1e-8) and weighted.item() != plain.item()
+
+
+# DPPO: p_old = [0.5, 0.5, 0.5, 0.9] and p = [0.8, 0.6, 0.2, 0.3]; A = [1, 1, -1, -1]; clip 0.2, clip_ratio_c 1.5.
+DPPO_OLD, DPPO_NEW, DPPO_ADV = [0.5, 0.5, 0.5, 0.9], [0.8, 0.6, 0.2, 0.3], [1.0, 1.0, -1.0, -1.0]
+
+
+def _bernoulli_kl(p_old: float, p: float) -> float:
+    return p_old * math.log(p_old / p) + (1 - p_old) * math.log((1 - p_old + 1e-8) / (1 - p + 1e-8))
+
+
+@pytest.mark.parametrize("mode", ["dppo_tv", "dppo_kl"])
+def test_dppo_keeps_the_truncated_policy_gradient_inside_its_probability_trust_region(mode):
+    """Per token -A sg(min(r, c)) log pi inside the region, 0 outside (no gradient); TV: p - p_old <= 0.2 for A > 0,
+    >= -0.2 for A < 0; KL: Bernoulli KL(p_old || p) <= 0.2, or a move against A."""
+    log_prob = _with_garbage(_log(DPPO_NEW), NAN).requires_grad_()
+    old, advantages, mask = _with_garbage(_log(DPPO_OLD), INF), _with_garbage(DPPO_ADV, NAN), _mask(4)
+    scale = LossScale.from_mask(mask, 6)
+    clip = ClipRange(0.2, clip_ratio_c=1.5)
+    if mode == "dppo_tv":
+        inside = [p - q <= 0.2 if a > 0 else p - q >= -0.2 for q, p, a in zip(DPPO_OLD, DPPO_NEW, DPPO_ADV)]
+    else:
+        inside = [_bernoulli_kl(q, p) <= 0.2 or (p <= q if a > 0 else p >= q)
+                  for q, p, a in zip(DPPO_OLD, DPPO_NEW, DPPO_ADV)]
+    assert inside == ([False, True, False, False] if mode == "dppo_tv" else [False, True, False, False])
+    weights = [min(p / q, 1.5) for q, p in zip(DPPO_OLD, DPPO_NEW)]
+    fn = dppo_tv_loss if mode == "dppo_tv" else dppo_kl_loss
+    per_token, metrics = fn(log_prob, old, torch.where(mask.bool(), advantages, 0.0), mask, scale, clip)
+    expected = [-a * w * math.log(p) * k for a, w, p, k in zip(DPPO_ADV, weights, DPPO_NEW, inside)]
+    torch.testing.assert_close(per_token[0, :4], t(expected))
+    assert metrics["pg_clipfrac"].item() == pytest.approx(3 / 4)
+    assert metrics["pg_clipfrac_lower"].item() == pytest.approx(0.0)  # the one token inside has r = 1.2 < 1.5
+    loss, _ = actor_loss(log_prob, old, advantages, mask, scale, "token-mean", clip, loss_mode=mode)
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    torch.testing.assert_close(grad, t([[-a * w * k / 4 for a, w, k in zip(DPPO_ADV, weights, inside)] + [0, 0],
+                                        [0] * 6]))
+
+
+def test_dppo_regions_differ_where_the_binary_kl_allows_a_large_move_of_a_likely_token():
+    """p_old 0.95 -> p 0.99 with A > 0: TV moves 0.04 (inside 0.2) and the Bernoulli KL is 0.014 (inside); p_old 0.3
+    -> p 0.55: TV 0.25 (outside), KL 0.13 (inside): DPPO-KL keeps it, DPPO-TV drops it."""
+    old, new = [0.95, 0.3], [0.99, 0.55]
+    assert _bernoulli_kl(0.3, 0.55) < 0.2 < 0.55 - 0.3
+    log_prob = _with_garbage(_log(new), NAN)
+    old_lp, advantages, mask = _with_garbage(_log(old), NAN), _with_garbage([1.0, 1.0], NAN), _mask(2)
+    scale = LossScale.from_mask(mask, 4)
+    advantages = torch.where(mask.bool(), advantages, 0.0)
+    tv, _ = dppo_tv_loss(log_prob, old_lp, advantages, mask, scale, ClipRange(0.2, clip_ratio_c=20.0))
+    kl, _ = dppo_kl_loss(log_prob, old_lp, advantages, mask, scale, ClipRange(0.2, clip_ratio_c=20.0))
+    assert tv[0, 0] != 0 and tv[0, 1] == 0 and kl[0, 0] != 0 and kl[0, 1] != 0
+
+
+def test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty():
+    """Per token -(A log pi - beta / 2 (log r)^2), beta 0.5; d/d log pi = -A + beta log r."""
+    ratios, adv = [1.5, 0.5, 1.0], [1.0, -2.0, 0.5]
+    log_prob = _with_garbage([math.log(0.3 * r) for r in ratios], NAN).requires_grad_()
+    old, advantages, mask = _with_garbage([math.log(0.3)] * 3, INF), _with_garbage(adv, NAN), _mask(3)
+    scale = LossScale.from_mask(mask, 5)
+    per_token, metrics = dro_loss(log_prob, old, torch.where(mask.bool(), advantages, 0.0), mask, scale,
+                                  ClipRange(dro_beta=0.5))
+    expected = [-(a * math.log(0.3 * r) - 0.25 * math.log(r) ** 2) for r, a in zip(ratios, adv)]
+    torch.testing.assert_close(per_token[0, :3], t(expected))
+    loss, _ = actor_loss(log_prob, old, advantages, mask, scale, "token-mean", ClipRange(dro_beta=0.5),
+                         loss_mode="dro")
+    (grad,) = torch.autograd.grad(loss, log_prob)
+    torch.testing.assert_close(grad, t([[(-a + 0.5 * math.log(r)) / 3 for r, a in zip(ratios, adv)] + [0, 0],
+                                        [0] * 5]))
+    with pytest.raises(ValueError, match="needs actor.policy_loss.dro_beta"):
+        dro_loss(log_prob, old, advantages, mask, scale, ClipRange())
+    with pytest.raises(ValueError, match="dro_beta must be > 0"):
+        ClipRange(dro_beta=0.0)
+

@@ -1,4 +1,5 @@
-"""The keys of GPG, Pass@k GRPO, GDPO, CISPO, SAPO and the Dr. GRPO preset (issue "RL maths"): verl's spellings
+"""The keys of GPG, Pass@k GRPO, GDPO, CISPO, SAPO, GMPO, DPPO, DRO, the vectorised GRPO / RLOO and the Dr. GRPO
+preset (issue "RL maths"): verl's spellings
 reach their options, invalid combinations are refused before any worker starts naming the key, and each runs the
 default job (tiny model, CPU) for 2 steps from a verl command line."""
 
@@ -40,8 +41,13 @@ def test_verl_spellings_reach_the_options():
                 "algorithm.gdpo_reward_weights=[1,0.5]")
     assert gdpo.algorithm.adv_estimator == "gdpo" and "critic" not in gdpo.roles
     assert (gdpo.algorithm.gdpo_reward_keys, gdpo.algorithm.gdpo_reward_weights) == (("format", "accuracy"), (1.0, 0.5))
-    for estimator in ("gpg", "grpo_passk"):
+    for estimator in ("gpg", "grpo_passk", "grpo_vectorized", "rloo_vectorized"):
         assert plan(f"algorithm.adv_estimator={estimator}").algorithm.adv_estimator == estimator
+    dro = plan(f"{ACTOR}.policy_loss.loss_mode=dro", f"{ACTOR}.policy_loss.dro_beta=0.05")
+    assert (dro.actor.loss.loss_mode, dro.actor.loss.clip.dro_beta) == ("dro", 0.05)
+    for mode in ("geo_mean", "dppo_tv", "dppo_kl"):
+        options = plan(f"{ACTOR}.policy_loss.loss_mode={mode}", f"{ACTOR}.clip_ratio_c=20")
+        assert options.actor.loss.loss_mode == mode and options.actor.loss.clip.clip_ratio_c == 20.0
 
 
 @pytest.mark.parametrize("overrides, key, reason", [
@@ -64,6 +70,9 @@ def test_verl_spellings_reach_the_options():
     ([f"{ACTOR}.clip_ratio_low=null", f"{ACTOR}.clip_ratio=1.0", f"{ACTOR}.policy_loss.loss_mode=sapo"],
      f"{ACTOR}.clip_ratio", "only policy_loss.loss_mode=cispo allows"),
     ([f"{ACTOR}.policy_loss.tau_neg=0"], f"{ACTOR}.policy_loss.tau_neg", ""),
+    ([f"{ACTOR}.policy_loss.loss_mode=dro"], f"{ACTOR}.policy_loss.dro_beta", "loss_mode=dro needs dro_beta > 0"),
+    ([f"{ACTOR}.policy_loss.dro_beta=0.1"], f"{ACTOR}.policy_loss.dro_beta", "loss_mode=vanilla has none"),
+    ([f"{ACTOR}.policy_loss.loss_mode=dro", f"{ACTOR}.policy_loss.dro_beta=0"], f"{ACTOR}.policy_loss.dro_beta", ""),
 ])
 def test_invalid_combinations_are_refused_naming_the_key(overrides, key, reason):
     with pytest.raises(ConfigError) as err:
@@ -93,11 +102,12 @@ TWO_STEPS = ["trainer.total_training_steps=2", "trainer.val_before_train=false",
 # clip nothing.
 VANILLA_CLIP = {"actor/pg_clipfrac", "actor/pg_clipfrac_lower"}
 CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "grpo_passk": VANILLA_CLIP,
-                "dr_grpo": VANILLA_CLIP}
+                "dr_grpo": VANILLA_CLIP, "geo_mean": VANILLA_CLIP, "dppo_kl": VANILLA_CLIP, "dro": set(),
+                "rloo_vectorized": VANILLA_CLIP}
 
 
 # Each is a 2-step job (~20 s on CI): the default set runs one surrogate and one estimator (the options of the others
-# are checked by test_verl_spellings_reach_the_options, their maths by the algos tests), the slow set all five.
+# are checked by test_verl_spellings_reach_the_options, their maths by the algos tests), the slow set all of them.
 @pytest.mark.parametrize("name, overrides", [
     pytest.param("gpg", ["algorithm.adv_estimator=gpg", f"{ACTOR}.policy_loss.loss_mode=gpg"],
                  marks=pytest.mark.slow),
@@ -106,6 +116,12 @@ CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "gr
     ("sapo", [f"{ACTOR}.policy_loss.loss_mode=sapo", f"{ACTOR}.policy_loss.tau_pos=1.0",
               f"{ACTOR}.policy_loss.tau_neg=1.05", f"{ACTOR}.loss_agg_mode=seq-mean-token-mean"]),
     ("grpo_passk", ["algorithm.adv_estimator=grpo_passk"]),
+    ("geo_mean", [f"{ACTOR}.policy_loss.loss_mode=geo_mean"]),
+    pytest.param("dppo_kl", [f"{ACTOR}.policy_loss.loss_mode=dppo_kl", f"{ACTOR}.clip_ratio_c=20"],
+                 marks=pytest.mark.slow),
+    pytest.param("dro", [f"{ACTOR}.policy_loss.loss_mode=dro", f"{ACTOR}.policy_loss.dro_beta=0.1"],
+                 marks=pytest.mark.slow),
+    pytest.param("rloo_vectorized", ["algorithm.adv_estimator=rloo_vectorized"], marks=pytest.mark.slow),
     pytest.param("dr_grpo", ["algorithm.norm_adv_by_std_in_grpo=false",
                              f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm", f"{ACTOR}.use_kl_loss=false"],
                  marks=pytest.mark.slow),

@@ -97,6 +97,7 @@ def gae(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     return masked_whiten(advantages, inputs.response_mask), returns
 
 
+@register_adv_estimator("grpo_vectorized")  # verl's vectorised GRPO: the same maths (one-sample groups included)
 @register_adv_estimator("grpo")
 def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """(score - group mean), divided by the group std unless `norm_adv_by_std_in_grpo` is off (Dr. GRPO)."""
@@ -108,11 +109,23 @@ def grpo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
 
 @register_adv_estimator("rloo")
 def rloo(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    """Leave-one-out baseline: score minus the mean of the *other* samples, i.e. (s - mean) * n / (n - 1)."""
+    """Leave-one-out baseline: score minus the mean of the *other* samples, i.e. (s - mean) * n / (n - 1); a
+    one-sample group keeps its score."""
+    return _leave_one_out(inputs, "rloo", alone_keeps_score=True)
+
+
+@register_adv_estimator("rloo_vectorized")
+def rloo_vectorized(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's vectorised RLOO: `rloo`, except that a one-sample group gets 0 (nothing to compare it with)."""
+    return _leave_one_out(inputs, "rloo_vectorized", alone_keeps_score=False)
+
+
+def _leave_one_out(inputs: AdvantageInputs, estimator: str, alone_keeps_score: bool) -> tuple[torch.Tensor, ...]:
     scores = _sequence_scores(inputs)
-    count, mean, _ = _group_stats(scores, _group_ids_for(inputs, "rloo"))
+    count, mean, _ = _group_stats(scores, _group_ids_for(inputs, estimator))
     loo = (scores - mean) * count / (count - 1).clamp(min=1)
-    advantages = _broadcast(torch.where(count == 1, scores, loo), inputs.response_mask)
+    alone = scores if alone_keeps_score else torch.zeros_like(scores)
+    advantages = _broadcast(torch.where(count == 1, alone, loo), inputs.response_mask)
     return advantages, advantages
 
 

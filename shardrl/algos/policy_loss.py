@@ -4,7 +4,10 @@ The surrogate is chosen by `actor.policy_loss.loss_mode` (verl's key and names):
 with clip-higher and dual clip; `gspo`, GSPO's per-sequence ratio (Zheng et al. 2025, arXiv 2507.18071); `gpg`, GPG's
 plain policy gradient (Chu et al. 2025, arXiv 2504.02546); `cispo`, MiniMax-M1's clipped, detached IS weight on the
 log-prob gradient (arXiv 2506.13585); `sapo`, SAPO's soft gate instead of the hard clip (Gao et al. 2025, arXiv
-2511.20347). In bypass mode `algorithm.rollout_correction.loss_type=reinforce` replaces it with REINFORCE.
+2511.20347); `geo_mean`, GMPO's geometric mean of the clipped token ratios per sequence (arXiv 2507.20673);
+`dppo_tv` / `dppo_kl`, DPPO's trust region on the token probability itself (its total variation or binary KL;
+arXiv 2602.04879); `dro`, direct reward optimisation with a quadratic log-ratio penalty. In bypass mode
+`algorithm.rollout_correction.loss_type=reinforce` replaces it with REINFORCE.
 
 Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
 same scale (and `loss_agg_mode`, except the sapo surrogate: seq-mean-token-mean, as in verl 0.9.1), so the
@@ -47,6 +50,7 @@ class ClipRange:
     weight_clip: bool = False
     tau_pos: float = 1.0
     tau_neg: float = 1.05
+    dro_beta: float | None = None  # DRO's quadratic log-ratio penalty (only dro reads it; it needs one > 0)
 
     def __post_init__(self) -> None:
         if self.low < 0.0 or (self.low >= 1.0 and not self.weight_clip) or self.high < 0.0:
@@ -56,6 +60,8 @@ class ClipRange:
             raise ValueError(f"actor.clip_ratio_c must be > 1 (dual-clip lower bound); got {self.clip_ratio_c}")
         if self.tau_pos <= 0.0 or self.tau_neg <= 0.0:
             raise ValueError(f"SAPO's tau_pos and tau_neg must be > 0; got {self.tau_pos}, {self.tau_neg}")
+        if self.dro_beta is not None and self.dro_beta <= 0.0:
+            raise ValueError(f"DRO's dro_beta must be > 0; got {self.dro_beta}")
 
     @property
     def low(self) -> float:
@@ -233,7 +239,128 @@ def sapo_loss(
     return per_token, metrics
 
 
-PolicyLossMode = Literal["vanilla", "gspo", "gpg", "cispo", "sapo"]  # actor.policy_loss.loss_mode
+def geo_mean_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """GMPO's loss (Zhao et al. 2025, arXiv 2507.20673; verl's `geo_mean`), one value per sequence on each of its
+    tokens `[B, T]`: -mean_t(A) * exp(mean_t(clip_A(log r_t))), r = pi / pi_old.
+
+    The geometric mean of the token ratios replaces PPO's arithmetic mean, so one token whose ratio runs away moves
+    the sequence's objective far less. Each token's log ratio x is clipped on the side its advantage pushes it:
+    min(x, high) where A > 0, max(x, -low) where A < 0 (`clip_ratio_low/high` bound the log ratio, not the ratio),
+    and a token with A = 0 counts 0, as verl's sign(A) product does. `actor_loss` aggregates it with
+    seq-mean-token-mean whatever `loss_agg_mode` says (verl's is a mean over sequences): each token holds its
+    sequence's value, so the token mean is that value; importance weights enter as each sequence's geometric mean of
+    its token weights, as verl's. clip_ratio_c is not used. Metrics (shares of mini-batch token means): pg_clipfrac /
+    pg_clipfrac_lower (as verl's: the token's log ratio lies outside [-low, high], clipped or not, with A > 0 /
+    A < 0), ppo_kl (k1 of KL(old || current))."""
+    valid = response_mask.bool()
+    log_ratio = torch.where(valid, log_prob - old_log_prob, 0.0)  # [B, T]
+    advantages = torch.where(valid, advantages, 0.0)
+    bounded = log_ratio.clamp(-clip.low, clip.high)
+    sign = torch.sign(advantages)
+    clipped_log_ratio = sign * torch.minimum(sign * log_ratio, sign * bounded)  # [B, T]; 0 where A = 0
+    lengths = valid.sum(dim=-1).clamp(min=1)  # [B]
+    ratio = (clipped_log_ratio.sum(dim=-1) / lengths).exp()  # [B] the geometric mean
+    mean_advantage = advantages.sum(dim=-1) / lengths  # [B]
+    per_token = (-mean_advantage * ratio)[:, None].expand_as(log_ratio)
+    outside = log_ratio != bounded
+    metrics = {
+        "pg_clipfrac": scaled_token_mean((outside & (advantages > 0)).float(), response_mask, scale),
+        "pg_clipfrac_lower": scaled_token_mean((outside & (advantages < 0)).float(), response_mask, scale),
+        "ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale),
+    }
+    return per_token, metrics
+
+
+def _dppo_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+    inside: Callable[[torch.Tensor, torch.Tensor, torch.Tensor, ClipRange], tuple[torch.Tensor, torch.Tensor]],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """DPPO's per-token loss `[B, T]` = -A * sg(min(r, clip_ratio_c)) * log pi where the token is inside its trust
+    region (`inside(p, p_old, log_ratio, clip)`: [B, T] bool for A > 0 and for A < 0), else 0 (no gradient): a
+    truncated-IS policy gradient (clip_ratio_c, verl's TIS bound; DPPO recommends a large one), and the region is a
+    divergence of the token's probability, not a ratio band. Metrics (shares of mini-batch token means):
+    pg_clipfrac (outside the region), pg_clipfrac_lower (inside, with the weight truncated), ppo_kl."""
+    valid = response_mask.bool()
+    log_ratio = _valid_log_ratio(log_prob, old_log_prob, valid)  # [B, T]
+    advantages = torch.where(valid, advantages, 0.0)
+    ratio = log_ratio.exp()
+    weight = ratio.clamp(max=clip.clip_ratio_c).detach()
+    log_prob = torch.where(valid, log_prob, 0.0)
+    old_log_prob = torch.where(valid, old_log_prob, 0.0)
+    region = inside(log_prob.detach().exp(), old_log_prob.exp(), log_ratio.detach(), clip)
+    pass_through = torch.where(advantages > 0, region[0], region[1]).float()  # [B, T]
+    per_token = -advantages * weight * log_prob * pass_through
+    metrics = {
+        "pg_clipfrac": scaled_token_mean(1.0 - pass_through, response_mask, scale),
+        "pg_clipfrac_lower": scaled_token_mean((ratio > clip.clip_ratio_c).float() * pass_through, response_mask,
+                                               scale),
+        "ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale),
+    }
+    return per_token, metrics
+
+
+def _total_variation_region(prob: torch.Tensor, old_prob: torch.Tensor, log_ratio: torch.Tensor,
+                            clip: ClipRange) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPPO-Binary-TV's region for A > 0 and for A < 0: p - p_old <= high, p - p_old >= -low."""
+    return prob - old_prob <= clip.high, prob - old_prob >= -clip.low
+
+
+def _binary_kl_region(prob: torch.Tensor, old_prob: torch.Tensor, log_ratio: torch.Tensor,
+                      clip: ClipRange) -> tuple[torch.Tensor, torch.Tensor]:
+    """DPPO-Binary-KL's region: the KL between the Bernoulli(p_old) and Bernoulli(p) of the token, at most high
+    (A > 0) or low (A < 0), or any move against the advantage."""
+    binary_kl = -old_prob * log_ratio + (1.0 - old_prob) * torch.log((1.0 - old_prob + 1e-8) / (1.0 - prob + 1e-8))
+    return (binary_kl <= clip.high) | (prob <= old_prob), (binary_kl <= clip.low) | (prob >= old_prob)
+
+
+def dppo_tv_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, scale: LossScale, clip: ClipRange
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's `dppo_tv` (arXiv 2602.04879): `_dppo_loss` with the total-variation region."""
+    return _dppo_loss(log_prob, old_log_prob, advantages, response_mask, scale, clip, _total_variation_region)
+
+
+def dppo_kl_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                 response_mask: torch.Tensor, scale: LossScale, clip: ClipRange
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's `dppo_kl` (arXiv 2602.04879): `_dppo_loss` with the binary-KL region."""
+    return _dppo_loss(log_prob, old_log_prob, advantages, response_mask, scale, clip, _binary_kl_region)
+
+
+def dro_loss(
+    log_prob: torch.Tensor,
+    old_log_prob: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    scale: LossScale,
+    clip: ClipRange,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """verl's `dro`: per-token -(A * log pi - beta / 2 * log(pi / pi_old)^2) `[B, T]`, beta = `clip.dro_beta`
+    (`actor.policy_loss.dro_beta`): the policy gradient with a quadratic penalty that pulls the log ratio back to
+    0, no clipping. Aggregated by `loss_agg_mode`. Metrics: ppo_kl (k1 of KL(old || current))."""
+    if clip.dro_beta is None:
+        raise ValueError("actor.policy_loss.loss_mode=dro needs actor.policy_loss.dro_beta > 0")
+    valid = response_mask.bool()
+    log_ratio = _valid_log_ratio(log_prob, old_log_prob, valid)  # [B, T]
+    advantages = torch.where(valid, advantages, 0.0)
+    per_token = -(advantages * torch.where(valid, log_prob, 0.0) - 0.5 * clip.dro_beta * log_ratio.square())
+    metrics = {"ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale)}
+    return per_token, metrics
+
+
+PolicyLossMode = Literal["vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "dro"]
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
 PolicyLossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossScale, ClipRange],
@@ -241,11 +368,13 @@ PolicyLossFn = Callable[
 ]
 # reinforce is chosen by algorithm.rollout_correction.loss_type (bypass mode), not by loss_mode.
 _POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gspo_loss, "gpg": gpg_loss,
-                                           "cispo": cispo_loss, "sapo": sapo_loss, "reinforce": reinforce_loss}
+                                           "cispo": cispo_loss, "sapo": sapo_loss, "geo_mean": geo_mean_loss,
+                                           "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss, "dro": dro_loss,
+                                           "reinforce": reinforce_loss}
 # Surrogates whose policy-gradient term has its own aggregation (verl 0.9.1: SAPO's loss is a mean over sequences of
 # token means, whatever `loss_agg_mode`; GSPO's follows `loss_agg_mode` since 0.9.1, the paper's being
 # seq-mean-token-mean); entropy and KL terms always follow `loss_agg_mode`.
-_FIXED_PG_AGG_MODES: dict[str, str] = {"sapo": "seq-mean-token-mean"}
+_FIXED_PG_AGG_MODES: dict[str, str] = {"sapo": "seq-mean-token-mean", "geo_mean": "seq-mean-token-mean"}
 
 
 def actor_loss(
@@ -269,8 +398,9 @@ def actor_loss(
 
     loss = agg(w * surrogate) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
     - loss_mode: the surrogate, `vanilla` (ppo_clip_loss), `gspo` (gspo_loss), `gpg` (gpg_loss), `cispo`
-      (cispo_loss), `sapo` (sapo_loss) or `reinforce` (reinforce_loss); sapo's term is always
-      aggregated with seq-mean-token-mean, as in verl; the other terms do not change.
+      (cispo_loss), `sapo` (sapo_loss), `geo_mean` (geo_mean_loss), `dppo_tv` / `dppo_kl` (_dppo_loss), `dro`
+      (dro_loss) or `reinforce` (reinforce_loss); sapo's and geo_mean's terms are always aggregated with
+      seq-mean-token-mean, as in verl; the other terms do not change.
     - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
       The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
     - bypass_is: (rollout_is, rollout_is_threshold) of verl's bypass-mode REINFORCE (loss_mode `reinforce`): the
@@ -278,8 +408,8 @@ def actor_loss(
       per sequence, recomputed in every micro batch and detached.
     - entropy `[B, T]`: pass it to get the `entropy` metric; required when entropy_coeff != 0.
     - ref_log_prob `[B, T]`: pass it when `actor.use_kl_loss` is on; the KL term uses `kl_loss_type`.
-    Metrics: pg_loss, ppo_kl, pg_clipfrac (vanilla, gspo, cispo), pg_clipfrac_lower (vanilla only: the dual clip),
-    and entropy / kl_loss when those terms are present.
+    Metrics: pg_loss, ppo_kl, pg_clipfrac (vanilla, gspo, cispo, geo_mean, dppo_*), pg_clipfrac_lower (vanilla: the
+    dual clip; geo_mean: clipped with A < 0; dppo_*: the truncated weight), and entropy / kl_loss when present.
     """
     if loss_mode not in _POLICY_LOSSES:
         raise ValueError(f"actor.policy_loss.loss_mode={loss_mode!r} is not one of {list(POLICY_LOSS_MODES)}")
@@ -295,6 +425,9 @@ def actor_loss(
         is_weights = torch.where(valid, is_weights, 0.0)
     pg_per_token, metrics = surrogate(log_prob, old_log_prob, advantages, response_mask, scale, clip)
     if is_weights is not None:
+        if loss_mode == "geo_mean":  # a sequence's loss is weighted by the geometric mean of its token weights
+            lengths = valid.sum(dim=-1, keepdim=True).clamp(min=1)
+            is_weights = (torch.where(valid, (is_weights + 1e-10).log(), 0.0).sum(-1, keepdim=True) / lengths).exp()
         pg_per_token = pg_per_token * is_weights.detach()
     pg_agg_mode = _FIXED_PG_AGG_MODES.get(loss_mode, loss_agg_mode)
     loss = aggregate_loss(pg_per_token, response_mask, pg_agg_mode, scale)

@@ -485,7 +485,7 @@ def policy_loss_options(config: PPOConfig, decoupled: bool, use_kl_loss: bool,
         bypass_is=bypass_is,
         clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c,
                        weight_clip=surrogate.loss_mode == "cispo", tau_pos=surrogate.tau_pos,
-                       tau_neg=surrogate.tau_neg),
+                       tau_neg=surrogate.tau_neg, dro_beta=surrogate.dro_beta),
         entropy_coeff=actor.entropy_coeff, use_kl_loss=use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type, max_response_length=actor.loss_scale_factor or response_length)
 

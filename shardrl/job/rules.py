@@ -90,6 +90,12 @@ def _validate_estimators(config: PPOConfig) -> None:
         raise ConfigError(f"actor_rollout_ref.actor.{name}", f"{low} >= 1 drops the lower clip bound, which only "
                                                              "policy_loss.loss_mode=cispo allows (it clips a detached "
                                                              "weight); use a value < 1")
+    surrogate, key = actor.policy_loss, "actor_rollout_ref.actor.policy_loss"
+    if (surrogate.loss_mode == "dro") != (surrogate.dro_beta is not None):
+        raise ConfigError(f"{key}.dro_beta", "loss_mode=dro needs dro_beta > 0 (its log-ratio penalty)"
+                          if surrogate.dro_beta is None else
+                          f"{surrogate.dro_beta} is DRO's penalty and loss_mode={surrogate.loss_mode} has none: leave "
+                          "it null")
 
 
 def _validate_shared_model_keys(config: PPOConfig) -> None:

@@ -19,7 +19,7 @@ from shardrl.job.build import Fraction, Max, Min, NonNegFloat, NonNegInt, PosFlo
 from shardrl.parallel.layout_spec import LayoutSpec
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-                       "gpg", "grpo_passk", "gdpo"]
+                       "gpg", "grpo_passk", "gdpo", "grpo_vectorized", "rloo_vectorized"]
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -132,12 +132,15 @@ class PolicyLossConfig:
     vanilla: PPO's per-token ratio with clip-higher and dual clip. gspo: GSPO's per-sequence geometric-mean ratio
     (Zheng et al. 2025), clipped with clip_ratio_low/high (the paper uses 3e-4 / 4e-4 and seq-mean-token-mean);
     clip_ratio_c is ignored. gpg: -A log pi (GPG). cispo: -sg(clip(r)) A log pi (MiniMax-M1's CISPO). sapo: SAPO's
-    soft gate with temperatures tau_pos / tau_neg instead of the hard clip.
+    soft gate with temperatures tau_pos / tau_neg instead of the hard clip. geo_mean: GMPO's geometric mean of the
+    clipped token ratios. dppo_tv / dppo_kl: DPPO's trust region on the token's probability (clip_ratio_low/high
+    are its divergence bounds, clip_ratio_c the truncated-IS bound). dro: -(A log pi - dro_beta / 2 log^2 r).
     """
 
     loss_mode: PolicyLossMode
     tau_pos: PosFloat  # SAPO's gate temperature for A > 0
     tau_neg: PosFloat  # SAPO's gate temperature for A <= 0
+    dro_beta: PosFloat | None  # DRO's quadratic log-ratio penalty; required by loss_mode=dro, refused otherwise
 
 
 @dataclass(frozen=True)
