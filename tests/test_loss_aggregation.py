@@ -189,7 +189,8 @@ def test_padding_holding_nan_or_inf_reaches_no_loss_or_gradient(mode, fill):
     def losses(inputs: dict[str, torch.Tensor], loss_mode: str):
         leaves = {k: inputs[k].clone().requires_grad_() for k in ("log_prob", "entropy", "vpreds")}
         weights = dict(bypass_is=("token", 2.0)) if loss_mode == "reinforce" else dict(is_weights=is_weights)
-        pg, pg_metrics = actor_loss(leaves["log_prob"], inputs["old"], advantages, mask, scale, mode, ClipRange(0.2),
+        pg, pg_metrics = actor_loss(leaves["log_prob"], inputs["old"], advantages, mask, scale, mode,
+                                    ClipRange(0.2, dro_beta=0.1),
                                     entropy=leaves["entropy"], entropy_coeff=0.01, ref_log_prob=inputs["ref"],
                                     kl_loss_coef=0.1, loss_mode=loss_mode, **weights)
         vf, vf_metrics = value_loss(leaves["vpreds"], inputs["values"], inputs["returns"], mask, scale, mode, 0.5)
