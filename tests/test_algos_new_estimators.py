@@ -425,3 +425,60 @@ def test_dro_is_the_policy_gradient_with_a_quadratic_log_ratio_penalty():
     with pytest.raises(ValueError, match="dro_beta must be > 0"):
         ClipRange(dro_beta=0.0)
 
+
+
+def _otb_reference(rewards, mask, index, old_log_probs, sum_pi_squared, is_weights=None):
+    """verl's optimal token baseline transcribed loop by loop in plain Python."""
+    rows, width = len(rewards), len(rewards[0])
+    returns = [[sum(rewards[i][j] * mask[i][j] for j in range(t, width)) for t in range(width)] for i in range(rows)]
+    cumulative = []
+    for i in range(rows):
+        total, row = 0.0, []
+        for t in range(width):
+            w = 1 - 2 * math.exp(old_log_probs[i][t]) + sum_pi_squared[i][t]
+            if is_weights is not None:
+                w *= is_weights[i][t] ** 2
+            total += w * mask[i][t]
+            row.append(total)
+        cumulative.append(row)
+    baselines = [[0.0] * width for _ in range(rows)]
+    for group in dict.fromkeys(index):
+        members = [i for i in range(rows) if index[i] == group]
+        if len(members) == 1:
+            continue
+        for t in range(width):
+            num = sum(returns[i][t] * cumulative[i][t] * mask[i][t] for i in members)
+            den = sum(cumulative[i][t] * mask[i][t] for i in members) + 1e-8
+            for i in members:
+                baselines[i][t] = num / den
+        lengths = sorted(sum(mask[i]) for i in members)
+        longest = [i for i in members if sum(mask[i]) == lengths[-1]]
+        if len(longest) == 1 and lengths[-1] > lengths[-2]:
+            for t in range(int(lengths[-2]), width):
+                baselines[longest[0]][t] = 0.0
+    return [[(returns[i][t] - baselines[i][t]) * mask[i][t] for t in range(width)] for i in range(rows)]
+
+
+def test_optimal_token_baseline_matches_verls_loops():
+    """Groups: a = rows 0-2 (lengths 2, 4, 3: row 1 alone is the longest, so past length 3 its baseline is 0),
+    b = rows 3-4 (lengths 4 and 4), c = row 5 alone (baseline 0); token rewards anywhere in the response."""
+    g = torch.Generator().manual_seed(0)
+    mask = t([[1, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 0], [1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 0, 0]])
+    rewards = torch.rand(6, 4, generator=g, dtype=torch.float64)
+    old_log_probs = -torch.rand(6, 4, generator=g, dtype=torch.float64) * 3
+    sum_pi_squared = torch.rand(6, 4, generator=g, dtype=torch.float64) * 0.5
+    index = ["a", "a", "a", "b", "b", "c"]
+    weights = torch.rand(6, 4, generator=g, dtype=torch.float64) + 0.5
+    for is_weights in (None, weights):
+        expected = _otb_reference(rewards.tolist(), mask.tolist(), index, old_log_probs.tolist(),
+                                  sum_pi_squared.tolist(), None if is_weights is None else is_weights.tolist())
+        garbage = torch.where(mask.bool(), rewards, NAN)  # padding holds NaN: it must reach nothing
+        inputs = AdvantageInputs(token_level_rewards=garbage, response_mask=mask, index=index,
+                                 old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared, is_weights=is_weights)
+        advantages, returns = compute_advantage("optimal_token_baseline", inputs)
+        torch.testing.assert_close(advantages, t(expected))
+        assert advantages[1, 3] == returns[1, 3] != 0  # the lone tail keeps its whole return
+        torch.testing.assert_close(advantages[5], returns[5])  # alone in its group: baseline 0
+    with pytest.raises(ValueError, match="sum_pi_squared"):
+        compute_advantage("optimal_token_baseline", AdvantageInputs(garbage, mask, index=index,
+                                                                    old_log_probs=old_log_probs))

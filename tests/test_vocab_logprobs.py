@@ -85,3 +85,25 @@ def test_no_grad_path_and_bf16_logits():
     assert_close(lp, ref_lp, **TOL)
     assert_close(ent, ref_ent, **TOL)
     assert_close(low.grad, ref_grad.bfloat16())
+
+
+def check_sum_squared_probs(tp: int) -> int:
+    from shardrl.parallel.vocab import vocab_parallel_sum_squared_probs
+
+    layout = Layout.create(LayoutSpec(world_size=tp, tp=tp)) if tp > 1 else Layout.single()
+    checks = 0
+    for vocab, chunk_elements in CASES:
+        logits, _, _, _ = _inputs(vocab)
+        padded = F.pad(logits, (0, padded_vocab_size(vocab, tp) - vocab), value=1e4)
+        local = padded.chunk(tp, dim=-1)[layout.tp_rank]
+        got = vocab_parallel_sum_squared_probs(local, layout.tp_group, vocab, chunk_elements)
+        assert_close(got, logits.double().softmax(-1).square().sum(-1).float(), **TOL)
+        checks += 1
+    return checks
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_sum_of_squared_probabilities_over_the_vocab_blocks(tp):
+    """The optimal token baseline's sum over the vocabulary of pi^2, vocab-parallel, against softmax in float64."""
+    results = run_distributed(tp, check_sum_squared_probs, tp) if tp > 1 else [check_sum_squared_probs(1)]
+    assert results == [len(CASES)] * tp

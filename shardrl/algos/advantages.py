@@ -136,6 +136,54 @@ def reinforce_plus_plus(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Te
     return masked_whiten(returns, inputs.response_mask), returns
 
 
+@register_adv_estimator("optimal_token_baseline")
+def optimal_token_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's Optimal Token Baseline: A_t = G_t - B_t with G_t the reward-to-go (undiscounted) and, per prompt group
+    and position t, B_t = sum_i G_it W_it / (sum_i W_it + 1e-8) over the group's samples still running at t.
+
+    W_it = sum_{j <= t} w_ij is the sample's accumulated path variance, w_j = 1 - 2 pi_j + sum_v pi_v^2 (the squared
+    norm of the log-prob's score at step j: one minus twice the sampled token's probability plus the distribution's
+    collision probability), times the squared rollout-correction weight where there is one. A sample alone in its
+    group keeps baseline 0. As verl's `handle_zero_tail`: where one sample is strictly the longest of its group, its
+    baseline is 0 past the second-longest length (only it is left there, and a baseline of its own return would
+    cancel its signal). Returns are the G_t."""
+    name = "optimal_token_baseline"
+    mask = inputs.response_mask
+    old_log_probs = _require(inputs.old_log_probs, "old_log_probs", name)
+    sum_pi_squared = _require(inputs.sum_pi_squared, "sum_pi_squared (actor.calculate_sum_pi_squared=true)", name)
+    valid = mask.bool()
+    rewards = torch.where(valid, inputs.token_level_rewards, 0.0)
+    returns = rewards.flip(-1).cumsum(-1).flip(-1)  # [B, T] reward-to-go
+    step_variance = 1.0 - 2.0 * old_log_probs.exp() + sum_pi_squared  # [B, T]
+    if inputs.is_weights is not None:
+        step_variance = step_variance * inputs.is_weights.square()
+    path_variance = torch.where(valid, step_variance, 0.0).cumsum(-1)  # [B, T] W_t
+    weight = torch.where(valid, path_variance, 0.0)
+    ids = _group_ids_for(inputs, name)
+    num_groups = int(ids.max()) + 1
+    numerator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, returns * weight)  # [G, T]
+    denominator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, weight) + 1e-8
+    baselines = (numerator / denominator)[ids]  # [B, T]
+    count = torch.bincount(ids, minlength=num_groups)[ids]  # [B]
+    baselines = torch.where((count > 1)[:, None], baselines, 0.0)
+    baselines = torch.where(_lone_tail(valid, ids, num_groups), 0.0, baselines)
+    advantages = torch.where(valid, returns - baselines, 0.0)
+    return advantages, torch.where(valid, returns, 0.0)
+
+
+def _lone_tail(valid: torch.Tensor, ids: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[B, T] True at the positions of a group's unique longest sample past its group's second-longest length."""
+    lengths = valid.sum(-1)  # [B]
+    longest = lengths.new_zeros(num_groups).scatter_reduce(0, ids, lengths, "amax")  # [G]
+    is_longest = lengths == longest[ids]  # [B]
+    unique = torch.bincount(ids[is_longest], minlength=num_groups)[ids] == 1  # [B] one sample holds the max
+    others = torch.where(is_longest, -1, lengths)
+    second = others.new_full((num_groups,), -1).scatter_reduce(0, ids, others, "amax")[ids]  # [B]; -1: none
+    lone = is_longest & unique & (second >= 0)  # a group of one has no second: its baseline is 0 anyway
+    positions = torch.arange(valid.shape[1], device=valid.device)
+    return lone[:, None] & (positions[None, :] >= second.clamp(min=0)[:, None])
+
+
 @register_adv_estimator("reinforce_plus_plus_baseline")
 def reinforce_plus_plus_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
     """Score minus its group mean, given to every token, then whitened over all valid tokens of the batch."""

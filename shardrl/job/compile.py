@@ -107,6 +107,10 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         raise ConfigError("actor_rollout_ref.actor.router_replay.mode", "R2 replays the routing of the old-logprob "
                                                                         "pass, which this job skips (PPO anchors on "
                                                                         "the rollout's log-probs); use disabled")
+    if actor.calculate_sum_pi_squared and log_prob is None:
+        raise ConfigError("actor_rollout_ref.actor.calculate_sum_pi_squared", "the old-logprob pass computes it, and "
+                          "this job skips that pass (PPO anchors on the rollout's log-probs); adv_estimator="
+                          "optimal_token_baseline needs the recomputed old log-probs")
     measure_unreplayed = actor.router_replay.measure_unreplayed
     if measure_unreplayed and (mode != "R3" or log_prob is None):
         raise ConfigError("actor_rollout_ref.actor.router_replay.measure_unreplayed", "it compares the old-logprob "
@@ -120,7 +124,7 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         log_prob=log_prob.forward() if log_prob else None, temperature=shared.temperature or 1.0,
         checkpoint=_checkpoint_options(actor.checkpoint),
         distillation=distillation_settings(config) if shared.distillation else None, router_replay=mode,
-        measure_unreplayed=measure_unreplayed)
+        measure_unreplayed=measure_unreplayed, sum_pi_squared=actor.calculate_sum_pi_squared)
 
 
 _BITWISE = "actor_rollout_ref.rollout.bitwise_logprobs"

@@ -163,6 +163,9 @@ class ActorOptions:
     # R3 only: the old-logprob pass runs once more with every MoE layer routing itself, so the batch carries the
     # log-probs replay replaced (`unreplayed_log_probs`) and the step reports their mismatch with the rollout's.
     measure_unreplayed: bool = False
+    # The old-logprob pass also outputs `sum_pi_squared` [B, R], sum over the vocabulary of pi^2 (the optimal token
+    # baseline's path variance; actor.calculate_sum_pi_squared).
+    sum_pi_squared: bool = False
 
 
 @dataclass(frozen=True)

@@ -80,6 +80,13 @@ def _validate_estimators(config: PPOConfig) -> None:
         raise ConfigError("algorithm.use_kl_in_reward", "true has no effect with adv_estimator=gdpo (its advantages "
                                                         "come from the reward components, not the token rewards, as "
                                                         "in verl); use actor_rollout_ref.actor.use_kl_loss=true")
+    otb, key = algo.adv_estimator == "optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared"
+    if otb and not config.actor_rollout_ref.actor.calculate_sum_pi_squared:
+        raise ConfigError(key, "adv_estimator=optimal_token_baseline needs it (the path variance reads sum pi^2 of "
+                               "every token): set true")
+    if config.actor_rollout_ref.actor.calculate_sum_pi_squared and not otb:
+        raise ConfigError(key, f"true is read by adv_estimator=optimal_token_baseline only (it is "
+                               f"{algo.adv_estimator}); leave it false")
     if algo.adv_estimator == "grpo_passk" and config.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("actor_rollout_ref.rollout.n", "adv_estimator=grpo_passk needs >= 2 samples per prompt (it "
                                                          "rewards each group's best over its runner-up)")

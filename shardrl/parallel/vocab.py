@@ -229,6 +229,21 @@ def logits_grad_reference(logits: Tensor, log_norm: Tensor, mean_z: Tensor, grad
 
 
 @torch.no_grad()
+def vocab_parallel_sum_squared_probs(logits: Tensor, group: Group, vocab_size: int,
+                                     chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> Tensor:
+    """logits [T, Vp/tp] (this rank's block) -> sum over the real vocabulary of softmax(logits)^2 [T] fp32, the same on
+    every TP rank (the optimal token baseline's collision probability); token chunks of `chunk_elements`."""
+    z, _ = real_columns(logits, group, vocab_size)  # [T, V'/tp]
+    log_norm, _, _ = softmax_normaliser(z, group, chunk_elements, z.new_zeros(z.shape[0], 0, dtype=torch.float32))
+    total = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)  # [T]
+    for lo, hi in token_chunks(z.shape[0], z.shape[1], chunk_elements) if z.shape[1] else []:
+        total[lo:hi] = (2.0 * (z[lo:hi] - log_norm[lo:hi, None])).exp_().sum(-1)
+    if group is not None:
+        dist.all_reduce(total, group=group)
+    return total
+
+
+@torch.no_grad()
 def gather_vocab(logits: Tensor, group: Group, vocab_size: int) -> Tensor:
     """logits [T, Vp/tp] -> full [T, V] (no autograd; for sampling and tests, not for training losses)."""
     if group is not None:

@@ -170,7 +170,10 @@ def advantages(batch: Batch, algo: AlgorithmOptions) -> None:
         values=t["values"] if "values" in t.keys() else None, index=batch.non_tensors["uid"],
         gamma=algo.gamma, lam=algo.lam, norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo,
         score_mask=t["sampled_response_mask"] if "sampled_response_mask" in t.keys() else None,
-        reward_components=components, reward_weights=algo.gdpo_reward_weights)
+        reward_components=components, reward_weights=algo.gdpo_reward_weights,
+        old_log_probs=t["old_log_probs"] if "old_log_probs" in t.keys() else None,
+        sum_pi_squared=t["sum_pi_squared"] if "sum_pi_squared" in t.keys() else None,
+        is_weights=t["is_weights"] if "is_weights" in t.keys() else None)
     t["advantages"], t["returns"] = compute_advantage(algo.adv_estimator, inputs)
 
 

@@ -38,7 +38,7 @@ from shardrl.models.hf_export import GENERATION_CONFIG
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.parallel.lora import adapters_disabled
-from shardrl.parallel.vocab import vocab_parallel_logprobs
+from shardrl.parallel.vocab import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from shardrl.parallel.vocab_topk import vocab_parallel_topk, vocab_parallel_topk_kl
 from shardrl.workers.engine import (
     ROUTED_EXPERTS,
@@ -57,6 +57,7 @@ from shardrl.workers.role_model import build_engine, resident, unpadded_rows
 
 
 TEACHER_TOPK = ("teacher_topk_log_probs", "teacher_topk_ids")  # forward_kl_topk's [B, R, k] teacher tensors
+SUM_PI_SQUARED = "sum_pi_squared"  # [B, R] sum over the vocabulary of pi^2 (the optimal token baseline's)
 
 
 def _logprobs(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: float) -> tuple[Tensor, Tensor]:
@@ -105,19 +106,28 @@ def compute_log_prob(engine: ModelEngine, batch: Batch, batching: ForwardBatchin
 
 @torch.no_grad()
 def log_prob_pass(engine: ModelEngine, batch: Batch, batching: ForwardBatching, temperature: float,
-                  routing: Routing) -> dict[str, Tensor]:
+                  routing: Routing, sum_pi_squared: bool = False) -> dict[str, Tensor]:
     """`log_probs` and `entropy` [B, R] on the host; `routing="record"` adds `routed_experts` [B, S, L, k],
     `"replay"` makes every MoE layer use the batch's (`make_micro_batches`); a pass that replays or compares adds
-    `routing_mismatch` [B, 2]."""
+    `routing_mismatch` [B, 2]; `sum_pi_squared` adds `sum_pi_squared` [B, R], sum over the vocabulary of pi^2 at
+    each position (the optimal token baseline's)."""
     def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
-        log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
-        return hidden.new_zeros(()), {"log_probs": log_prob, "entropy": entropy}
+        if not sum_pi_squared:
+            log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
+            return hidden.new_zeros(()), {"log_probs": log_prob, "entropy": entropy}
+        logits = chunk.scaled_logits(hidden, mb.packed.num_tokens, temperature)  # [T, Vp/tp]
+        group, vocab_size = chunk.layout.tp_group, chunk.config.vocab_size
+        per_token = (*vocab_parallel_logprobs(logits, mb.packed.targets, group, vocab_size),
+                     vocab_parallel_sum_squared_probs(logits, group, vocab_size))
+        return hidden.new_zeros(()), {key: unpack_responses(x, mb.packed)
+                                      for key, x in zip(("log_probs", "entropy", SUM_PI_SQUARED), per_token)}
 
     micro_batches, restore = make_micro_batches(batch, (), engine.layout.device, batching.micro_batch_size,
                                                 batching.max_token_len, routing, engine.config,
                                                 engine.count_group)
     outputs = engine.run(micro_batches, loss_fn, forward_only=True)
-    keys = ("log_probs", "entropy") + tuple(k for k in (ROUTED_EXPERTS, ROUTING_MISMATCH) if k in outputs[0])
+    keys = ("log_probs", "entropy") + tuple(k for k in (ROUTED_EXPERTS, ROUTING_MISMATCH, SUM_PI_SQUARED)
+                                            if k in outputs[0])
     return {key: stack_outputs(outputs, key, restore).cpu() for key in keys}
 
 
@@ -205,7 +215,7 @@ class ActorRefWorker:
         o = self.options
         with self._actor_resident():
             out = log_prob_pass(self.actor, batch, o.log_prob, o.temperature,
-                                old_log_prob_routing(o.router_replay, batch, self.actor))
+                                old_log_prob_routing(o.router_replay, batch, self.actor), o.sum_pi_squared)
             if o.measure_unreplayed:  # the same batch and weights, every MoE layer routing itself
                 out[UNREPLAYED_LOG_PROBS] = log_prob_pass(self.actor, batch, o.log_prob, o.temperature,
                                                           None)["log_probs"]
