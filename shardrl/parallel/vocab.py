@@ -116,9 +116,10 @@ def held_values(z: Tensor, index: Tensor, mine: Tensor) -> Tensor:
     return torch.where(mine, z.gather(-1, index).float(), 0.0)
 
 
-def softmax_normaliser(z: Tensor, group: Group, chunk_elements: int, held: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-    """z [T, V'/tp] this rank's real columns, `held` [T, E] fp32 values each held by one rank (0 on the others) ->
-    (log sum exp over the whole vocab [T], E_p[z] [T], `held` summed over TP [T, E]).
+def softmax_normaliser(z: Tensor, group: Group, chunk_elements: int,
+                       held: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """z [T, V'/tp] this rank's real columns, `held` [T, E] fp32 values each held by one rank (0 on the others; None:
+    E = 0) -> (log sum exp over the whole vocab [T], E_p[z] [T], `held` summed over TP [T, E]).
 
     Each rank's statistics are relative to its own max, rescaled to the global max after one MAX all-reduce; then one
     SUM all-reduce carries sum exp(z - max), sum exp(z - max) * z and `held`."""
@@ -128,8 +129,9 @@ def softmax_normaliser(z: Tensor, group: Group, chunk_elements: int, held: Tenso
         z_max = block_max.clone()
         dist.all_reduce(z_max, op=dist.ReduceOp.MAX, group=group)
     rescale = (block_max - z_max).exp()  # [T]; 0 on a rank with no real column
+    extra = [] if held is None else [held]
     sums = torch.cat([block_sum_exp.unsqueeze(-1) * rescale.unsqueeze(-1),
-                      block_sum_exp_z.unsqueeze(-1) * rescale.unsqueeze(-1), held], dim=-1)  # [T, 2 + E]
+                      block_sum_exp_z.unsqueeze(-1) * rescale.unsqueeze(-1), *extra], dim=-1)  # [T, 2 + E]
     if group is not None:
         dist.all_reduce(sums, group=group)
     sum_exp, sum_exp_z = sums[:, 0], sums[:, 1]  # [T] each
@@ -234,7 +236,7 @@ def vocab_parallel_sum_squared_probs(logits: Tensor, group: Group, vocab_size: i
     """logits [T, Vp/tp] (this rank's block) -> sum over the real vocabulary of softmax(logits)^2 [T] fp32, the same on
     every TP rank (the optimal token baseline's collision probability); token chunks of `chunk_elements`."""
     z, _ = real_columns(logits, group, vocab_size)  # [T, V'/tp]
-    log_norm, _, _ = softmax_normaliser(z, group, chunk_elements, z.new_zeros(z.shape[0], 0, dtype=torch.float32))
+    log_norm, _, _ = softmax_normaliser(z, group, chunk_elements)
     total = torch.zeros(z.shape[0], dtype=torch.float32, device=z.device)  # [T]
     for lo, hi in token_chunks(z.shape[0], z.shape[1], chunk_elements) if z.shape[1] else []:
         total[lo:hi] = (2.0 * (z[lo:hi] - log_norm[lo:hi, None])).exp_().sum(-1)

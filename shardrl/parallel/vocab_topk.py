@@ -30,7 +30,7 @@ def vocab_parallel_topk(logits: Tensor, k: int, group: Group, vocab_size: int,
     """logits [T, Vp/tp] (this rank's block) -> (log-probs [T, k] fp32, global token ids [T, k] int64) of the k
     most likely real tokens of each position, most likely first; the same on every TP rank. k <= vocab_size."""
     z, start = real_columns(logits, group, vocab_size)  # [T, V'/tp]
-    log_norm, _, _ = softmax_normaliser(z, group, chunk_elements, z.new_zeros(z.shape[0], 0, dtype=torch.float32))
+    log_norm, _, _ = softmax_normaliser(z, group, chunk_elements)
     num_tokens, local_k = z.shape[0], min(k, z.shape[1])
     values = torch.full((num_tokens, k), float("-inf"), device=z.device)  # [T, k] fewer columns than k: -inf
     ids = torch.zeros(num_tokens, k, dtype=torch.int64, device=z.device)
