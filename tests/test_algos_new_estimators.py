@@ -482,3 +482,80 @@ def test_optimal_token_baseline_matches_verls_loops():
     with pytest.raises(ValueError, match="sum_pi_squared"):
         compute_advantage("optimal_token_baseline", AdvantageInputs(garbage, mask, index=index,
                                                                     old_log_probs=old_log_probs))
+
+
+def _tir_otb_reference(rewards, mask, index, old_log_probs, sum_pi_squared, is_weights=None):
+    """verl's tool-integrated optimal token baseline, loop by loop: the OTB of the rows' valid tokens moved left
+    (compared at the k-th generated token), moved back to their response positions; empty rows have no group."""
+    rows, width = len(rewards), len(rewards[0])
+    keep = [[t for t in range(width) if mask[i][t]] for i in range(rows)]
+    wide = max(len(k) for k in keep)
+    returns = [[sum(rewards[i][j] * mask[i][j] for j in range(t, width)) for t in range(width)] for i in range(rows)]
+
+    def compact(values):
+        return [[values[i][t] for t in keep[i]] + [0.0] * (wide - len(keep[i])) for i in range(rows)]
+
+    compact_returns = compact(returns)
+    cumulative = []
+    for i in range(rows):
+        total, row = 0.0, []
+        for k in range(wide):
+            if k < len(keep[i]):
+                t = keep[i][k]
+                w = 1 - 2 * math.exp(old_log_probs[i][t]) + sum_pi_squared[i][t]
+                if is_weights is not None:
+                    w *= is_weights[i][t] ** 2
+                total += w
+            row.append(total if k < len(keep[i]) else 0.0)
+        cumulative.append(row)
+    baselines = [[0.0] * wide for _ in range(rows)]
+    for group in dict.fromkeys(index):
+        group_rows = [i for i in range(rows) if index[i] == group and keep[i]]
+        if len(group_rows) < 2:
+            continue
+        for k in range(wide):
+            num = sum(compact_returns[i][k] * cumulative[i][k] for i in group_rows)
+            den = sum(cumulative[i][k] for i in group_rows) + 1e-8
+            for i in group_rows:
+                baselines[i][k] = num / den
+        lengths = sorted(len(keep[i]) for i in group_rows)
+        longest = [i for i in group_rows if len(keep[i]) == lengths[-1]]
+        if len(longest) == 1 and lengths[-1] > lengths[-2]:
+            for k in range(lengths[-2], wide):
+                baselines[longest[0]][k] = 0.0
+    out = [[0.0] * width for _ in range(rows)]
+    for i in range(rows):
+        for k, t in enumerate(keep[i]):
+            out[i][t] = compact_returns[i][k] - baselines[i][k]
+    return out
+
+
+def test_tir_optimal_token_baseline_compares_the_kth_generated_tokens():
+    """Multi-turn masks (tool outputs masked inside the response): rows 0-2 share a prompt and generate their
+    tokens at different response positions, so the TIR baseline at each row's k-th valid token differs from OTB's
+    at the same position; row 3 is empty (it has no group), row 4 is its group's only non-empty row (baseline 0).
+    On single-turn masks (valid tokens a prefix) both estimators agree exactly."""
+    g = torch.Generator().manual_seed(1)
+    mask = t([[1, 1, 0, 0, 1, 1], [1, 0, 0, 1, 1, 1], [1, 1, 1, 0, 1, 0], [0] * 6, [1, 0, 1, 0, 0, 0]])
+    rewards = torch.rand(5, 6, generator=g, dtype=torch.float64)
+    old_log_probs = -torch.rand(5, 6, generator=g, dtype=torch.float64) * 3
+    sum_pi_squared = torch.rand(5, 6, generator=g, dtype=torch.float64) * 0.5
+    weights = torch.rand(5, 6, generator=g, dtype=torch.float64) + 0.5
+    index = ["a", "a", "a", "b", "b"]
+    for is_weights in (None, weights):
+        expected = _tir_otb_reference(rewards.tolist(), mask.tolist(), index, old_log_probs.tolist(),
+                                      sum_pi_squared.tolist(), None if is_weights is None else is_weights.tolist())
+        inputs = AdvantageInputs(token_level_rewards=torch.where(mask.bool(), rewards, NAN), response_mask=mask,
+                                 index=index, old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared,
+                                 is_weights=is_weights)
+        advantages, returns = compute_advantage("tir_optimal_token_baseline", inputs)
+        torch.testing.assert_close(advantages, t(expected))
+        otb, otb_returns = compute_advantage("optimal_token_baseline", inputs)
+        torch.testing.assert_close(returns, otb_returns)
+        assert (advantages - otb).abs().max() > 1e-3  # the positions it compares differ
+        torch.testing.assert_close(advantages[4], returns[4] * mask[4])  # no other non-empty row in its group
+    prefix = t([[1, 1, 1, 0, 0, 0], [1, 1, 1, 1, 1, 0], [1, 1, 0, 0, 0, 0], [1, 1, 1, 1, 1, 1], [1, 0, 0, 0, 0, 0]])
+    inputs = AdvantageInputs(token_level_rewards=rewards, response_mask=prefix, index=index,
+                             old_log_probs=old_log_probs, sum_pi_squared=sum_pi_squared)
+    torch.testing.assert_close(compute_advantage("tir_optimal_token_baseline", inputs)[0],
+                               compute_advantage("optimal_token_baseline", inputs)[0], rtol=0, atol=0)

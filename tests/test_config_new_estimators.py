@@ -45,6 +45,8 @@ def test_verl_spellings_reach_the_options():
         assert plan(f"algorithm.adv_estimator={estimator}").algorithm.adv_estimator == estimator
     otb = plan("algorithm.adv_estimator=optimal_token_baseline", f"{ACTOR}.calculate_sum_pi_squared=true")
     assert otb.algorithm.adv_estimator == "optimal_token_baseline" and otb.actor.sum_pi_squared
+    tir = plan("algorithm.adv_estimator=tir_optimal_token_baseline", f"{ACTOR}.calculate_sum_pi_squared=true")
+    assert tir.algorithm.adv_estimator == "tir_optimal_token_baseline" and tir.actor.sum_pi_squared
     assert not plan().actor.sum_pi_squared
     dro = plan(f"{ACTOR}.policy_loss.loss_mode=dro", f"{ACTOR}.policy_loss.dro_beta=0.05")
     assert (dro.actor.loss.loss_mode, dro.actor.loss.clip.dro_beta) == ("dro", 0.05)
@@ -75,8 +77,9 @@ def test_verl_spellings_reach_the_options():
     ([f"{ACTOR}.policy_loss.tau_neg=0"], f"{ACTOR}.policy_loss.tau_neg", ""),
     ([f"{ACTOR}.policy_loss.loss_mode=dro"], f"{ACTOR}.policy_loss.dro_beta", "loss_mode=dro needs dro_beta > 0"),
     (["algorithm.adv_estimator=optimal_token_baseline"], f"{ACTOR}.calculate_sum_pi_squared", "needs it"),
+    (["algorithm.adv_estimator=tir_optimal_token_baseline"], f"{ACTOR}.calculate_sum_pi_squared", "needs it"),
     ([f"{ACTOR}.calculate_sum_pi_squared=true"], f"{ACTOR}.calculate_sum_pi_squared",
-     "read by adv_estimator=optimal_token_baseline only"),
+     "read by adv_estimator=optimal_token_baseline/tir_optimal_token_baseline only"),
     (["algorithm.adv_estimator=optimal_token_baseline", f"{ACTOR}.calculate_sum_pi_squared=true",
       "algorithm.rollout_correction.bypass_mode=true"], f"{ACTOR}.calculate_sum_pi_squared",
      "this job skips that pass"),
@@ -112,7 +115,8 @@ TWO_STEPS = ["trainer.total_training_steps=2", "trainer.val_before_train=false",
 VANILLA_CLIP = {"actor/pg_clipfrac", "actor/pg_clipfrac_lower"}
 CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "grpo_passk": VANILLA_CLIP,
                 "dr_grpo": VANILLA_CLIP, "geo_mean": VANILLA_CLIP, "dppo_kl": VANILLA_CLIP, "dro": set(),
-                "rloo_vectorized": VANILLA_CLIP, "optimal_token_baseline": VANILLA_CLIP}
+                "rloo_vectorized": VANILLA_CLIP, "optimal_token_baseline": VANILLA_CLIP,
+                "tir_optimal_token_baseline": VANILLA_CLIP}
 
 
 # Each is a 2-step job (~20 s on CI): the default set runs one surrogate and one estimator (the options of the others
@@ -128,6 +132,8 @@ CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "gr
     ("geo_mean", [f"{ACTOR}.policy_loss.loss_mode=geo_mean"]),
     ("optimal_token_baseline", ["algorithm.adv_estimator=optimal_token_baseline",
                                 f"{ACTOR}.calculate_sum_pi_squared=true"]),
+    pytest.param("tir_optimal_token_baseline", ["algorithm.adv_estimator=tir_optimal_token_baseline",
+                                                f"{ACTOR}.calculate_sum_pi_squared=true"], marks=pytest.mark.slow),
     pytest.param("dppo_kl", [f"{ACTOR}.policy_loss.loss_mode=dppo_kl", f"{ACTOR}.clip_ratio_c=20"],
                  marks=pytest.mark.slow),
     pytest.param("dro", [f"{ACTOR}.policy_loss.loss_mode=dro", f"{ACTOR}.policy_loss.dro_beta=0.1"],

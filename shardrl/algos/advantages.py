@@ -146,20 +146,54 @@ def optimal_token_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch
     collision probability), times the squared rollout-correction weight where there is one. A sample alone in its
     group keeps baseline 0. As verl's `handle_zero_tail`: where one sample is strictly the longest of its group, its
     baseline is 0 past the second-longest length (only it is left there, and a baseline of its own return would
-    cancel its signal). Returns are the G_t."""
-    name = "optimal_token_baseline"
-    mask = inputs.response_mask
+    cancel its signal). Returns are the G_t. Position t is the response position: in a multi-turn response whose
+    tool outputs are masked, samples are compared at equal offsets from the response start
+    (`tir_optimal_token_baseline` compares them at equal counts of generated tokens instead)."""
+    returns, step_variance, valid, ids = _otb_inputs(inputs, "optimal_token_baseline")
+    advantages = _otb_advantages(returns, step_variance, valid, ids)
+    return advantages, returns
+
+
+@register_adv_estimator("tir_optimal_token_baseline")
+def tir_optimal_token_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
+    """verl's tool-integrated-reasoning Optimal Token Baseline: `optimal_token_baseline` with t counting each
+    sample's valid tokens (the model's own, tool outputs skipped) instead of response positions, so the k-th
+    generated token of one trajectory is compared with the k-th of the others however long the tool outputs in
+    between. On single-turn responses (valid tokens a prefix) both are the same. Returns are the G_t at the
+    response positions."""
+    returns, step_variance, valid, ids = _otb_inputs(inputs, "tir_optimal_token_baseline")
+    lengths = valid.sum(-1)  # [B]
+    width = max(int(lengths.max()), 1) if lengths.numel() else 1
+    rank = torch.where(valid, valid.cumsum(-1) - 1, width)  # [B, T] each valid token's index among its row's; pad
+    spare = torch.zeros(valid.shape[0], width + 1, dtype=returns.dtype, device=returns.device)  # one spare column
+
+    def compact(values: torch.Tensor) -> torch.Tensor:  # [B, T] -> [B, width]: the valid tokens moved left
+        return spare.scatter(1, rank, torch.where(valid, values, 0.0))[:, :width]
+
+    compact_valid = torch.arange(width, device=valid.device)[None, :] < lengths[:, None]  # [B, width]
+    compact_advantages = _otb_advantages(compact(returns), compact(step_variance), compact_valid, ids)
+    advantages = torch.where(valid, torch.cat([compact_advantages, spare[:, :1]], 1).gather(1, rank), 0.0)
+    return advantages, returns
+
+
+def _otb_inputs(inputs: AdvantageInputs, name: str) -> tuple[torch.Tensor, ...]:
+    """(returns G_t [B, T] (0 at masked positions), per-step variance w_t [B, T], valid [B, T], group ids [B])."""
     old_log_probs = _require(inputs.old_log_probs, "old_log_probs", name)
     sum_pi_squared = _require(inputs.sum_pi_squared, "sum_pi_squared (actor.calculate_sum_pi_squared=true)", name)
-    valid = mask.bool()
+    valid = inputs.response_mask.bool()
     rewards = torch.where(valid, inputs.token_level_rewards, 0.0)
     returns = rewards.flip(-1).cumsum(-1).flip(-1)  # [B, T] reward-to-go
     step_variance = 1.0 - 2.0 * old_log_probs.exp() + sum_pi_squared  # [B, T]
     if inputs.is_weights is not None:
         step_variance = step_variance * inputs.is_weights.square()
+    return torch.where(valid, returns, 0.0), step_variance, valid, _group_ids_for(inputs, name)
+
+
+def _otb_advantages(returns: torch.Tensor, step_variance: torch.Tensor, valid: torch.Tensor,
+                    ids: torch.Tensor) -> torch.Tensor:
+    """G_t - B_t at the valid positions (0 elsewhere), with B_t the group's W-weighted mean return at column t."""
     path_variance = torch.where(valid, step_variance, 0.0).cumsum(-1)  # [B, T] W_t
     weight = torch.where(valid, path_variance, 0.0)
-    ids = _group_ids_for(inputs, name)
     num_groups = int(ids.max()) + 1
     numerator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, returns * weight)  # [G, T]
     denominator = returns.new_zeros(num_groups, returns.shape[1]).index_add_(0, ids, weight) + 1e-8
@@ -167,8 +201,7 @@ def optimal_token_baseline(inputs: AdvantageInputs) -> tuple[torch.Tensor, torch
     count = torch.bincount(ids, minlength=num_groups)[ids]  # [B]
     baselines = torch.where((count > 1)[:, None], baselines, 0.0)
     baselines = torch.where(_lone_tail(valid, ids, num_groups), 0.0, baselines)
-    advantages = torch.where(valid, returns - baselines, 0.0)
-    return advantages, torch.where(valid, returns, 0.0)
+    return torch.where(valid, returns - baselines, 0.0)
 
 
 def _lone_tail(valid: torch.Tensor, ids: torch.Tensor, num_groups: int) -> torch.Tensor:

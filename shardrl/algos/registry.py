@@ -31,7 +31,7 @@ class AdvantageInputs:
     # function's per-sample extras) and their weights [K] (`algorithm.gdpo_reward_weights`; None: 1 each).
     reward_components: torch.Tensor | None = None
     reward_weights: Sequence[float] | None = None
-    # optimal_token_baseline: the old-logprob pass's log pi of each sampled token and sum over the vocabulary of pi^2
+    # (tir_)optimal_token_baseline: the old-logprob pass's log pi of each sampled token and sum over the vocabulary of pi^2
     # (`actor.calculate_sum_pi_squared`), both [B, T], and the rollout-correction weights [B, T] when there are any.
     old_log_probs: torch.Tensor | None = None
     sum_pi_squared: torch.Tensor | None = None

@@ -109,8 +109,8 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
                                                                         "the rollout's log-probs); use disabled")
     if actor.calculate_sum_pi_squared and log_prob is None:
         raise ConfigError("actor_rollout_ref.actor.calculate_sum_pi_squared", "the old-logprob pass computes it, and "
-                          "this job skips that pass (PPO anchors on the rollout's log-probs); adv_estimator="
-                          "optimal_token_baseline needs the recomputed old log-probs")
+                          "this job skips that pass (PPO anchors on the rollout's log-probs); the optimal "
+                          "token baselines need the recomputed old log-probs")
     measure_unreplayed = actor.router_replay.measure_unreplayed
     if measure_unreplayed and (mode != "R3" or log_prob is None):
         raise ConfigError("actor_rollout_ref.actor.router_replay.measure_unreplayed", "it compares the old-logprob "

@@ -9,6 +9,8 @@ from shardrl.algos.rejection import RejectionSpecError
 from shardrl.job.errors import ConfigError
 from shardrl.job.schema import PPOConfig
 
+# The estimators that read the old-logprob pass's sum of pi^2 (actor.calculate_sum_pi_squared).
+OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 USE_ASYNC_CONFIG = "use --config-name=one_step_off_ppo_trainer or fully_async_ppo_trainer (or a *_megatron_* one)"
 
 # (group, stem): `<stem>` (global, deprecated) and `<stem>_per_gpu` must not both be set.
@@ -80,12 +82,12 @@ def _validate_estimators(config: PPOConfig) -> None:
         raise ConfigError("algorithm.use_kl_in_reward", "true has no effect with adv_estimator=gdpo (its advantages "
                                                         "come from the reward components, not the token rewards, as "
                                                         "in verl); use actor_rollout_ref.actor.use_kl_loss=true")
-    otb, key = algo.adv_estimator == "optimal_token_baseline", "actor_rollout_ref.actor.calculate_sum_pi_squared"
+    otb, key = algo.adv_estimator in OTB_ESTIMATORS, "actor_rollout_ref.actor.calculate_sum_pi_squared"
     if otb and not config.actor_rollout_ref.actor.calculate_sum_pi_squared:
-        raise ConfigError(key, "adv_estimator=optimal_token_baseline needs it (the path variance reads sum pi^2 of "
+        raise ConfigError(key, f"adv_estimator={algo.adv_estimator} needs it (the path variance reads sum pi^2 of "
                                "every token): set true")
     if config.actor_rollout_ref.actor.calculate_sum_pi_squared and not otb:
-        raise ConfigError(key, f"true is read by adv_estimator=optimal_token_baseline only (it is "
+        raise ConfigError(key, f"true is read by adv_estimator={'/'.join(OTB_ESTIMATORS)} only (it is "
                                f"{algo.adv_estimator}); leave it false")
     if algo.adv_estimator == "grpo_passk" and config.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("actor_rollout_ref.rollout.n", "adv_estimator=grpo_passk needs >= 2 samples per prompt (it "

@@ -19,7 +19,8 @@ from shardrl.job.build import Fraction, Max, Min, NonNegFloat, NonNegInt, PosFlo
 from shardrl.parallel.layout_spec import LayoutSpec
 
 AdvEstimator = Literal["gae", "grpo", "rloo", "reinforce_plus_plus", "reinforce_plus_plus_baseline", "remax", "opo",
-                       "gpg", "grpo_passk", "gdpo", "grpo_vectorized", "rloo_vectorized", "optimal_token_baseline"]
+                       "gpg", "grpo_passk", "gdpo", "grpo_vectorized", "rloo_vectorized", "optimal_token_baseline",
+                       "tir_optimal_token_baseline"]
 LossAggMode = Literal["token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 KLEstimator = Literal["kl", "k1", "abs", "mse", "k2", "low_var_kl", "k3", "kl+", "k1+", "abs+", "low_var_kl+", "k3+"]
 DType = Literal["float32", "bfloat16", "float16"]
@@ -176,7 +177,7 @@ class ActorConfig:
     loss_scale_factor: PosInt | None  # divisor of seq-mean-token-sum-norm; null: rollout.response_length
     policy_loss: PolicyLossConfig
     entropy_coeff: float
-    # the old-logprob pass also gives sum over the vocabulary of pi^2 per token (adv_estimator=optimal_token_baseline)
+    # the old-logprob pass also gives sum over the vocabulary of pi^2 per token (the optimal token baselines)
     calculate_sum_pi_squared: bool
     use_kl_loss: bool
     kl_loss_coef: NonNegFloat
