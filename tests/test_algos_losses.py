@@ -17,6 +17,7 @@ from shardrl.algos import (
     ppo_clip_loss,
     value_loss,
 )
+from shardrl.algos.covariance import COVARIANCE_MODES
 
 
 def t(rows: list[list[float]]) -> torch.Tensor:
@@ -149,7 +150,9 @@ def _ragged_batch(seed: int) -> dict[str, torch.Tensor]:
         ref=old + 0.2 * rand(8, 12), is_weights=(0.5 + rand(8, 12).abs()).clamp(max=2.0),
         values=rand(8, 12), returns=rand(8, 12), vpreds=rand(8, 12),
     )
-    return {k: v if k == "mask" else torch.where(mask.bool(), v, 1e3) for k, v in batch.items()}
+    batch = {k: v if k == "mask" else torch.where(mask.bool(), v, 1e3) for k, v in batch.items()}
+    # the tokens a covariance selection chose (clip_cov, kl_cov); on padding too, which they must ignore
+    return batch | {"selected": rand(8, 12) > 0.8}
 
 
 def _losses(piece: dict[str, torch.Tensor], mode: str, scale: LossScale,
@@ -159,6 +162,7 @@ def _losses(piece: dict[str, torch.Tensor], mode: str, scale: LossScale,
         ClipRange(0.2, clip_ratio_high=0.28, clip_ratio_c=3.0, dro_beta=0.1), is_weights=piece["is_weights"],
         entropy=piece["entropy"], entropy_coeff=0.01, ref_log_prob=piece["ref"], kl_loss_coef=0.05,
         kl_loss_type="low_var_kl", loss_mode=loss_mode,
+        selected=piece["selected"] if loss_mode in COVARIANCE_MODES else None,
     )
     critic, critic_metrics = value_loss(
         piece["vpreds"], piece["values"], piece["returns"], piece["mask"], scale, mode, cliprange_value=0.2
@@ -352,7 +356,7 @@ def test_unknown_loss_mode_names_the_key():
     inputs = _gspo_inputs()
     with pytest.raises(ValueError, match=r"actor.policy_loss.loss_mode='gpo' is not one of "
                                          r"\['vanilla', 'gspo', 'gpg', 'cispo', 'sapo', 'geo_mean', 'dppo_tv', "
-                                         r"'dppo_kl', 'dro'\]"):
+                                         r"'dppo_kl', 'dro', 'clip_cov', 'kl_cov'\]"):
         actor_loss(**inputs, scale=LossScale.from_mask(inputs["response_mask"], 4), loss_agg_mode="token-mean",
                    clip=GSPO_CLIP, loss_mode="gpo")
 
@@ -367,7 +371,8 @@ def test_nan_advantages_and_weights_on_padding_reach_no_loss_or_gradient(loss_mo
     def run(advantages, weights):
         log_prob = batch["old"].clone().requires_grad_()
         loss, _ = actor_loss(log_prob, batch["old"], advantages, batch["mask"], scale, "token-mean", clip,
-                             is_weights=weights, loss_mode=loss_mode)
+                             is_weights=weights, loss_mode=loss_mode,
+                             selected=batch["selected"] if loss_mode in COVARIANCE_MODES else None)
         return loss, torch.autograd.grad(loss, log_prob)[0]
 
     clean, clean_grad = run(batch["advantages"], batch["is_weights"])

@@ -286,7 +286,7 @@ def test_loss_scale_factor_is_the_divisor_of_seq_mean_token_sum_norm():
 def test_unknown_policy_loss_mode_names_the_key_and_the_modes():
     with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.policy_loss.loss_mode: 'gpo' is not one of "
                                           r"vanilla \| gspo \| gpg \| cispo \| sapo \| geo_mean \| dppo_tv \| "
-                                          r"dppo_kl \| dro$"):
+                                          r"dppo_kl \| dro \| clip_cov \| kl_cov$"):
         compose("ppo_trainer", ["actor_rollout_ref.actor.policy_loss.loss_mode=gpo"])
 
 

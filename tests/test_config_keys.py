@@ -28,7 +28,7 @@ PASS_THROUGH = {str(JOB / "schema.py"), __file__}  # properties, `at` and this r
 
 # Configs that together take every conditional branch of the planner (a critic, a reference policy, KL in reward,
 # dynamic sampling, overlong shaping, a reward model on its own pool or not, a judge, both async modes, both
-# kinds of distillation loss).
+# kinds of distillation loss, the two covariance-selecting policy losses).
 VARIANTS = [
     ("ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                      "algorithm.use_kl_in_reward=true", "reward_model.overlong_buffer.enable=true",
@@ -43,9 +43,11 @@ VARIANTS = [
                      "distillation.teacher_model.model_path=/a/teacher",
                      "distillation.distillation_loss.loss_mode=forward_kl_topk", "reward_model.enable=true",
                      "reward_model.model.path=/a/rm", "reward_model.use_dynamic_bsz=true"]),
-    ("ppo_trainer", ["reward_model.judge.enable=true", "reward_model.judge.model_path=/a/judge"]),
+    ("ppo_trainer", ["reward_model.judge.enable=true", "reward_model.judge.model_path=/a/judge",
+                     "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"]),
     ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),
-    ("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true"]),
+    ("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
+                                 "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov"]),
     ("ppo_trainer", ["actor_rollout_ref.model.lora_rank=8", "actor_rollout_ref.model.exclude_modules=[down_proj]",
                      "actor_rollout_ref.actor.use_kl_loss=true", "algorithm.adv_estimator=gae",
                      "critic.model.lora_rank=8"]),

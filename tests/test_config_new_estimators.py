@@ -1,6 +1,5 @@
-"""The keys of GPG, Pass@k GRPO, GDPO, CISPO, SAPO, GMPO, DPPO, DRO, the vectorised GRPO / RLOO and the Dr. GRPO
-preset (issue "RL maths"): verl's spellings
-reach their options, invalid combinations are refused before any worker starts naming the key, and each runs the
+"""The keys of GPG, Pass@k GRPO, GDPO, CISPO, SAPO, GMPO, DPPO, DRO, Clip-Cov, KL-Cov, the vectorised GRPO / RLOO, the
+optimal token baselines and the Dr. GRPO preset (issue "RL maths"): verl's spellings reach their options, invalid combinations are refused before any worker starts naming the key, and each runs the
 default job (tiny model, CPU) for 2 steps from a verl command line."""
 
 import math
@@ -116,7 +115,7 @@ VANILLA_CLIP = {"actor/pg_clipfrac", "actor/pg_clipfrac_lower"}
 CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "grpo_passk": VANILLA_CLIP,
                 "dr_grpo": VANILLA_CLIP, "geo_mean": VANILLA_CLIP, "dppo_kl": VANILLA_CLIP, "dro": set(),
                 "rloo_vectorized": VANILLA_CLIP, "optimal_token_baseline": VANILLA_CLIP,
-                "tir_optimal_token_baseline": VANILLA_CLIP}
+                "tir_optimal_token_baseline": VANILLA_CLIP, "clip_cov": {"actor/pg_clipfrac"}, "kl_cov": set()}
 
 
 # Each is a 2-step job (~20 s on CI): the default set runs one surrogate and one estimator (the options of the others
@@ -139,6 +138,11 @@ CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "gr
     pytest.param("dro", [f"{ACTOR}.policy_loss.loss_mode=dro", f"{ACTOR}.policy_loss.dro_beta=0.1"],
                  marks=pytest.mark.slow),
     pytest.param("rloo_vectorized", ["algorithm.adv_estimator=rloo_vectorized"], marks=pytest.mark.slow),
+    # two mini batches a step: the second selects from its own forward pass
+    ("kl_cov", [f"{ACTOR}.policy_loss.loss_mode=kl_cov", f"{ACTOR}.policy_loss.kl_cov_ratio=0.01",
+                f"{ACTOR}.ppo_mini_batch_size=4"]),
+    pytest.param("clip_cov", [f"{ACTOR}.policy_loss.loss_mode=clip_cov", f"{ACTOR}.policy_loss.clip_cov_ratio=0.01",
+                              f"{ACTOR}.policy_loss.clip_cov_lb=0.01"], marks=pytest.mark.slow),
     pytest.param("dr_grpo", ["algorithm.norm_adv_by_std_in_grpo=false",
                              f"{ACTOR}.loss_agg_mode=seq-mean-token-sum-norm", f"{ACTOR}.use_kl_loss=false"],
                  marks=pytest.mark.slow),

@@ -31,6 +31,7 @@ from shardrl.algos import (
     loss_counts,
     value_loss,
 )
+from shardrl.algos.covariance import COVARIANCE_MODES
 from shardrl.job.load import compose
 from shardrl.job.options import EngineOptions, ForwardBatching, OptimOptions, PolicyLossOptions, UpdateOptions
 from shardrl.job.plan import plan_job
@@ -185,6 +186,7 @@ def test_padding_holding_nan_or_inf_reaches_no_loss_or_gradient(mode, fill):
     advantages = torch.randn(shape, generator=g, dtype=torch.float64) * mask
     is_weights = _with_padding(rand(1.5, 0.25), mask, 1.0)
     scale = LossScale.from_mask(mask, 7)
+    selected = torch.rand(shape, generator=g) > 0.7  # clip_cov / kl_cov's selection, padding included
 
     def losses(inputs: dict[str, torch.Tensor], loss_mode: str):
         leaves = {k: inputs[k].clone().requires_grad_() for k in ("log_prob", "entropy", "vpreds")}
@@ -192,7 +194,8 @@ def test_padding_holding_nan_or_inf_reaches_no_loss_or_gradient(mode, fill):
         pg, pg_metrics = actor_loss(leaves["log_prob"], inputs["old"], advantages, mask, scale, mode,
                                     ClipRange(0.2, dro_beta=0.1),
                                     entropy=leaves["entropy"], entropy_coeff=0.01, ref_log_prob=inputs["ref"],
-                                    kl_loss_coef=0.1, loss_mode=loss_mode, **weights)
+                                    kl_loss_coef=0.1, loss_mode=loss_mode,
+                                    selected=selected if loss_mode in COVARIANCE_MODES else None, **weights)
         vf, vf_metrics = value_loss(leaves["vpreds"], inputs["values"], inputs["returns"], mask, scale, mode, 0.5)
         grads = torch.autograd.grad(pg + vf, list(leaves.values()))
         return pg + vf, grads, pg_metrics | vf_metrics

@@ -6,7 +6,9 @@ plain policy gradient (Chu et al. 2025, arXiv 2504.02546); `cispo`, MiniMax-M1's
 log-prob gradient (arXiv 2506.13585); `sapo`, SAPO's soft gate instead of the hard clip (Gao et al. 2025, arXiv
 2511.20347); `geo_mean`, GMPO's geometric mean of the clipped token ratios per sequence (arXiv 2507.20673);
 `dppo_tv` / `dppo_kl`, DPPO's trust region on the token probability itself (its total variation or binary KL;
-arXiv 2602.04879); `dro`, direct reward optimisation with a quadratic log-ratio penalty. In bypass mode
+arXiv 2602.04879); `dro`, direct reward optimisation with a quadratic log-ratio penalty; `clip_cov` / `kl_cov`,
+Clip-Cov's and KL-Cov's restraint of the tokens whose log-prob and advantage covary most (arXiv 2505.22617; the
+tokens are chosen per mini batch by `algos.covariance`). In bypass mode
 `algorithm.rollout_correction.loss_type=reinforce` replaces it with REINFORCE.
 
 Called once per micro batch with the mini batch's `LossScale`; every term is aggregated by `aggregate_loss` with the
@@ -51,6 +53,7 @@ class ClipRange:
     tau_pos: float = 1.0
     tau_neg: float = 1.05
     dro_beta: float | None = None  # DRO's quadratic log-ratio penalty (only dro reads it; it needs one > 0)
+    ppo_kl_coef: float = 0.1  # KL-Cov's |log ratio| penalty on its selected tokens (only kl_cov reads it)
 
     def __post_init__(self) -> None:
         if self.low < 0.0 or (self.low >= 1.0 and not self.weight_clip) or self.high < 0.0:
@@ -62,6 +65,8 @@ class ClipRange:
             raise ValueError(f"SAPO's tau_pos and tau_neg must be > 0; got {self.tau_pos}, {self.tau_neg}")
         if self.dro_beta is not None and self.dro_beta <= 0.0:
             raise ValueError(f"DRO's dro_beta must be > 0; got {self.dro_beta}")
+        if self.ppo_kl_coef < 0.0:
+            raise ValueError(f"KL-Cov's ppo_kl_coef must be >= 0; got {self.ppo_kl_coef}")
 
     @property
     def low(self) -> float:
@@ -360,7 +365,46 @@ def dro_loss(
     return per_token, metrics
 
 
-PolicyLossMode = Literal["vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "dro"]
+def ppo_clip_active(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                    clip: ClipRange) -> torch.Tensor:
+    """Where PPO's clip takes over (bool, any shape): -A clip(r) > -A r, so the token gets no gradient from the
+    clipped surrogate; Clip-Cov never selects those tokens."""
+    ratio = torch.clamp(log_prob - old_log_prob, -LOG_RATIO_BOUND, LOG_RATIO_BOUND).exp()
+    return -advantages * ratio.clamp(1.0 - clip.low, 1.0 + clip.high) > -advantages * ratio
+
+
+def clip_cov_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                  response_mask: torch.Tensor, scale: LossScale, clip: ClipRange, selected: torch.Tensor
+                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clip-Cov's per-token loss `[B, T]` (verl's `clip_cov`): PPO's -min(r A, clip(r) A) without the dual clip,
+    and 0 (no gradient) on the `selected` tokens (`algos.covariance.select_tokens`: high-covariance tokens that
+    PPO's clip left alone). Metrics (shares of mini-batch token means): pg_clipfrac (as verl's: the fraction
+    selected, not PPO's clip), ppo_kl (k1 of KL(old || current))."""
+    valid = response_mask.bool()
+    log_ratio = _valid_log_ratio(log_prob, old_log_prob, valid)  # [B, T]
+    ratio = log_ratio.exp()
+    pessimistic = torch.maximum(-advantages * ratio, -advantages * ratio.clamp(1.0 - clip.low, 1.0 + clip.high))
+    per_token = torch.where(selected, 0.0, pessimistic)
+    metrics = {"pg_clipfrac": scaled_token_mean(selected.float(), response_mask, scale),
+               "ppo_kl": scaled_token_mean(-log_ratio, response_mask, scale)}
+    return per_token, metrics
+
+
+def kl_cov_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, advantages: torch.Tensor,
+                response_mask: torch.Tensor, scale: LossScale, clip: ClipRange, selected: torch.Tensor
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """KL-Cov's per-token loss `[B, T]` (verl's `kl_cov`): the unclipped -r A, plus ppo_kl_coef * |log r| on the
+    `selected` tokens (`algos.covariance.select_tokens`: the largest covariances); no clipping anywhere.
+    Metrics: ppo_kl (as verl's for this loss: the mini-batch token mean of |log r|, a share of it)."""
+    valid = response_mask.bool()
+    log_ratio = _valid_log_ratio(log_prob, old_log_prob, valid)  # [B, T]
+    penalty = torch.where(selected, clip.ppo_kl_coef * log_ratio.abs(), 0.0)
+    per_token = -advantages * log_ratio.exp() + penalty
+    return per_token, {"ppo_kl": scaled_token_mean(log_ratio.abs(), response_mask, scale)}
+
+
+PolicyLossMode = Literal["vanilla", "gspo", "gpg", "cispo", "sapo", "geo_mean", "dppo_tv", "dppo_kl", "dro",
+                         "clip_cov", "kl_cov"]
 POLICY_LOSS_MODES: tuple[str, ...] = get_args(PolicyLossMode)
 PolicyLossFn = Callable[
     [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, LossScale, ClipRange],
@@ -371,6 +415,9 @@ _POLICY_LOSSES: dict[str, PolicyLossFn] = {"vanilla": ppo_clip_loss, "gspo": gsp
                                            "cispo": cispo_loss, "sapo": sapo_loss, "geo_mean": geo_mean_loss,
                                            "dppo_tv": dppo_tv_loss, "dppo_kl": dppo_kl_loss, "dro": dro_loss,
                                            "reinforce": reinforce_loss}
+# Surrogates that also read which tokens `algos.covariance` selected over the mini batch.
+_SELECTIVE_LOSSES: dict[str, Callable[..., tuple[torch.Tensor, dict[str, torch.Tensor]]]] = {
+    "clip_cov": clip_cov_loss, "kl_cov": kl_cov_loss}
 # Surrogates whose policy-gradient term has its own aggregation (verl 0.9.1: SAPO's loss is a mean over sequences of
 # token means, whatever `loss_agg_mode`; GSPO's follows `loss_agg_mode` since 0.9.1, the paper's being
 # seq-mean-token-mean); entropy and KL terms always follow `loss_agg_mode`.
@@ -393,14 +440,17 @@ def actor_loss(
     kl_loss_coef: float = 0.0,
     kl_loss_type: str = "low_var_kl",
     loss_mode: str = "vanilla",
+    selected: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro batch's share of the actor loss (a scalar to call backward on) and its metrics.
 
     loss = agg(w * surrogate) - entropy_coeff * agg(entropy) + kl_loss_coef * agg(KL(pi || ref)).
     - loss_mode: the surrogate, `vanilla` (ppo_clip_loss), `gspo` (gspo_loss), `gpg` (gpg_loss), `cispo`
       (cispo_loss), `sapo` (sapo_loss), `geo_mean` (geo_mean_loss), `dppo_tv` / `dppo_kl` (_dppo_loss), `dro`
-      (dro_loss) or `reinforce` (reinforce_loss); sapo's and geo_mean's terms are always aggregated with
-      seq-mean-token-mean, as in verl; the other terms do not change.
+      (dro_loss), `clip_cov` / `kl_cov` (clip_cov_loss, kl_cov_loss: they need `selected` [B, T] bool, the
+      tokens `algos.covariance.select_tokens` chose over the mini batch) or `reinforce` (reinforce_loss); sapo's
+      and geo_mean's terms are always aggregated with seq-mean-token-mean, as in verl; the other terms do not
+      change.
     - old_log_prob / is_weights: the anchor and the detached weights from `rollout_correction` (none: weights 1).
       The weights multiply only the policy-gradient term; entropy and KL terms are not importance-weighted.
     - bypass_is: (rollout_is, rollout_is_threshold) of verl's bypass-mode REINFORCE (loss_mode `reinforce`): the
@@ -408,22 +458,29 @@ def actor_loss(
       per sequence, recomputed in every micro batch and detached.
     - entropy `[B, T]`: pass it to get the `entropy` metric; required when entropy_coeff != 0.
     - ref_log_prob `[B, T]`: pass it when `actor.use_kl_loss` is on; the KL term uses `kl_loss_type`.
-    Metrics: pg_loss, ppo_kl, pg_clipfrac (vanilla, gspo, cispo, geo_mean, dppo_*), pg_clipfrac_lower (vanilla: the
+    Metrics: pg_loss, ppo_kl, pg_clipfrac (vanilla, gspo, cispo, geo_mean, dppo_*, clip_cov), pg_clipfrac_lower (vanilla: the
     dual clip; geo_mean: clipped with A < 0; dppo_*: the truncated weight), and entropy / kl_loss when present.
     """
-    if loss_mode not in _POLICY_LOSSES:
+    if loss_mode not in _POLICY_LOSSES and loss_mode not in _SELECTIVE_LOSSES:
         raise ValueError(f"actor.policy_loss.loss_mode={loss_mode!r} is not one of {list(POLICY_LOSS_MODES)}")
+    if (selected is None) == (loss_mode in _SELECTIVE_LOSSES):
+        raise ValueError(f"loss_mode={loss_mode!r}: `selected` (the covariance selection) is read by "
+                         f"{list(_SELECTIVE_LOSSES)} only, and they need it")
     if bypass_is is not None:
         if loss_mode != "reinforce" or is_weights is not None:
             raise ValueError(f"bypass_is weighs the reinforce loss alone; got loss_mode={loss_mode!r} and "
                              f"is_weights {'given' if is_weights is not None else 'none'}")
         is_weights, _ = truncated_is_weights(log_prob.detach() - old_log_prob, response_mask, *bypass_is)
-    surrogate = _POLICY_LOSSES[loss_mode]
     valid = response_mask.bool()  # padding may hold anything in any input: it never reaches a term or a gradient
     advantages = torch.where(valid, advantages, 0.0)
     if is_weights is not None:
         is_weights = torch.where(valid, is_weights, 0.0)
-    pg_per_token, metrics = surrogate(log_prob, old_log_prob, advantages, response_mask, scale, clip)
+    if selected is not None:
+        pg_per_token, metrics = _SELECTIVE_LOSSES[loss_mode](log_prob, old_log_prob, advantages, response_mask,
+                                                             scale, clip, selected & valid)
+    else:
+        pg_per_token, metrics = _POLICY_LOSSES[loss_mode](log_prob, old_log_prob, advantages, response_mask, scale,
+                                                          clip)
     if is_weights is not None:
         if loss_mode == "geo_mean":  # a sequence's loss is weighted by the geometric mean of its token weights
             lengths = valid.sum(dim=-1, keepdim=True).clamp(min=1)

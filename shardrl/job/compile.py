@@ -19,6 +19,7 @@ from shardrl.agents.endpoint import EndpointSettings
 from shardrl.agents.loop import TurnLimits
 from shardrl.agents.parsers import get_parser
 from shardrl.algos import ClipRange
+from shardrl.algos.covariance import CovarianceSelection
 from shardrl.algos.distillation import DistillationSettings
 from shardrl.job.errors import ConfigError
 from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize, named_lora_settings
@@ -484,12 +485,20 @@ def policy_loss_options(config: PPOConfig, decoupled: bool, use_kl_loss: bool,
     weighted = reinforce and correction.rollout_is is not None
     bypass_is = (correction.rollout_is, correction.rollout_is_threshold) if weighted else None
     surrogate = actor.policy_loss
+    loss_mode = "reinforce" if reinforce else surrogate.loss_mode
+    covariance = None  # clip_cov's and kl_cov's token selection (algos.covariance)
+    if loss_mode == "clip_cov":
+        covariance = CovarianceSelection("clip_cov", surrogate.clip_cov_ratio, surrogate.clip_cov_lb,
+                                         surrogate.clip_cov_ub)
+    elif loss_mode == "kl_cov":
+        covariance = CovarianceSelection("kl_cov", surrogate.kl_cov_ratio)
     return PolicyLossOptions(
-        loss_agg_mode=actor.loss_agg_mode, loss_mode="reinforce" if reinforce else surrogate.loss_mode,
+        loss_agg_mode=actor.loss_agg_mode, loss_mode=loss_mode,
         bypass_is=bypass_is,
         clip=ClipRange(actor.clip_ratio, actor.clip_ratio_low, actor.clip_ratio_high, actor.clip_ratio_c,
                        weight_clip=surrogate.loss_mode == "cispo", tau_pos=surrogate.tau_pos,
-                       tau_neg=surrogate.tau_neg, dro_beta=surrogate.dro_beta),
+                       tau_neg=surrogate.tau_neg, dro_beta=surrogate.dro_beta, ppo_kl_coef=surrogate.ppo_kl_coef),
+        covariance=covariance, anchor_is_actor=decoupled,
         entropy_coeff=actor.entropy_coeff, use_kl_loss=use_kl_loss, kl_loss_coef=actor.kl_loss_coef,
         kl_loss_type=actor.kl_loss_type, max_response_length=actor.loss_scale_factor or response_length)
 

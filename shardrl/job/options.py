@@ -19,6 +19,7 @@ import torch
 
 from shardrl.agents.driver import AgentSettings
 from shardrl.algos import ClipRange
+from shardrl.algos.covariance import CovarianceSelection
 from shardrl.algos.distillation import DistillationSettings
 from shardrl.algos.rejection import RejectionSampling
 from shardrl.job.schema import (
@@ -101,6 +102,11 @@ class PolicyLossOptions:
     kl_loss_coef: float = 0.0
     kl_loss_type: str = "low_var_kl"
     max_response_length: int = 1  # the divisor of seq-mean-token-sum-norm (actor.loss_scale_factor)
+    # clip_cov / kl_cov: which tokens they restrain, chosen per optimizer step over the mini batch (algos.covariance)
+    covariance: CovarianceSelection | None = None
+    # The batch's old log-probs are the actor's own at the update's start (the old-logprob pass ran: decoupled);
+    # false in bypass mode, where they are the rollout's.
+    anchor_is_actor: bool = True
 
 
 @dataclass(frozen=True)

@@ -5,12 +5,23 @@ batch-size normalisation, model fit) are in `shardrl.job.plan`."""
 
 from __future__ import annotations
 
+from shardrl.algos import ClipRange
+from shardrl.algos.covariance import CovarianceSelection
 from shardrl.algos.rejection import RejectionSpecError
 from shardrl.job.errors import ConfigError
 from shardrl.job.schema import PPOConfig
 
 # The estimators that read the old-logprob pass's sum of pi^2 (actor.calculate_sum_pi_squared).
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
+_CLIP, _COVARIANCE = ClipRange(), CovarianceSelection("clip_cov")
+# Keys of actor.policy_loss that one loss_mode reads, with their defaults (the yaml's): under any other mode they must
+# keep them.
+MODE_ONLY_KEYS: dict[str, dict[str, float]] = {
+    "sapo": {"tau_pos": _CLIP.tau_pos, "tau_neg": _CLIP.tau_neg},
+    "clip_cov": {"clip_cov_ratio": _COVARIANCE.ratio, "clip_cov_lb": _COVARIANCE.lower,
+                 "clip_cov_ub": _COVARIANCE.upper},
+    "kl_cov": {"kl_cov_ratio": _COVARIANCE.ratio, "ppo_kl_coef": _CLIP.ppo_kl_coef},
+}
 USE_ASYNC_CONFIG = "use --config-name=one_step_off_ppo_trainer or fully_async_ppo_trainer (or a *_megatron_* one)"
 
 # (group, stem): `<stem>` (global, deprecated) and `<stem>_per_gpu` must not both be set.
@@ -105,6 +116,16 @@ def _validate_estimators(config: PPOConfig) -> None:
                           if surrogate.dro_beta is None else
                           f"{surrogate.dro_beta} is DRO's penalty and loss_mode={surrogate.loss_mode} has none: leave "
                           "it null")
+    for mode, defaults in MODE_ONLY_KEYS.items():
+        for name, default in defaults.items() if surrogate.loss_mode != mode else ():
+            if getattr(surrogate, name) != default:
+                raise ConfigError(f"{key}.{name}", f"{getattr(surrogate, name)} is read by loss_mode={mode} only (it "
+                                                   f"is {surrogate.loss_mode}); leave it at {default} or set "
+                                                   f"loss_mode={mode}")
+    if surrogate.loss_mode == "clip_cov" and not surrogate.clip_cov_lb < surrogate.clip_cov_ub:
+        raise ConfigError(f"{key}.clip_cov_lb", f"{surrogate.clip_cov_lb} must be below clip_cov_ub="
+                                                f"{surrogate.clip_cov_ub}: Clip-Cov draws tokens whose covariance "
+                                                "lies between them")
 
 
 def _validate_shared_model_keys(config: PPOConfig) -> None:

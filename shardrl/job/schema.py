@@ -136,12 +136,20 @@ class PolicyLossConfig:
     soft gate with temperatures tau_pos / tau_neg instead of the hard clip. geo_mean: GMPO's geometric mean of the
     clipped token ratios. dppo_tv / dppo_kl: DPPO's trust region on the token's probability (clip_ratio_low/high
     are its divergence bounds, clip_ratio_c the truncated-IS bound). dro: -(A log pi - dro_beta / 2 log^2 r).
+    clip_cov / kl_cov (arXiv 2505.22617): PPO without the gradient of, or the unclipped ratio plus a |log r| penalty
+    on, a small fraction of each mini batch's tokens, those whose log-prob and advantage covary most.
+    A key only one mode reads must keep its default under any other mode (else it is refused).
     """
 
     loss_mode: PolicyLossMode
     tau_pos: PosFloat  # SAPO's gate temperature for A > 0
     tau_neg: PosFloat  # SAPO's gate temperature for A <= 0
     dro_beta: PosFloat | None  # DRO's quadratic log-ratio penalty; required by loss_mode=dro, refused otherwise
+    clip_cov_ratio: Fraction  # Clip-Cov: the fraction of the mini batch's tokens whose gradient it drops
+    clip_cov_lb: float  # Clip-Cov: it draws them among the tokens with covariance in (clip_cov_lb, clip_cov_ub)
+    clip_cov_ub: float
+    kl_cov_ratio: Fraction  # KL-Cov: the fraction of the mini batch's tokens (largest covariance) it penalises
+    ppo_kl_coef: NonNegFloat  # KL-Cov: the weight of the |log r| penalty on them
 
 
 @dataclass(frozen=True)

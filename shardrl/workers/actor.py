@@ -40,10 +40,12 @@ from shardrl.parallel.layout import GroupRegistry
 from shardrl.parallel.lora import adapters_disabled
 from shardrl.parallel.vocab import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
 from shardrl.parallel.vocab_topk import vocab_parallel_topk, vocab_parallel_topk_kl
+from shardrl.workers.covariance import COVARIANCE_SELECTED, select_covariance_tokens
 from shardrl.workers.engine import (
     ROUTED_EXPERTS,
     ROUTING_MISMATCH,
     UNREPLAYED_LOG_PROBS,
+    BeforeStep,
     MicroBatch,
     ModelEngine,
     Routing,
@@ -160,7 +162,8 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
             log_prob, d["old_log_probs"], d["advantages"], d["response_mask"], scale, options.loss_agg_mode,
             options.clip, is_weights=d.get("is_weights"), bypass_is=options.bypass_is, entropy=entropy,
             entropy_coeff=options.entropy_coeff, ref_log_prob=d["ref_log_probs"] if options.use_kl_loss else None,
-            kl_loss_coef=options.kl_loss_coef, kl_loss_type=options.kl_loss_type, loss_mode=options.loss_mode)
+            kl_loss_coef=options.kl_loss_coef, kl_loss_type=options.kl_loss_type, loss_mode=options.loss_mode,
+            selected=d.get(COVARIANCE_SELECTED))
         if topk:
             teacher_mass = d[TEACHER_TOPK[0]].exp().sum(-1)  # [b, R]
             term, term_metrics = topk_distillation_loss(topk_kl, student_mass, teacher_mass, log_prob,
@@ -188,9 +191,40 @@ def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, up
     keys += ["ref_log_probs"] if loss.use_kl_loss else []
     if distillation is not None:
         keys += list(TEACHER_TOPK) if distillation.uses_topk else ["teacher_log_probs"]
+    routing = "replay" if replay_routing else None
+    select = None if loss.covariance is None else covariance_step(engine, loss, update, temperature)
     return replay_overridden_fraction(train_epochs(
         engine, batch, update, keys, lambda scale: policy_loss_fn(loss, scale, temperature, distillation),
-        loss.max_response_length, "replay" if replay_routing else None))
+        loss.max_response_length, routing, select))
+
+
+def covariance_step(engine: ModelEngine, loss: PolicyLossOptions, update: UpdateOptions,
+                    temperature: float) -> BeforeStep:
+    """clip_cov / kl_cov: before each optimizer step, choose the tokens to restrain over its whole mini batch
+    (`workers.covariance`) from the log-probs of the weights that step differentiates: the old log-probs for the
+    update's first step when the actor computed them (the weights have not moved since), else one forward-only
+    pass over the step's micro batches (their routing replayed as in the update). Draws from a generator seeded
+    by the update's seed (the step's), the same on every rank."""
+    generator = torch.Generator().manual_seed(update.seed)
+
+    def log_probs_only(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
+        return hidden.new_zeros(()), {"log_probs": _logprobs(chunk, hidden, mb, temperature)[0]}
+
+    def before_step(index: int, mini: Batch, micro: list[MicroBatch]) -> None:
+        device = engine.layout.device
+        if index == 0 and loss.anchor_is_actor:
+            log_probs = mini.tensors["old_log_probs"].to(device)
+        else:
+            with torch.no_grad():
+                outputs = engine.run(micro, log_probs_only, forward_only=True)
+            log_probs = torch.empty(mini.tensors["old_log_probs"].shape, device=device)
+            for mb, out in zip(micro, outputs):
+                log_probs[mb.rows] = out["log_probs"].float()
+        selected = select_covariance_tokens(loss.covariance, mini, log_probs, loss.clip, engine.layout, generator)
+        for mb in micro:
+            mb.data[COVARIANCE_SELECTED] = selected[mb.rows]
+
+    return before_step
 
 
 class ActorRefWorker:

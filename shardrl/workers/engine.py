@@ -40,6 +40,8 @@ LossFn = Callable[[Transformer, Tensor, "MicroBatch"], tuple[Tensor, dict[str, T
 # the batch's `routed_experts` (the rollout's). A pass that replays or has `routed_experts` to compare with outputs
 # `routing_mismatch`.
 Routing = Literal["record", "replay", "compare"] | None
+# Called before each optimizer step of an update with (step index, the rank's mini batch, its micro batches).
+BeforeStep = Callable[[int, Batch, list["MicroBatch"]], None]
 ROUTED_EXPERTS = "routed_experts"  # [B, S, L, k]: per token of input_ids, the experts of each MoE layer
 # [B, 2] per row, summed over its tokens and MoE layers: (pairs where the pass's own top-k differed from the batch's
 # `routed_experts`, pairs compared); a replayed pass's first column counts the tokens whose choice replay overrode.
@@ -234,10 +236,12 @@ def mini_batches(batch: Batch, size: int, shuffle: bool, seed: int) -> list[Batc
 
 def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys: Sequence[str],
                  make_loss_fn: Callable[[LossScale], LossFn], max_response_length: int,
-                 routing: Routing = None) -> dict[str, list[float]]:
+                 routing: Routing = None, before_step: BeforeStep | None = None) -> dict[str, list[float]]:
     """PPO epochs over mini batches of `batch`, one optimizer step each. The loss of every micro batch is built
     with the mini batch's global counts (`LossScale`, summed over micro batches and DP), so the gradient does not
     depend on the cut. Metrics per step are exact mini-batch values (micro-batch shares summed, then over DP).
+    `before_step(i, mini, micro batches)` runs before step i's forward, at the weights that step differentiates,
+    and may add per-row tensors to its micro batches' data (clip_cov / kl_cov's token selection).
 
     Host reads of device values: the counts and the data's copies to the device before the first forward, the
     optimizer's grad norm once per step, and every step's metrics once at the end; nothing per micro batch."""
@@ -253,7 +257,9 @@ def train_epochs(engine: ModelEngine, batch: Batch, update: UpdateOptions, keys:
     names: list[str] = []
     step_sums: list[Tensor] = []  # [num metrics] float64 on the device, per step
     step_metrics: list[dict[str, float]] = []
-    for micro, (num_tokens, num_seqs) in zip(micros, counts):
+    for index, (mini, micro, (num_tokens, num_seqs)) in enumerate(zip(minis, micros, counts)):
+        if before_step is not None:
+            before_step(index, mini, micro)
         scale = LossScale(num_tokens, num_seqs, max_response_length)
         outputs = engine.run(micro, make_loss_fn(scale), forward_only=False)
         for o in outputs:  # a replayed update's routing counts, as metrics (`replay_overridden_fraction`)
