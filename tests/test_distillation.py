@@ -15,7 +15,13 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from shardrl.algos.aggregate import LossScale
-from shardrl.algos.distillation import DistillationSettings, distillation_loss, topk_distillation_loss
+from shardrl.algos.distillation import (
+    DistillationSettings,
+    TopKOverlap,
+    distillation_loss,
+    overlap_token_advantage,
+    topk_distillation_loss,
+)
 from shardrl.algos.policy_loss import ClipRange
 from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
 from shardrl.data import builtin_task
@@ -98,17 +104,25 @@ def test_forward_kl_topk_is_floored_at_zero_then_the_loss_or_minus_the_advantage
     forward_kl = torch.tensor([[0.3, -0.2, 1.5], [0.7, 0.1, 9.0]])
     masses = torch.tensor([[0.5, 0.9, 0.2], [0.6, 0.7, 0.0]]), torch.tensor([[0.8, 0.8, 0.9], [0.7, 0.9, 1.0]])
     scale = LossScale.from_mask(MASK, 3)
+    # 2, 0, 4 / 1, 3 of the teacher's top 4 in the student's (the last position is padding)
+    overlap = TopKOverlap(torch.tensor([[2.0, 0.0, 4.0], [1.0, 3.0, 4.0]]),
+                          torch.tensor([[-0.4, 0.0, -2.0], [-0.1, -0.6, 99.0]]))
     d = forward_kl.clone().requires_grad_()
     loss, metrics = topk_distillation_loss(d, *masses, STUDENT, STUDENT, MASK, scale, "token-mean",
-                                           settings("forward_kl_topk", policy_gradient=False, topk=4))
+                                           settings("forward_kl_topk", policy_gradient=False, topk=4), overlap)
     assert loss.item() == pytest.approx((0.3 + 0.0 + 1.5 + 0.7 + 0.1) / 5)
     assert metrics["student_mass"].item() == pytest.approx((0.5 + 0.9 + 0.2 + 0.6 + 0.7) / 5)
     assert metrics["teacher_mass"].item() == pytest.approx((0.8 + 0.8 + 0.9 + 0.7 + 0.9) / 5)
+    assert metrics["overlap_ratio"].item() == pytest.approx((2 + 0 + 4 + 1 + 3) / 4 / 5)
+    steps = {f"distillation/{k}": [v.item()] for k, v in metrics.items() if k.startswith("overlap_")}
+    # the mean over the four positions with any overlap of advantage_sum / count
+    assert overlap_token_advantage(steps)["distillation/overlap_token_advantage"] == pytest.approx(
+        [(-0.4 / 2 - 2.0 / 4 - 0.1 / 1 - 0.6 / 3) / 4])
     loss.backward()
     torch.testing.assert_close(d.grad, torch.tensor([[0.2, 0.0, 0.2], [0.2, 0.2, 0.0]]))
     student = STUDENT.clone().requires_grad_()
     loss, _ = topk_distillation_loss(forward_kl.requires_grad_(), *masses, student, STUDENT, MASK, scale,
-                                     "token-mean", settings("forward_kl_topk", topk=4))
+                                     "token-mean", settings("forward_kl_topk", topk=4), overlap)
     assert loss.item() == pytest.approx((0.3 + 0.0 + 1.5 + 0.7 + 0.1) / 5)
     loss.backward()
     floored = (forward_kl.detach().clamp_min(0) * MASK) / 5
@@ -399,7 +413,8 @@ def topk_step(ckpt: str, sizes: dict, micro_batch_size: int | None, max_token_le
         metrics = update_policy(actor, share, PolicyLossOptions(clip=ClipRange(0.2), max_response_length=8), update,
                                 distillation=distill)
         out[name] = tuple(metrics[key][0] for key in ("distillation/loss", "distillation/student_mass",
-                                                      "distillation/teacher_mass", "grad_norm"))
+                                                      "distillation/teacher_mass", "distillation/overlap_ratio",
+                                                      "distillation/overlap_token_advantage", "grad_norm"))
     return out
 
 
@@ -409,9 +424,33 @@ def topk_reference(distill_reference):
     return ckpt, topk_step(ckpt, {}, *DISTILL_CUTS["micro8"])
 
 
+def overlap_reference(ckpt: str) -> tuple[float, float]:
+    """verl's overlap_ratio and overlap_token_advantage of topk_step's batch from transformers' full log_softmax of
+    the student, against topk_step's teacher top 8."""
+    from test_loss_aggregation import training_batch
+    from test_parity_matrix import PROMPT, RESPONSE
+
+    t = training_batch(ckpt).tensors
+    valid = t["response_mask"].bool()
+    model = AutoModelForCausalLM.from_pretrained(ckpt, torch_dtype=torch.float64)
+    with torch.no_grad():
+        logits = model(t["input_ids"], attention_mask=t["attention_mask"], position_ids=t["position_ids"]).logits
+    student = logits[:, PROMPT - 1:PROMPT - 1 + RESPONSE].log_softmax(-1)  # [B, R, V]
+    generator = torch.Generator().manual_seed(5)
+    teacher = (torch.randn(*valid.shape, student.shape[-1], generator=generator) * 2).log_softmax(-1).topk(8, dim=-1)
+    shared = (teacher.indices[..., :, None] == student.topk(8, dim=-1).indices[..., None, :]).any(-1)  # [B, R, 8]
+    terms = teacher.values.double().exp() * (teacher.values.double() - student.gather(-1, teacher.indices))
+    count = shared.sum(-1)[valid].double()
+    advantage = torch.where(shared, -terms, 0.0).sum(-1)[valid]
+    some = count > 0
+    return float(count.mean() / 8), float((advantage[some] / count[some]).mean())
+
+
 def test_forward_kl_topk_is_the_same_for_any_micro_batching(topk_reference):
     ckpt, reference = topk_reference
     assert reference["supervised"][0] > 0.1 and 0 < reference["supervised"][1] < reference["supervised"][2] < 1
+    ratio, advantage = overlap_reference(ckpt)
+    assert 0 < ratio < 1 and reference["supervised"][3:5] == pytest.approx((ratio, advantage), rel=1e-4)
     for cut in ("micro1", "dynamic24tokens"):
         assert_same(topk_step(ckpt, {}, *DISTILL_CUTS[cut]), reference, cut)
 

@@ -13,7 +13,7 @@ from shardrl.parallel.launch import run_distributed
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.layout_spec import LayoutSpec
 from shardrl.parallel.vocab import padded_vocab_size
-from shardrl.parallel.vocab_topk import vocab_parallel_topk, vocab_parallel_topk_kl
+from shardrl.parallel.vocab_topk import vocab_parallel_topk, vocab_parallel_topk_ids, vocab_parallel_topk_kl
 
 T = 7
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -30,8 +30,8 @@ def _inputs(vocab: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
 
 
 def _reference(student: torch.Tensor, teacher: torch.Tensor, k: int, clamp: float | None, upstream: torch.Tensor):
-    """(teacher top-k log-probs and ids, KL, student mass, the student logits' gradient of sum(KL * upstream)): top-k
-    of log_softmax, then sum p_t * (log p_t - log p_s) over them, by autograd in float64."""
+    """(teacher top-k log-probs and ids, KL, student mass, the student logits' gradient of sum(KL * upstream), the KL's
+    terms per id): top-k of log_softmax, then sum p_t * (log p_t - log p_s) over them, by autograd in float64."""
     teacher_topk, ids = teacher.log_softmax(-1).topk(k, dim=-1)
     full = student.clone().requires_grad_()
     student_lp = full.log_softmax(-1).gather(-1, ids)
@@ -39,9 +39,10 @@ def _reference(student: torch.Tensor, teacher: torch.Tensor, k: int, clamp: floa
     teacher_lp = teacher_topk
     if clamp is not None:
         student_lp, teacher_lp = student_lp.clamp_min(clamp), teacher_lp.clamp_min(clamp)
-    kl = (teacher_lp.exp() * (teacher_lp - student_lp)).sum(-1)
+    terms = teacher_lp.exp() * (teacher_lp - student_lp)
+    kl = terms.sum(-1)
     (kl * upstream).sum().backward()
-    return teacher_topk, ids, kl.detach(), mass, full.grad
+    return teacher_topk, ids, kl.detach(), mass, full.grad, terms.detach()
 
 
 def check_against_reference(tp: int) -> int:
@@ -50,18 +51,23 @@ def check_against_reference(tp: int) -> int:
     checks = 0
     for vocab, k, chunk_elements, clamp in CASES:
         student, teacher, upstream = _inputs(vocab)
-        ref_teacher_lp, ref_ids, ref_kl, ref_mass, ref_grad = _reference(student, teacher, k, clamp, upstream)
+        ref_teacher_lp, ref_ids, ref_kl, ref_mass, ref_grad, ref_terms = _reference(student, teacher, k, clamp,
+                                                                                    upstream)
         width = padded_vocab_size(vocab, tp)
         # Padded columns hold a huge logit: it would dominate the softmax and the top-k if it were not excluded.
         shard = lambda x: F.pad(x, (0, width - vocab), value=1e4).chunk(tp, dim=-1)[layout.tp_rank].float()
         teacher_lp, ids = vocab_parallel_topk(shard(teacher), k, layout.tp_group, vocab, chunk_elements)
         assert torch.equal(ids, ref_ids), (vocab, k)
         assert_close(teacher_lp, ref_teacher_lp.float(), **TOL)
+        student_ids = vocab_parallel_topk_ids(shard(student), k, layout.tp_group, vocab)
+        assert torch.equal(student_ids, student.topk(k, dim=-1).indices), (vocab, k)
         local = shard(student).requires_grad_()
-        kl, mass = vocab_parallel_topk_kl(local, teacher_lp, ids, layout.tp_group, vocab, clamp, chunk_elements)
+        kl, mass, terms = vocab_parallel_topk_kl(local, teacher_lp, ids, layout.tp_group, vocab, clamp,
+                                                 chunk_elements)
         (kl * upstream.float()).sum().backward()
         assert_close(kl, ref_kl.float(), **TOL)
         assert_close(mass, ref_mass.float(), **TOL)
+        assert_close(terms, ref_terms.float(), **TOL)
         expected = F.pad(ref_grad, (0, width - vocab)).chunk(tp, dim=-1)[layout.tp_rank].float()
         assert_close(local.grad, expected, **TOL)
         checks += 1
@@ -79,7 +85,7 @@ def test_the_clamp_stops_the_gradient_of_clamped_student_log_probs():
     student, teacher, _ = _inputs(13)
     teacher_lp, ids = vocab_parallel_topk(teacher.float(), 4, None, 13)
     logits = student.float().requires_grad_()
-    kl, _ = vocab_parallel_topk_kl(logits, teacher_lp, ids, None, 13, log_prob_min_clamp=0.0)
+    kl, _, _ = vocab_parallel_topk_kl(logits, teacher_lp, ids, None, 13, log_prob_min_clamp=0.0)
     kl.sum().backward()
     assert torch.equal(logits.grad, torch.zeros_like(logits))
 
@@ -88,9 +94,9 @@ def test_bf16_logits_give_the_fp32_maths_and_a_bf16_gradient():
     student, teacher, upstream = _inputs(13)
     low = student.bfloat16().requires_grad_()
     teacher_lp, ids = vocab_parallel_topk(teacher.bfloat16(), 5, None, 13)
-    kl, _ = vocab_parallel_topk_kl(low, teacher_lp, ids, None, 13)
+    kl, _, _ = vocab_parallel_topk_kl(low, teacher_lp, ids, None, 13)
     (kl * upstream.float()).sum().backward()
-    _, _, ref_kl, _, ref_grad = _reference(low.detach().double(), teacher.bfloat16().double(), 5, None, upstream)
+    _, _, ref_kl, _, ref_grad, _ = _reference(low.detach().double(), teacher.bfloat16().double(), 5, None, upstream)
     assert teacher_lp.dtype == kl.dtype == torch.float32 and low.grad.dtype == torch.bfloat16
     assert_close(kl, ref_kl.float(), **TOL)
     assert_close(low.grad, ref_grad.bfloat16())
@@ -107,13 +113,13 @@ def test_on_cuda_with_a_real_vocabulary_in_bf16():
     student, teacher = (torch.randn(64, vocab, generator=g) * 3 for _ in range(2))
     upstream = torch.randn(64, generator=g, dtype=torch.float64)
     student = student.bfloat16()
-    ref_teacher_lp, ref_ids, ref_kl, ref_mass, ref_grad = _reference(student.double(), teacher.double(), k, -12.0,
-                                                                     upstream)
+    ref_teacher_lp, ref_ids, ref_kl, ref_mass, ref_grad, _ = _reference(student.double(), teacher.double(), k,
+                                                                        -12.0, upstream)
     teacher_lp, ids = vocab_parallel_topk(teacher.cuda(), k, None, vocab)
     assert torch.equal(ids.cpu(), ref_ids)
     assert_close(teacher_lp.cpu(), ref_teacher_lp.float(), **TOL)
     logits = student.cuda().requires_grad_()
-    kl, mass = vocab_parallel_topk_kl(logits, teacher_lp, ids, None, vocab, -12.0)
+    kl, mass, _ = vocab_parallel_topk_kl(logits, teacher_lp, ids, None, vocab, -12.0)
     (kl * upstream.float().cuda()).sum().backward()
     assert_close(kl.cpu(), ref_kl.float(), **TOL)
     assert_close(mass.cpu(), ref_mass.float(), **TOL)

@@ -70,20 +70,54 @@ def distillation_loss(log_prob: torch.Tensor, old_log_prob: torch.Tensor, teache
     return _objective(per_token, log_prob, old_log_prob, response_mask, scale, loss_agg_mode, settings, metrics)
 
 
+@dataclass(frozen=True)
+class TopKOverlap:
+    """How far the student's top k overlap the teacher's, per position `[B, T]` (verl's diagnostics after "Rethinking
+    On-Policy Distillation of Large Language Models", arXiv 2604.13016): `count`, the teacher's top-k ids also among
+    the student's top k; `advantage_sum`, the sum over those ids of -p_t (log p_t - log p_s), the KL terms with the
+    sign of an advantage (both log-probs clamped as the loss's)."""
+
+    count: torch.Tensor
+    advantage_sum: torch.Tensor
+
+
+# forward_kl_topk's mean advantage over overlapping positions is a ratio of two mini-batch sums, each summed as the
+# other metrics are (shares over micro batches and DP), then divided (`overlap_token_advantage`).
+OVERLAP_ADVANTAGE_SUM, OVERLAP_POSITIONS = "overlap_advantage_sum", "overlap_positions"
+
+
 def topk_distillation_loss(forward_kl: torch.Tensor, student_mass: torch.Tensor, teacher_mass: torch.Tensor,
                            log_prob: torch.Tensor, old_log_prob: torch.Tensor, response_mask: torch.Tensor,
-                           scale: LossScale, loss_agg_mode: str,
-                           settings: DistillationSettings) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                           scale: LossScale, loss_agg_mode: str, settings: DistillationSettings,
+                           overlap: TopKOverlap) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """This micro batch's share of forward_kl_topk's loss and its metrics; all tensors `[B, T]`.
 
     `forward_kl` is KL_k(teacher || student) of each position (differentiable in the student's logits), the masses
     the probability each gives the teacher's top k. Metrics: `student_mass`, `teacher_mass` (token means),
-    `abs_loss` (|d| before the clamp), and the policy-gradient form's `pg_clipfrac` / `ppo_kl`."""
+    `overlap_ratio` (token mean of the overlap count / k), `abs_loss` (|d| before the clamp), the policy-gradient
+    form's `pg_clipfrac` / `ppo_kl`, and the two sums `overlap_token_advantage` divides (the mean over positions with
+    any overlap of advantage_sum / count, verl's)."""
     valid = response_mask.bool()
     per_token = torch.where(valid, forward_kl, 0.0).clamp_min(0.0)  # [B, T]
+    overlapping = valid & (overlap.count > 0)
+    mean_advantage = torch.where(overlapping, overlap.advantage_sum / overlap.count.clamp_min(1.0), 0.0)
     metrics = {"student_mass": scaled_token_mean(torch.where(valid, student_mass, 0.0), response_mask, scale),
-               "teacher_mass": scaled_token_mean(torch.where(valid, teacher_mass, 0.0), response_mask, scale)}
+               "teacher_mass": scaled_token_mean(torch.where(valid, teacher_mass, 0.0), response_mask, scale),
+               "overlap_ratio": scaled_token_mean(torch.where(valid, overlap.count, 0.0) / settings.topk,
+                                                  response_mask, scale),
+               OVERLAP_ADVANTAGE_SUM: scaled_token_mean(mean_advantage, response_mask, scale),
+               OVERLAP_POSITIONS: scaled_token_mean(overlapping.float(), response_mask, scale)}
     return _objective(per_token, log_prob, old_log_prob, response_mask, scale, loss_agg_mode, settings, metrics)
+
+
+def overlap_token_advantage(metrics: dict[str, list[float]]) -> dict[str, list[float]]:
+    """An update's per-step metrics (the distillation term's under `distillation/`) with forward_kl_topk's two
+    overlap sums replaced by their ratio, `distillation/overlap_token_advantage` (0 for a step without any
+    overlapping position, as verl's)."""
+    sums = metrics.pop(f"distillation/{OVERLAP_ADVANTAGE_SUM}")
+    positions = metrics.pop(f"distillation/{OVERLAP_POSITIONS}")
+    ratios = [total / count if count > 0 else 0.0 for total, count in zip(sums, positions)]
+    return metrics | {"distillation/overlap_token_advantage": ratios}
 
 
 def _objective(per_token: torch.Tensor, log_prob: torch.Tensor, old_log_prob: torch.Tensor,

@@ -31,6 +31,20 @@ def vocab_parallel_topk(logits: Tensor, k: int, group: Group, vocab_size: int,
     most likely real tokens of each position, most likely first; the same on every TP rank. k <= vocab_size."""
     z, start = real_columns(logits, group, vocab_size)  # [T, V'/tp]
     log_norm, _, _ = softmax_normaliser(z, group, chunk_elements)
+    values, ids = _top_logits(z, start, k, group)
+    return values - log_norm.unsqueeze(-1), ids
+
+
+@torch.no_grad()
+def vocab_parallel_topk_ids(logits: Tensor, k: int, group: Group, vocab_size: int) -> Tensor:
+    """The global ids [T, k] int64 of each position's k largest real logits (its most likely tokens), most likely
+    first; the same on every TP rank. No normaliser: for the student's top k beside the teacher's (a metric)."""
+    z, start = real_columns(logits, group, vocab_size)  # [T, V'/tp]
+    return _top_logits(z, start, k, group)[1]
+
+
+def _top_logits(z: Tensor, start: int, k: int, group: Group) -> tuple[Tensor, Tensor]:
+    """(logits [T, k] fp32, global ids [T, k]) of the k largest of every row over the TP ranks' blocks."""
     num_tokens, local_k = z.shape[0], min(k, z.shape[1])
     values = torch.full((num_tokens, k), float("-inf"), device=z.device)  # [T, k] fewer columns than k: -inf
     ids = torch.zeros(num_tokens, k, dtype=torch.int64, device=z.device)
@@ -46,16 +60,17 @@ def vocab_parallel_topk(logits: Tensor, k: int, group: Group, vocab_size: int,
         ids = gathered[..., k:].permute(1, 0, 2).reshape(num_tokens, ranks * k).long()
         top = values.topk(k, dim=-1)
         values, ids = top.values, ids.gather(-1, top.indices)
-    return values - log_norm.unsqueeze(-1), ids
+    return values, ids
 
 
 def vocab_parallel_topk_kl(logits: Tensor, teacher_log_probs: Tensor, teacher_ids: Tensor, group: Group,
                            vocab_size: int, log_prob_min_clamp: float | None = None,
-                           chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor]:
+                           chunk_elements: int = LOGPROB_CHUNK_ELEMENTS) -> tuple[Tensor, Tensor, Tensor]:
     """The student's logits [T, Vp/tp] (this rank's block), the teacher's top-k log-probs and global ids [T, k] ->
     (KL_k(teacher || student) [T] fp32, differentiable in the logits; the student's probability mass on the teacher's
-    top k [T], a metric). With `log_prob_min_clamp` both log-probs are clamped below at it first, and a student
-    log-prob at or below it passes no gradient (verl's). The same on every TP rank."""
+    top k [T] and each of those ids' term p_t (log p_t - log p_s) of the KL [T, k], metrics). With
+    `log_prob_min_clamp` both log-probs are clamped below at it first, and a student log-prob at or below it passes
+    no gradient (verl's). The same on every TP rank."""
     return _TopKForwardKL.apply(logits, teacher_log_probs, teacher_ids, group, vocab_size, log_prob_min_clamp,
                                 chunk_elements)
 
@@ -63,7 +78,7 @@ def vocab_parallel_topk_kl(logits: Tensor, teacher_log_probs: Tensor, teacher_id
 class _TopKForwardKL(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits: Tensor, teacher_log_probs: Tensor, teacher_ids: Tensor, group: Group, vocab_size: int,
-                log_prob_min_clamp: float | None, chunk_elements: int) -> tuple[Tensor, Tensor]:
+                log_prob_min_clamp: float | None, chunk_elements: int) -> tuple[Tensor, Tensor, Tensor]:
         z, start = real_columns(logits, group, vocab_size)  # [T, V'/tp]
         index, mine = local_columns(teacher_ids, start, z.shape[1])  # [T, k] each
         log_norm, _, student_z = softmax_normaliser(z, group, chunk_elements, held_values(z, index, mine))
@@ -75,15 +90,15 @@ class _TopKForwardKL(torch.autograd.Function):
             active = student > log_prob_min_clamp  # a clamped log-prob is a constant: no gradient
             student, teacher = student.clamp_min(log_prob_min_clamp), teacher.clamp_min(log_prob_min_clamp)
         teacher_probs = teacher.exp()  # [T, k]
-        kl = (teacher_probs * (teacher - student)).sum(-1)  # [T]
+        terms = teacher_probs * (teacher - student)  # [T, k]
         ctx.save_for_backward(logits, log_norm, index, mine, torch.where(active, teacher_probs, 0.0))
         ctx.num_valid, ctx.chunk_elements = z.shape[1], chunk_elements
-        ctx.mark_non_differentiable(student_mass)
+        ctx.mark_non_differentiable(student_mass, terms)
         ctx.set_materialize_grads(False)
-        return kl, student_mass
+        return terms.sum(-1), student_mass, terms
 
     @staticmethod
-    def backward(ctx, grad_kl: Tensor | None, _grad_mass: None):
+    def backward(ctx, grad_kl: Tensor | None, _grad_mass: None, _grad_terms: None):
         if grad_kl is None:
             return (None,) * 7
         logits, log_norm, index, mine, weights = ctx.saved_tensors

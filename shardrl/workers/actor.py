@@ -21,7 +21,13 @@ import torch
 from torch import Tensor
 
 from shardrl.algos import LossScale, actor_loss
-from shardrl.algos.distillation import DistillationSettings, distillation_loss, topk_distillation_loss
+from shardrl.algos.distillation import (
+    DistillationSettings,
+    TopKOverlap,
+    distillation_loss,
+    overlap_token_advantage,
+    topk_distillation_loss,
+)
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.data.batch import Batch
 from shardrl.job.options import (
@@ -39,7 +45,7 @@ from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.parallel.lora import adapters_disabled
 from shardrl.parallel.vocab import vocab_parallel_logprobs, vocab_parallel_sum_squared_probs
-from shardrl.parallel.vocab_topk import vocab_parallel_topk, vocab_parallel_topk_kl
+from shardrl.parallel.vocab_topk import vocab_parallel_topk, vocab_parallel_topk_ids, vocab_parallel_topk_kl
 from shardrl.workers.covariance import COVARIANCE_SELECTED, select_covariance_tokens
 from shardrl.workers.engine import (
     ROUTED_EXPERTS,
@@ -69,16 +75,22 @@ def _logprobs(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: f
 
 def _logprobs_and_topk_kl(chunk: Transformer, hidden: Tensor, mb: MicroBatch, temperature: float,
                           log_prob_min_clamp: float | None) -> tuple[Tensor, ...]:
-    """`_logprobs`, and from the same logits forward_kl_topk's KL to the micro batch's teacher top k and the
-    student's mass on them, all [b, R]."""
+    """`_logprobs`, and from the same logits forward_kl_topk's KL to the micro batch's teacher top k, the student's
+    mass on them and `TopKOverlap`, all [b, R]."""
     logits = chunk.scaled_logits(hidden, mb.packed.num_tokens, temperature)  # [T, Vp/tp]
     group, vocab_size = chunk.layout.tp_group, chunk.config.vocab_size
     log_prob, entropy = vocab_parallel_logprobs(logits, mb.packed.targets, group, vocab_size)  # [T] each
     mask = mb.data["response_mask"]
     teacher_log_probs, teacher_ids = (pack_responses(mb.data[key], mb.packed, mask) for key in TEACHER_TOPK)
-    kl, mass = vocab_parallel_topk_kl(logits, teacher_log_probs, teacher_ids.long(), group, vocab_size,
-                                      log_prob_min_clamp)  # [T] each
-    return tuple(unpack_responses(x, mb.packed) for x in (log_prob, entropy, kl, mass))
+    teacher_ids = teacher_ids.long()  # [T, k]
+    kl, mass, terms = vocab_parallel_topk_kl(logits, teacher_log_probs, teacher_ids, group, vocab_size,
+                                             log_prob_min_clamp)  # [T], [T], [T, k]
+    student_ids = vocab_parallel_topk_ids(logits.detach(), teacher_ids.shape[-1], group, vocab_size)  # [T, k]
+    shared = (teacher_ids.unsqueeze(-1) == student_ids.unsqueeze(-2)).any(-1)  # [T, k] in both top k
+    overlap = (shared.sum(-1).float(), torch.where(shared, -terms, 0.0).sum(-1))  # TopKOverlap's two [T]
+    per_token = (log_prob, entropy, kl, mass, *overlap)
+    return *(unpack_responses(x, mb.packed) for x in per_token[:4]), TopKOverlap(
+        *(unpack_responses(x, mb.packed) for x in overlap))
 
 
 @torch.no_grad()
@@ -153,8 +165,8 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
 
     def loss_fn(chunk: Transformer, hidden: Tensor, mb: MicroBatch) -> tuple[Tensor, dict[str, Tensor]]:
         if topk:
-            log_prob, entropy, topk_kl, student_mass = _logprobs_and_topk_kl(chunk, hidden, mb, temperature,
-                                                                             distillation.log_prob_min_clamp)
+            log_prob, entropy, topk_kl, student_mass, overlap = _logprobs_and_topk_kl(
+                chunk, hidden, mb, temperature, distillation.log_prob_min_clamp)
         else:
             log_prob, entropy = _logprobs(chunk, hidden, mb, temperature)
         d = mb.data
@@ -168,7 +180,7 @@ def policy_loss_fn(options: PolicyLossOptions, scale: LossScale, temperature: fl
             teacher_mass = d[TEACHER_TOPK[0]].exp().sum(-1)  # [b, R]
             term, term_metrics = topk_distillation_loss(topk_kl, student_mass, teacher_mass, log_prob,
                                                         d["old_log_probs"], d["response_mask"], scale,
-                                                        options.loss_agg_mode, distillation)
+                                                        options.loss_agg_mode, distillation, overlap)
         elif distillation is not None:
             term, term_metrics = distillation_loss(log_prob, d["old_log_probs"], d["teacher_log_probs"],
                                                    d["response_mask"], scale, options.loss_agg_mode, distillation)
@@ -193,9 +205,10 @@ def update_policy(engine: ModelEngine, batch: Batch, loss: PolicyLossOptions, up
         keys += list(TEACHER_TOPK) if distillation.uses_topk else ["teacher_log_probs"]
     routing = "replay" if replay_routing else None
     select = None if loss.covariance is None else covariance_step(engine, loss, update, temperature)
-    return replay_overridden_fraction(train_epochs(
+    metrics = replay_overridden_fraction(train_epochs(
         engine, batch, update, keys, lambda scale: policy_loss_fn(loss, scale, temperature, distillation),
         loss.max_response_length, routing, select))
+    return overlap_token_advantage(metrics) if distillation is not None and distillation.uses_topk else metrics
 
 
 def covariance_step(engine: ModelEngine, loss: PolicyLossOptions, update: UpdateOptions,
