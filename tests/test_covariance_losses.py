@@ -15,6 +15,7 @@ from shardrl.job.errors import ConfigError
 from shardrl.job.load import compose
 from shardrl.job.plan import plan_job
 from shardrl.parallel.launch import run_distributed
+from test_distillation import assert_same
 
 ACTOR = "actor_rollout_ref.actor"
 
@@ -213,12 +214,6 @@ def cov_reference(tmp_path_factory):
 
     ckpt = str(make_tiny_checkpoint("qwen2", tmp_path_factory.mktemp("cov") / "m"))
     return ckpt, covariance_steps(ckpt, {}, *CUTS["micro8"])
-
-
-def assert_same(actual: dict, expected: dict, what: str) -> None:
-    for name, values in expected.items():
-        assert all(math.isfinite(v) for v in values), (name, values)
-        assert actual[name] == pytest.approx(values, rel=1e-5, abs=1e-7), f"{what}, {name}"
 
 
 def test_the_update_matches_verl_on_the_whole_mini_batch(cov_reference):
