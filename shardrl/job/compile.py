@@ -21,6 +21,7 @@ from shardrl.agents.parsers import get_parser
 from shardrl.algos import ClipRange
 from shardrl.algos.covariance import CovarianceSelection
 from shardrl.algos.distillation import DistillationSettings
+from shardrl.algos.policy_filtration import PolicyFiltration
 from shardrl.job.errors import ConfigError
 from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize, named_lora_settings
 from shardrl.job.options import (
@@ -383,13 +384,15 @@ def algorithm_options(config: PPOConfig, shared: SharedKeys) -> AlgorithmOptions
     ctrl, groups = algo.kl_ctrl, algo.filter_groups
     keys, weights = algo.gdpo_reward_keys, algo.gdpo_reward_weights
     kl = KLInRewardOptions(algo.kl_penalty, ctrl.type, ctrl.kl_coef, ctrl.target_kl, ctrl.horizon)
+    filtration = PolicyFiltration(algo.pf_ppo.reweight_method, algo.pf_ppo.weight_pow)
     return AlgorithmOptions(
         adv_estimator=shared.adv_estimator, gamma=algo.gamma, lam=algo.lam,
         norm_adv_by_std_in_grpo=algo.norm_adv_by_std_in_grpo, kl_in_reward=kl if shared.use_kl_in_reward else None,
         correction=correction_options(algo.rollout_correction, shared.decoupled),
         filter_groups=FilterGroupsOptions(groups.metric, groups.max_num_gen_batches) if groups.enable else None,
         gdpo_reward_keys=None if keys is None else tuple(keys),
-        gdpo_reward_weights=None if weights is None else tuple(weights))
+        gdpo_reward_weights=None if weights is None else tuple(weights),
+        policy_filtration=filtration if algo.use_pf_ppo else None)
 
 
 def loop_options(config: PPOConfig, shared: SharedKeys, step: StepSize, save_hf: bool) -> LoopOptions:

@@ -21,6 +21,7 @@ from shardrl.agents.driver import AgentSettings
 from shardrl.algos import ClipRange
 from shardrl.algos.covariance import CovarianceSelection
 from shardrl.algos.distillation import DistillationSettings
+from shardrl.algos.policy_filtration import PolicyFiltration
 from shardrl.algos.rejection import RejectionSampling
 from shardrl.job.schema import (
     AdvEstimator,
@@ -351,6 +352,7 @@ class AlgorithmOptions:
     filter_groups: FilterGroupsOptions | None  # DAPO's dynamic sampling, when enabled
     gdpo_reward_keys: tuple[str, ...] | None = None  # adv_estimator=gdpo: the reward extras it normalises one by one
     gdpo_reward_weights: tuple[float, ...] | None = None  # and their weights (None: 1 each)
+    policy_filtration: PolicyFiltration | None = None  # PF-PPO's resampling after GAE (`algorithm.use_pf_ppo`)
 
 
 @dataclass(frozen=True)

@@ -7,13 +7,16 @@ from __future__ import annotations
 
 from shardrl.algos import ClipRange
 from shardrl.algos.covariance import CovarianceSelection
+from shardrl.algos.policy_filtration import PolicyFiltration
 from shardrl.algos.rejection import RejectionSpecError
 from shardrl.job.errors import ConfigError
-from shardrl.job.schema import PPOConfig
+from shardrl.job.schema import PolicyFiltrationConfig, PPOConfig
 
 # The estimators that read the old-logprob pass's sum of pi^2 (actor.calculate_sum_pi_squared).
 OTB_ESTIMATORS = ("optimal_token_baseline", "tir_optimal_token_baseline")
 _CLIP, _COVARIANCE = ClipRange(), CovarianceSelection("clip_cov")
+_FILTRATION = PolicyFiltration()
+PF_PPO_DEFAULTS = PolicyFiltrationConfig(_FILTRATION.reweight_method, _FILTRATION.weight_pow)
 # Keys of actor.policy_loss that one loss_mode reads, with their defaults (the yaml's): under any other mode they must
 # keep them.
 MODE_ONLY_KEYS: dict[str, dict[str, float]] = {
@@ -100,6 +103,15 @@ def _validate_estimators(config: PPOConfig) -> None:
     if config.actor_rollout_ref.actor.calculate_sum_pi_squared and not otb:
         raise ConfigError(key, f"true is read by adv_estimator={'/'.join(OTB_ESTIMATORS)} only (it is "
                                f"{algo.adv_estimator}); leave it false")
+    if algo.use_pf_ppo and algo.adv_estimator != "gae":
+        raise ConfigError("algorithm.use_pf_ppo", f"PF-PPO resamples the batch after GAE's advantages (verl's GAE "
+                                                  f"branch); adv_estimator={algo.adv_estimator} has none: set "
+                                                  "adv_estimator=gae or use_pf_ppo=false")
+    if not algo.use_pf_ppo and algo.pf_ppo != PF_PPO_DEFAULTS:
+        changed = next(name for name in ("reweight_method", "weight_pow")
+                       if getattr(algo.pf_ppo, name) != getattr(PF_PPO_DEFAULTS, name))
+        raise ConfigError(f"algorithm.pf_ppo.{changed}", "is read with algorithm.use_pf_ppo=true only: set it, or "
+                                                         "leave pf_ppo at its defaults")
     if algo.adv_estimator == "grpo_passk" and config.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("actor_rollout_ref.rollout.n", "adv_estimator=grpo_passk needs >= 2 samples per prompt (it "
                                                          "rewards each group's best over its runner-up)")

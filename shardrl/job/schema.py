@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Annotated, Any, Literal
 
+from shardrl.algos.policy_filtration import ReweightMethod
 from shardrl.algos.policy_loss import PolicyLossMode
 from shardrl.algos.rejection import RejectionSampling, parse_rejection
 from shardrl.job.build import Fraction, Max, Min, NonNegFloat, NonNegInt, PosFloat, PosInt
@@ -516,8 +517,17 @@ class FilterGroupsConfig:
 
 
 @dataclass(frozen=True)
+class PolicyFiltrationConfig:
+    """PF-PPO's resampling (verl's `algorithm.pf_ppo`, read with `use_pf_ppo=true`): after GAE the step's batch is
+    drawn again with replacement, each response weighted by its score (see shardrl.algos.policy_filtration)."""
+
+    reweight_method: ReweightMethod  # pow: |score|^weight_pow; max_min: the best and worst only; max_random: 0.4 / 0.1
+    weight_pow: NonNegFloat  # pow's exponent
+
+
+@dataclass(frozen=True)
 class AlgorithmConfig:
-    """Advantage estimation, KL in reward, off-policy correction and dynamic sampling."""
+    """Advantage estimation, KL in reward, off-policy correction, dynamic sampling and policy filtration."""
 
     adv_estimator: AdvEstimator
     gamma: UnitInterval
@@ -530,6 +540,8 @@ class AlgorithmConfig:
     filter_groups: FilterGroupsConfig
     gdpo_reward_keys: list[str] | None  # gdpo: the reward function's per-sample extras normalised one by one
     gdpo_reward_weights: list[float] | None  # gdpo: their weights; null: 1 each
+    use_pf_ppo: bool  # PF-PPO: train on the batch resampled by score after GAE (adv_estimator=gae only, as verl)
+    pf_ppo: PolicyFiltrationConfig
 
 
 @dataclass(frozen=True)

@@ -14,6 +14,7 @@ import torch
 from shardrl.agents.trajectory import Source
 from shardrl.algos import (AdvantageInputs, KLController, apply_kl_penalty, compute_advantage, gdpo_reward_components,
                            mismatch_metrics, rollout_correction)
+from shardrl.algos.policy_filtration import resampled_rows
 from shardrl.data.balance import dp_balanced_order
 from shardrl.data.batch import Batch, as_object_array
 from shardrl.rewards.manager import SampleScores, compute_token_level_scores
@@ -175,6 +176,16 @@ def advantages(batch: Batch, algo: AlgorithmOptions) -> None:
         sum_pi_squared=t["sum_pi_squared"] if "sum_pi_squared" in t.keys() else None,
         is_weights=t["is_weights"] if "is_weights" in t.keys() else None)
     t["advantages"], t["returns"] = compute_advantage(algo.adv_estimator, inputs)
+
+
+def policy_filtration(batch: Batch, algo: AlgorithmOptions, seed: int, step: int) -> tuple[Batch, dict[str, float]]:
+    """PF-PPO (`algorithm.use_pf_ppo`, after GAE's advantages): the batch drawn again with replacement, as many rows,
+    each response weighted by its score (its token scores summed, before any KL penalty, as verl's), from a generator
+    seeded by (trainer.seed, step) so a resumed run draws the same. Metric `pf_ppo/unique_fraction`: the share of
+    the batch's responses drawn at least once."""
+    generator = torch.Generator().manual_seed((seed * 1_000_003 + step) % 2**31)
+    rows = resampled_rows(batch.tensors["token_level_scores"].sum(-1), algo.policy_filtration, generator)
+    return batch.take(rows), {"pf_ppo/unique_fraction": len(set(rows.tolist())) / len(batch)}
 
 
 def _masked_stats(name: str, values: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

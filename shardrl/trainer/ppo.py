@@ -171,8 +171,8 @@ class PPOTrainer:
                                   self.algorithm.gdpo_reward_keys or ())
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
-        """On a scored batch: balance -> log-probs (old, ref, distillation teacher) -> values -> advantages ->
-        update critic, actor."""
+        """On a scored batch: balance -> log-probs (old, ref, distillation teacher) -> values -> advantages (then
+        PF-PPO's resampling) -> update critic, actor."""
         w, t = self.workers, self.timeline
         metrics: dict[str, Any] = {}
         if self.loop.balance_batch:
@@ -199,6 +199,9 @@ class PPOTrainer:
         with t.phase(step, "adv"):
             metrics |= batch_ops.apply_rewards_and_correction(batch, self.algorithm, self.kl_ctrl)
             batch_ops.advantages(batch, self.algorithm)
+            if self.algorithm.policy_filtration is not None:
+                batch, filtration_metrics = batch_ops.policy_filtration(batch, self.algorithm, self.loop.seed, step)
+                metrics |= filtration_metrics
         if w.critic is not None:
             with t.phase(step, "update_critic"):
                 metrics |= _prefixed("critic", w.critic.call(CriticWorker.update_critic, batch, step))
