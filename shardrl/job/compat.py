@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardrl.job.errors import ConfigError
+from shardrl.job.load import REWARD_SPELLINGS
 from shardrl.job.schema import PPOConfig
 
 
@@ -126,6 +127,12 @@ ACCEPTED: tuple[Accepted, ...] = (
              "reward_model.overlong_buffer)"),
     Accepted("reward_model.reward_kwargs", "folded into reward_model.overlong_buffer by load.py"),
     Accepted("algorithm.rollout_correction.bypass_mode", "folded into algorithm.rollout_correction.decoupled"),
+    *(Accepted(f"reward.{key}", f"verl 0.9's spelling of {target}, folded into it by load.py")
+      for key, target in REWARD_SPELLINGS.items()),
+    *(Accepted(f"reward.{key}", "refused by load.py when given (no counterpart: a user reward-manager class, the "
+               "reward model's serving engine, a sandbox service)")
+      for key in ("reward_manager.source", "reward_manager.module.path", "reward_manager.module.name",
+                  "reward_model.rollout", "sandbox_fusion")),
     Accepted("algorithm.rollout_correction.use_policy_gradient", "folded into algorithm.rollout_correction."
              "loss_type"),
 )

@@ -13,12 +13,78 @@ from omegaconf.errors import OmegaConfBaseException
 from shardrl.job.build import build, field_paths, mapping_paths, unknown_key
 from shardrl.job.errors import ConfigError
 from shardrl.job.rules import validate
-from shardrl.job.schema import PPOConfig
+from shardrl.job.schema import PPOConfig, RewardSpellingConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"  # the packaged Hydra configs (verl's names)
 
 # verl's main trainer passes `reward_model.reward_kwargs` to its reward manager; these are its DAPO manager's.
 _OVERLONG_KWARGS = ("enable", "len", "penalty_factor", "log")
+
+
+# verl 0.9's `reward` entries and the keys they fold into (verl's own migration of its legacy keys, reversed).
+REWARD_SPELLINGS = {
+    "num_workers": "custom_reward_function.num_workers",
+    "custom_reward_function.path": "custom_reward_function.path",
+    "custom_reward_function.name": "custom_reward_function.name",
+    "reward_manager.name": "reward_model.reward_manager",
+    "reward_model.enable": "reward_model.enable",
+    "reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
+    "reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
+    "reward_model.nnodes": "reward_model.nnodes",
+    "reward_model.model_path": "reward_model.model.path",
+    "reward_kwargs": "reward_model.reward_kwargs",
+}
+
+
+def _get(tree: dict[str, Any], dotted: str) -> Any:
+    for part in dotted.split("."):
+        tree = (tree or {}).get(part)
+    return tree
+
+
+def _with(tree: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
+    """A copy of `tree` with `value` at `dotted` (the groups on the way copied, the rest shared)."""
+    head, _, rest = dotted.partition(".")
+    return tree | {head: _with(tree.get(head) or {}, rest, value) if rest else value}
+
+
+def _fold_reward_group(tree: dict[str, Any]) -> dict[str, Any]:
+    """Fold verl 0.9's `reward.*` spelling into `custom_reward_function` / `reward_model` (`REWARD_SPELLINGS`). An
+    entry whose older key was also set to another value (not its packaged default) is refused: set one. What has no
+    counterpart is refused naming its key: a user reward-manager class, the reward model's serving engine, sandbox
+    fusion."""
+    group = tree.get("reward") or {}
+    build(RewardSpellingConfig, group, "reward")  # its values checked under the names the user wrote
+    manager = group.get("reward_manager") or {}
+    if manager.get("source") not in (None, "register") or any((manager.get("module") or {}).values()):
+        key = "source" if manager.get("source") not in (None, "register") else "module.path"
+        raise ConfigError(f"reward.reward_manager.{key}", "a reward-manager class of your own is not loaded here; "
+                          "score with reward.custom_reward_function (a function per sample, run in processes of its "
+                          "own) and the built-in managers (reward_manager.name: naive, batch, dapo)")
+    for name, what in (("reward_model.rollout", "the reward model is served by shardrl's trainer-pool engine "
+                        "(reward_model.megatron.*; a generative judge: reward_model.judge.*)"),
+                       ("sandbox_fusion", "there is no remote sandbox service: run code in the reward function (its "
+                        "own processes) or in an agent's code_interpreter tool (shardrl.agents.builtin_tools."
+                        "PythonTool, sandboxed)")):
+        given = sorted(k for k, v in (_get(group, name) or {}).items() if v is not None)
+        if given:
+            raise ConfigError(f"reward.{name}.{given[0]}", f"has no counterpart: {what}")
+    defaults = _packaged_defaults()
+    for source, target in REWARD_SPELLINGS.items():
+        value = _get(group, source)
+        if value is None or value == {}:
+            continue
+        older = _get(tree, target)
+        if older != _get(defaults, target) and older != value:
+            raise ConfigError(f"reward.{source}", f"{value!r} and {target}={older!r} set the same thing (verl 0.9's "
+                                                  "spelling and the older one); set one")
+        tree = _with(tree, target, value)
+    return tree
+
+
+def _packaged_defaults() -> dict[str, Any]:
+    """The packaged ppo_trainer.yaml as written (interpolations unresolved): the older keys' defaults."""
+    return OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml"), resolve=False)
 
 
 def _fold_reward_kwargs(tree: dict[str, Any]) -> dict[str, Any]:
@@ -77,7 +143,8 @@ def load_config(cfg: DictConfig) -> PPOConfig:
         tree = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:  # e.g. an interpolation to a missing key
         raise ConfigError(getattr(err, "full_key", None) or "<config>", str(err).splitlines()[0]) from None
-    tree = _fold_bypass_mode(_fold_reward_kwargs({k: v for k, v in tree.items() if k != "hydra"}))
+    tree = _fold_reward_group({k: v for k, v in tree.items() if k != "hydra"})
+    tree = _fold_bypass_mode(_fold_reward_kwargs(tree))
     config = build(PPOConfig, tree)
     validate(config)
     return config

@@ -475,6 +475,61 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass(frozen=True)
+class RewardFunctionSpelling:
+    """verl 0.9's `reward.custom_reward_function`: folded into `custom_reward_function` (null: not given)."""
+
+    path: str | None
+    name: str | None
+
+
+@dataclass(frozen=True)
+class RewardManagerModuleSpelling:
+    """verl 0.9's `reward.reward_manager.module`: a user reward-manager class (refused when given)."""
+
+    path: str | None
+    name: str | None
+
+
+@dataclass(frozen=True)
+class RewardManagerSpelling:
+    """verl 0.9's `reward.reward_manager`: `name` folds into `reward_model.reward_manager`; `source=register` is the
+    one kind shardrl has (its managers by name); `importlib` (a user class at `module.path`) is refused."""
+
+    name: Literal["naive", "batch", "dapo"] | None
+    source: str | None
+    module: RewardManagerModuleSpelling
+
+
+@dataclass(frozen=True)
+class RewardModelSpelling:
+    """verl 0.9's `reward.reward_model`: folded into `reward_model` (`model_path` into `reward_model.model.path`).
+    `rollout`, verl's serving engine for the reward model, has no counterpart (shardrl scores with its trainer-pool
+    engine at `reward_model.megatron.*`, a judge with `reward_model.judge.*`): any entry is refused."""
+
+    enable: bool | None
+    enable_resource_pool: bool | None
+    n_gpus_per_node: NonNegInt | None
+    nnodes: NonNegInt | None
+    model_path: str | None
+    rollout: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class RewardSpellingConfig:
+    """verl 0.9's `reward` group, the newer spelling of `reward_model`, `custom_reward_function` and their reward
+    manager's arguments: load_config folds every entry given into those keys, so a verl 0.9 command line runs
+    unchanged. Null (or empty): not given. `sandbox_fusion` (verl's remote code-execution service for rewards) is
+    refused when any entry is set: run code in a reward function or an agent tool instead."""
+
+    num_workers: PosInt | None  # -> custom_reward_function.num_workers (the scoring processes)
+    custom_reward_function: RewardFunctionSpelling
+    reward_manager: RewardManagerSpelling
+    reward_model: RewardModelSpelling
+    reward_kwargs: dict[str, Any]  # -> reward_model.reward_kwargs (DAPO's overlong shaping)
+    sandbox_fusion: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class KLControlConfig:
     """Coefficient controller of the in-reward KL penalty."""
 
@@ -691,6 +746,7 @@ class PPOConfig:
     critic: CriticConfig
     reward_model: RewardModelConfig
     custom_reward_function: CustomRewardFunctionConfig
+    reward: RewardSpellingConfig  # verl 0.9's spelling of the two groups above, folded into them
     algorithm: AlgorithmConfig
     trainer: TrainerConfig
     ray_kwargs: RayConfig

@@ -1,0 +1,90 @@
+"""verl 0.9's `reward.*` group (the newer spelling of `custom_reward_function`, the reward model's switches and the
+reward manager): each entry gives exactly the config its older key gives, verl 0.9's DAPO command line plans as the
+older one does, and what has no counterpart or contradicts the older key is refused in one line naming the key."""
+
+import dataclasses
+import subprocess
+import sys
+
+import pytest
+
+from shardrl.job.errors import ConfigError
+from shardrl.job.load import REWARD_SPELLINGS, compose
+from shardrl.job.plan import plan_job
+
+# A value for each folded entry (the older key's type), and for the reward model its companions.
+VALUES = {"num_workers": 3, "custom_reward_function.path": "/tmp/score.py", "custom_reward_function.name": "judge",
+          "reward_manager.name": "batch", "reward_model.enable": True, "reward_model.enable_resource_pool": True,
+          "reward_model.n_gpus_per_node": 1, "reward_model.nnodes": 1, "reward_model.model_path": "/tmp/rm"}
+NEEDS = {"reward_model.enable": ["reward_model.model.path=/tmp/rm"],
+         "reward_model.enable_resource_pool": ["reward_model.enable=true", "reward_model.model.path=/tmp/rm",
+                                               "reward_model.n_gpus_per_node=1", "reward_model.nnodes=1"],
+         "reward_model.n_gpus_per_node": ["reward_model.nnodes=1"], "reward_model.nnodes": []}
+
+
+def without_reward_group(config):
+    return dataclasses.replace(config, reward=None)
+
+
+@pytest.mark.parametrize("source", sorted(VALUES))
+def test_each_entry_is_its_older_key(source):
+    value = VALUES[source]
+    target = REWARD_SPELLINGS[source]
+    extra = NEEDS.get(source, [])
+    if source == "reward_model.nnodes":
+        extra = ["reward_model.n_gpus_per_node=1"]
+    newer = compose("ppo_trainer", [f"reward.{source}={value}", *extra])
+    older = compose("ppo_trainer", [f"{target}={value}", *extra])
+    assert newer.at(target) == value
+    assert without_reward_group(newer) == without_reward_group(older)
+
+
+DAPO_OLDER = ["reward_model.reward_manager=dapo", "+reward_model.reward_kwargs.overlong_buffer_cfg.enable=True",
+              "+reward_model.reward_kwargs.overlong_buffer_cfg.len=1",
+              "+reward_model.reward_kwargs.overlong_buffer_cfg.penalty_factor=0.5",
+              "+reward_model.reward_kwargs.overlong_buffer_cfg.log=True",
+              "+reward_model.reward_kwargs.max_resp_len=${data.max_response_length}"]
+
+
+def test_verl_09s_dapo_command_line_plans_as_the_older_one():
+    newer = [key.replace("reward_model.reward_manager", "reward.reward_manager.name")
+             .replace("reward_model.reward_kwargs", "reward.reward_kwargs") for key in DAPO_OLDER]
+    new_plan, old_plan = (plan_job(compose("ppo_trainer", overrides)) for overrides in (newer, DAPO_OLDER))
+    assert new_plan.reward == old_plan.reward and new_plan.reward.overlong.penalty_factor == 0.5
+
+
+@pytest.mark.parametrize("overrides, key, reason", [
+    (["reward.custom_reward_function.name=f", "custom_reward_function.name=g"], "reward.custom_reward_function.name",
+     "set one"),
+    (["reward.reward_model.model_path=/a", "reward_model.model.path=/b"], "reward.reward_model.model_path",
+     "set one"),
+    (["reward.reward_kwargs.x=1"], "reward.reward_kwargs", ""),  # not in the yaml: needs +, Hydra says so
+    (["+reward.reward_kwargs.top_k=1"], "reward_model.reward_kwargs.top_k", "not a reward-manager argument"),
+    (["reward.reward_manager.source=importlib"], "reward.reward_manager.source", "custom_reward_function"),
+    (["reward.reward_manager.module.path=/my/manager.py"], "reward.reward_manager.module.path", "of your own"),
+    (["reward.reward_model.rollout.tensor_model_parallel_size=2"],
+     "reward.reward_model.rollout.tensor_model_parallel_size", "reward_model.megatron"),
+    (["+reward.reward_model.rollout.swap_space=4"], "reward.reward_model.rollout.swap_space", "no counterpart"),
+    (["reward.sandbox_fusion.url=http://sandbox:8080"], "reward.sandbox_fusion.url", "code_interpreter"),
+    (["reward.reward_manager.name=prime"], "reward.reward_manager.name", ""),
+])
+def test_what_has_no_counterpart_or_contradicts_is_refused(overrides, key, reason):
+    if key == "reward.reward_kwargs":
+        with pytest.raises(Exception, match="reward.reward_kwargs.x"):
+            compose("ppo_trainer", overrides)
+        return
+    with pytest.raises(ConfigError) as err:
+        compose("ppo_trainer", overrides)
+    assert err.value.key == key and reason in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_same_value_in_both_spellings_is_accepted():
+    config = compose("ppo_trainer", ["reward.custom_reward_function.path=/s.py", "custom_reward_function.path=/s.py"])
+    assert config.custom_reward_function.path == "/s.py"
+
+
+def test_a_dry_run_refuses_in_one_line_with_exit_code_2():
+    done = subprocess.run([sys.executable, "-m", "shardrl.trainer.main_ppo", "trainer.dry_run=true",
+                           "reward.sandbox_fusion.url=http://sandbox:8080"], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
+    assert done.stderr.startswith("error: reward.sandbox_fusion.url: has no counterpart")
