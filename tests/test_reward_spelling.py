@@ -88,3 +88,37 @@ def test_a_dry_run_refuses_in_one_line_with_exit_code_2():
                            "reward.sandbox_fusion.url=http://sandbox:8080"], capture_output=True, text=True, timeout=120)
     assert done.returncode == 2 and done.stderr.strip().count("\n") == 0
     assert done.stderr.startswith("error: reward.sandbox_fusion.url: has no counterpart")
+
+
+class Digits:
+    def batch_decode(self, rows: list[list[int]], skip_special_tokens: bool) -> list[str]:
+        return [" ".join(map(str, ids)) for ids in rows]
+
+
+def _by_experiment(data_source, solution_str, ground_truth, extra_info):
+    run = (extra_info or {}).get("experiment_name")
+    return {"score": float(run == "exp-7"), "run": run}
+
+
+@pytest.mark.parametrize("spelling", ["reward_model.reward_manager=gdpo", "reward.reward_manager.name=gdpo"])
+def test_verls_gdpo_manager_hands_the_function_the_experiment_name(spelling):
+    """verl's gdpo manager puts trainer.experiment_name into each sample's extra_info; naive does not."""
+    import torch
+
+    from shardrl.data.batch import Batch
+    from shardrl.trainer import batch_ops
+
+    def scored(*overrides):
+        reward = plan_job(compose("ppo_trainer", ["trainer.experiment_name=exp-7", *overrides])).reward
+        mask = torch.tensor([[1, 1], [1, 0]])
+        batch = Batch({"responses": torch.tensor([[1, 2], [3, 0]]), "response_mask": mask, "attention_mask": mask},
+                      {"data_source": ["x", "x"], "reward_model": [{"ground_truth": ""}] * 2,
+                       "extra_info": [{"split": "train"}, None]})
+        _, scores = batch_ops.score(batch, Digits(), _by_experiment, reward)
+        return scores, batch
+
+    scores, batch = scored(spelling)
+    assert scores.scores.tolist() == [1.0, 1.0] and scores.extras["run"] == ["exp-7", "exp-7"]
+    assert batch.non_tensors["extra_info"][0] == {"split": "train", "experiment_name": "exp-7"}
+    naive, _ = scored()
+    assert naive.scores.tolist() == [0.0, 0.0]

@@ -123,8 +123,6 @@ ACCEPTED: tuple[Accepted, ...] = (
              "so nothing of it is random"),
     *(Accepted(f"critic.model.{key}", "must equal actor_rollout_ref.model's (rules.py): the critic reads the actor's "
                "token ids") for key in ("tokenizer_path", "trust_remote_code")),
-    Accepted("reward_model.reward_manager", "one scoring path serves naive, batch and dapo (overlong shaping is "
-             "reward_model.overlong_buffer)"),
     Accepted("reward_model.reward_kwargs", "folded into reward_model.overlong_buffer by load.py"),
     Accepted("algorithm.rollout_correction.bypass_mode", "folded into algorithm.rollout_correction.decoupled"),
     *(Accepted(f"reward.{key}", f"verl 0.9's spelling of {target}, folded into it by load.py")

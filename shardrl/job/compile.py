@@ -318,8 +318,9 @@ def data_options(config: PPOConfig) -> DataOptions:
         shuffle=data.shuffle, validation_shuffle=data.validation_shuffle, seed=data.seed)
 
 
-def reward_options(config: PPOConfig, judge: JudgeScoring | None) -> RewardOptions:
-    """`judge`: the judge's scoring (`JudgeOptions.scoring`) when there is one."""
+def reward_options(config: PPOConfig, judge: JudgeScoring | None, experiment_name: str) -> RewardOptions:
+    """`judge`: the judge's scoring (`JudgeOptions.scoring`) when there is one; `experiment_name`: trainer's, which
+    verl's gdpo reward manager hands the reward function."""
     overlong, custom = config.reward_model.overlong_buffer, config.custom_reward_function
     shaping = OverlongShaping(config.data.max_response_length, overlong.len, overlong.penalty_factor,
                               overlong.log) if overlong.enable else None
@@ -329,7 +330,8 @@ def reward_options(config: PPOConfig, judge: JudgeScoring | None) -> RewardOptio
     rm = config.reward_model
     return RewardOptions(custom.path, custom.name, config.data.reward_fn_key, shaping, custom.num_workers,
                          custom.timeout, custom.on_error, custom.url, custom.max_concurrency, custom.retries,
-                         custom.retry_backoff, rm.use_reward_loop, judge, RewardModelScoring(rm.combine, rm.weight))
+                         custom.retry_backoff, rm.use_reward_loop, judge, RewardModelScoring(rm.combine, rm.weight),
+                         experiment_name if rm.reward_manager == "gdpo" else None)
 
 
 def judge_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> JudgeOptions:

@@ -60,7 +60,7 @@ def _fold_reward_group(tree: dict[str, Any]) -> dict[str, Any]:
         key = "source" if manager.get("source") not in (None, "register") else "module.path"
         raise ConfigError(f"reward.reward_manager.{key}", "a reward-manager class of your own is not loaded here; "
                           "score with reward.custom_reward_function (a function per sample, run in processes of its "
-                          "own) and the built-in managers (reward_manager.name: naive, batch, dapo)")
+                          "own) and the built-in managers (reward_manager.name: naive, batch, dapo, gdpo)")
     for name, what in (("reward_model.rollout", "the reward model is served by shardrl's trainer-pool engine "
                         "(reward_model.megatron.*; a generative judge: reward_model.judge.*)"),
                        ("sandbox_fusion", "there is no remote sandbox service: run code in the reward function (its "

@@ -313,6 +313,8 @@ class RewardOptions:
     while_generating: bool = False  # reward_model.use_reward_loop: score each sample as its generation finishes
     judge: JudgeScoring | None = None  # reward_model.judge
     reward_model: RewardModelScoring = RewardModelScoring()  # reward_model.combine, .weight
+    # reward_manager=gdpo (verl's): every sample's extra_info gets `experiment_name`, the run's trainer.experiment_name
+    experiment_name: str | None = None
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,7 @@ def plan_job(config: PPOConfig) -> JobPlan:
     critic = critic_options(config, shared, roles["critic"]) if "critic" in roles else None
     judge = judge_options(config, shared, roles["judge"]) if "judge" in roles else None
     trainer = config.trainer
+    experiment = trainer.experiment_name
     device = resolve_device(trainer.device)
     if shared.bitwise and device != "cuda":
         raise ConfigError("actor_rollout_ref.rollout.bitwise_logprobs", f"trainer.device={trainer.device} resolves to "
@@ -207,11 +208,11 @@ def plan_job(config: PPOConfig) -> JobPlan:
         judge=judge,
         rollout=rollout_options(config, shared, roles["rollout"], sync_ranks),
         data=data_options(config),
-        reward=reward_options(config, judge.scoring if judge is not None else None),
+        reward=reward_options(config, judge.scoring if judge is not None else None, experiment),
         algorithm=algorithm_options(config, shared),
         loop=loop_options(config, shared, step, save_hf="hf_model" in actor.checkpoint.save_contents),
         cluster=cluster,
-        tracking=TrackingOptions(list(trainer.logger), trainer.project_name, trainer.experiment_name,
+        tracking=TrackingOptions(list(trainer.logger), trainer.project_name, experiment,
                                  dataclasses.asdict(config)),
         async_training=async_training,
     )

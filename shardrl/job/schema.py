@@ -443,9 +443,10 @@ class RewardModelConfig:
     forward_max_token_len_per_gpu: PosInt
     load_weight: bool  # only true: a reward model is loaded, never random
     megatron: MegatronConfig
-    # One scoring path serves all three; `dapo` (verl's DAPO-recipe manager) is accepted so its command lines run:
-    # its overlong shaping is `overlong_buffer`, which works with any manager here.
-    reward_manager: Literal["naive", "batch", "dapo"]
+    # One scoring path serves all four; `dapo` (verl's DAPO-recipe manager) is accepted so its command lines run:
+    # its overlong shaping is `overlong_buffer`, which works with any manager here; `gdpo` (verl's) also hands the
+    # reward function the run's experiment name in extra_info.
+    reward_manager: Literal["naive", "batch", "dapo", "gdpo"]
     # verl's reward-manager arguments: only the DAPO manager's, which load_config moves into overlong_buffer.
     reward_kwargs: dict[str, Any]
     # verl's reward loop: each sample is scored as soon as its generation finishes (synchronous schedule: while the
@@ -495,7 +496,7 @@ class RewardManagerSpelling:
     """verl 0.9's `reward.reward_manager`: `name` folds into `reward_model.reward_manager`; `source=register` is the
     one kind shardrl has (its managers by name); `importlib` (a user class at `module.path`) is refused."""
 
-    name: Literal["naive", "batch", "dapo"] | None
+    name: Literal["naive", "batch", "dapo", "gdpo"] | None
     source: str | None
     module: RewardManagerModuleSpelling
 

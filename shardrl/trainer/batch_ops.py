@@ -71,7 +71,11 @@ def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions,
           keep_extras: Sequence[str] = ()) -> tuple[Batch, SampleScores]:
     """`token_level_scores` `[B, R]` (with `reward_model.overlong_buffer`'s shaping when enabled; validation too, as
     verl's DAPO recipe scores it) and the per-sample scores and extras. The extras named in `keep_extras` (gdpo's
-    reward components) also become non-tensor columns of the batch, which later steps read."""
+    reward components) also become non-tensor columns of the batch, which later steps read. With verl's gdpo
+    manager (`reward.experiment_name`) every sample's extra_info holds the run's experiment name first."""
+    if reward.experiment_name is not None:
+        batch.non_tensors["extra_info"] = as_object_array(
+            [{**(info or {}), "experiment_name": reward.experiment_name} for info in batch.non_tensors["extra_info"]])
     scores = compute_token_level_scores(batch, tokenizer, score_fn, reward.overlong,
                                         data_source_key=reward.data_source_key, judge=reward.judge,
                                         reward_model=reward.reward_model)
