@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardrl.job.errors import ConfigError
-from shardrl.job.load import REWARD_SPELLINGS
+from shardrl.job.load import VERL_SPELLINGS
 from shardrl.job.schema import PPOConfig
 
 
@@ -48,6 +48,8 @@ def _detached(config: PPOConfig) -> bool:
 
 
 _MODEL_GROUPS = ("actor_rollout_ref.model", "critic.model")
+_MEGATRON_GROUPS = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model",
+                    "distillation.teacher_model")
 
 REFUSED: tuple[Refused, ...] = (
     *(Refused(f"actor_rollout_ref.{role}.router_replay.{file}", _is(None), "/tmp/routes.pt", "shardrl carries "
@@ -65,6 +67,12 @@ REFUSED: tuple[Refused, ...] = (
     *(Refused(f"{group}.external_lib", _is(None), "my_models", "shardrl builds its model families natively; a "
               "library that registers models with transformers is never used; remove the key")
       for group in _MODEL_GROUPS),
+    *(Refused(f"{group}.megatron.use_mbridge", _is(True), False, "shardrl loads HF checkpoints at any layout with "
+              "its own bridge (models/hf_bridge.py), as mbridge does; verl's per-model converters are not here; set "
+              "true or remove the key") for group in _MEGATRON_GROUPS),
+    *(Refused(f"{group}.use_fused_kernels", _is(False), True, "verl's fused linear + cross-entropy kernels "
+              "(log-probs without materialising the logits) are not in shardrl: its log-probs come from the logits "
+              "in token chunks; set false or remove the key") for group in _MODEL_GROUPS),
     *(Refused(f"{group}.use_remove_padding", _is(True), False, "shardrl always packs sequences (no padding tokens are "
               "computed); set true or remove the key") for group in _MODEL_GROUPS),
     Refused("actor_rollout_ref.rollout.mode", _is("sync"), "async", "the native engine is driven by the trainer's "
@@ -125,8 +133,11 @@ ACCEPTED: tuple[Accepted, ...] = (
                "token ids") for key in ("tokenizer_path", "trust_remote_code")),
     Accepted("reward_model.reward_kwargs", "folded into reward_model.overlong_buffer by load.py"),
     Accepted("algorithm.rollout_correction.bypass_mode", "folded into algorithm.rollout_correction.decoupled"),
-    *(Accepted(f"reward.{key}", f"verl 0.9's spelling of {target}, folded into it by load.py")
-      for key, target in REWARD_SPELLINGS.items()),
+    *(Accepted(key, f"verl's spelling of {target}, folded into it by load.py")
+      for key, target in VERL_SPELLINGS.items()),
+    *(Accepted(f"{group}.megatron.vanilla_mbridge", "verl's choice between two HF<->Megatron bridge libraries; "
+               "shardrl loads HF checkpoints at any layout with its own bridge (models/hf_bridge.py, checked against "
+               "transformers), whichever is named") for group in _MEGATRON_GROUPS),
     *(Accepted(f"reward.{key}", "refused by load.py when given (no counterpart: a user reward-manager class, the "
                "reward model's serving engine, a sandbox service)")
       for key in ("reward_manager.source", "reward_manager.module.path", "reward_manager.module.name",

@@ -13,7 +13,7 @@ from omegaconf.errors import OmegaConfBaseException
 from shardrl.job.build import build, field_paths, mapping_paths, unknown_key
 from shardrl.job.errors import ConfigError
 from shardrl.job.rules import validate
-from shardrl.job.schema import PPOConfig, RewardSpellingConfig
+from shardrl.job.schema import PPOConfig
 
 CONFIG_DIR = Path(__file__).resolve().parent / "config"  # the packaged Hydra configs (verl's names)
 
@@ -21,18 +21,22 @@ CONFIG_DIR = Path(__file__).resolve().parent / "config"  # the packaged Hydra co
 _OVERLONG_KWARGS = ("enable", "len", "penalty_factor", "log")
 
 
-# verl 0.9's `reward` entries and the keys they fold into (verl's own migration of its legacy keys, reversed).
-REWARD_SPELLINGS = {
-    "num_workers": "custom_reward_function.num_workers",
-    "custom_reward_function.path": "custom_reward_function.path",
-    "custom_reward_function.name": "custom_reward_function.name",
-    "reward_manager.name": "reward_model.reward_manager",
-    "reward_model.enable": "reward_model.enable",
-    "reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
-    "reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
-    "reward_model.nnodes": "reward_model.nnodes",
-    "reward_model.model_path": "reward_model.model.path",
-    "reward_kwargs": "reward_model.reward_kwargs",
+# verl's other spellings of shardrl keys, folded into them by load_config: verl 0.9's `reward` group (its own
+# migration of the older keys, reversed) and verl names for shardrl's collective timeout and sync bucket size.
+VERL_SPELLINGS = {
+    "reward.num_workers": "custom_reward_function.num_workers",
+    "reward.custom_reward_function.path": "custom_reward_function.path",
+    "reward.custom_reward_function.name": "custom_reward_function.name",
+    "reward.reward_manager.name": "reward_model.reward_manager",
+    "reward.reward_model.enable": "reward_model.enable",
+    "reward.reward_model.enable_resource_pool": "reward_model.enable_resource_pool",
+    "reward.reward_model.n_gpus_per_node": "reward_model.n_gpus_per_node",
+    "reward.reward_model.nnodes": "reward_model.nnodes",
+    "reward.reward_model.model_path": "reward_model.model.path",
+    "reward.reward_kwargs": "reward_model.reward_kwargs",
+    "actor_rollout_ref.nccl_timeout": "trainer.collective_timeout_s",
+    "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
+        "actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
 }
 
 
@@ -48,13 +52,10 @@ def _with(tree: dict[str, Any], dotted: str, value: Any) -> dict[str, Any]:
     return tree | {head: _with(tree.get(head) or {}, rest, value) if rest else value}
 
 
-def _fold_reward_group(tree: dict[str, Any]) -> dict[str, Any]:
-    """Fold verl 0.9's `reward.*` spelling into `custom_reward_function` / `reward_model` (`REWARD_SPELLINGS`). An
-    entry whose older key was also set to another value (not its packaged default) is refused: set one. What has no
-    counterpart is refused naming its key: a user reward-manager class, the reward model's serving engine, sandbox
-    fusion."""
+def _refuse_reward_group_extras(tree: dict[str, Any]) -> None:
+    """Refuse, naming its key, what verl 0.9's `reward` group has and shardrl has not: a user reward-manager class,
+    the reward model's serving engine, sandbox fusion."""
     group = tree.get("reward") or {}
-    build(RewardSpellingConfig, group, "reward")  # its values checked under the names the user wrote
     manager = group.get("reward_manager") or {}
     if manager.get("source") not in (None, "register") or any((manager.get("module") or {}).values()):
         key = "source" if manager.get("source") not in (None, "register") else "module.path"
@@ -69,15 +70,20 @@ def _fold_reward_group(tree: dict[str, Any]) -> dict[str, Any]:
         given = sorted(k for k, v in (_get(group, name) or {}).items() if v is not None)
         if given:
             raise ConfigError(f"reward.{name}.{given[0]}", f"has no counterpart: {what}")
+
+
+def _fold_spellings(tree: dict[str, Any]) -> dict[str, Any]:
+    """Fold each of `VERL_SPELLINGS` given (not null, not empty) into its shardrl key. One whose shardrl key was also
+    set to another value (not its packaged default) is refused: set one."""
     defaults = _packaged_defaults()
-    for source, target in REWARD_SPELLINGS.items():
-        value = _get(group, source)
+    for source, target in VERL_SPELLINGS.items():
+        value = _get(tree, source)
         if value is None or value == {}:
             continue
-        older = _get(tree, target)
-        if older != _get(defaults, target) and older != value:
-            raise ConfigError(f"reward.{source}", f"{value!r} and {target}={older!r} set the same thing (verl 0.9's "
-                                                  "spelling and the older one); set one")
+        current = _get(tree, target)
+        if current != _get(defaults, target) and current != value:
+            raise ConfigError(source, f"{value!r} and {target}={current!r} set the same thing (verl's spelling and "
+                                      "shardrl's); set one")
         tree = _with(tree, target, value)
     return tree
 
@@ -143,8 +149,10 @@ def load_config(cfg: DictConfig) -> PPOConfig:
         tree = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:  # e.g. an interpolation to a missing key
         raise ConfigError(getattr(err, "full_key", None) or "<config>", str(err).splitlines()[0]) from None
-    tree = _fold_reward_group({k: v for k, v in tree.items() if k != "hydra"})
-    tree = _fold_bypass_mode(_fold_reward_kwargs(tree))
+    tree = {k: v for k, v in tree.items() if k != "hydra"}
+    build(PPOConfig, tree)  # every value checked under the key the user wrote, before any is folded into another
+    _refuse_reward_group_extras(tree)
+    tree = _fold_bypass_mode(_fold_reward_kwargs(_fold_spellings(tree)))
     config = build(PPOConfig, tree)
     validate(config)
     return config

@@ -52,6 +52,8 @@ class MegatronConfig:
     use_distributed_optimizer: bool
     use_dist_checkpointing: bool  # load initial weights from dist_checkpointing_path instead of HF
     dist_checkpointing_path: str | None
+    use_mbridge: bool  # verl's: load the HF checkpoint through a bridge at any layout (shardrl's own): only true
+    vanilla_mbridge: bool  # verl's choice between two bridge libraries; shardrl has one of its own: any value
     dtype: DType
     seed: int
     override_transformer_config: dict[str, Any]
@@ -104,6 +106,7 @@ class ModelSourceConfig:
     override_config: dict[str, Any]  # overrides of config.json fields
     enable_gradient_checkpointing: bool
     use_remove_padding: bool
+    use_fused_kernels: bool  # verl's fused linear + cross-entropy (no logits materialised): not here, only false
 
 
 @dataclass(frozen=True)
@@ -228,6 +231,13 @@ class SamplingConfig:
 
 
 @dataclass(frozen=True)
+class CheckpointEngineSpelling:
+    """verl's `rollout.checkpoint_engine`: its bucket size is folded into `weight_sync.bucket_size_mb`."""
+
+    update_weights_bucket_megabytes: PosInt | None  # null: not given
+
+
+@dataclass(frozen=True)
 class WeightSyncConfig:
     """Trainer -> rollout weight transfer (shardrl's keys)."""
 
@@ -324,6 +334,7 @@ class RolloutConfig:
     engine_kwargs: dict[str, Any]
     val_kwargs: SamplingConfig
     weight_sync: WeightSyncConfig
+    checkpoint_engine: CheckpointEngineSpelling  # verl's spelling of weight_sync.bucket_size_mb
     multi_turn: MultiTurnConfig
     agent: AgentLoopConfig
 
@@ -339,6 +350,7 @@ class ActorRolloutRefConfig:
     """verl's `actor_rollout_ref` group: the policy model and its three roles."""
 
     hybrid_engine: bool  # actor and rollout share processes (sync mode)
+    nccl_timeout: PosInt | None  # verl's spelling of trainer.collective_timeout_s, folded into it; null: not given
     model: PolicyModelConfig
     actor: ActorConfig
     ref: RefConfig

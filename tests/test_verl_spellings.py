@@ -1,6 +1,8 @@
-"""verl 0.9's `reward.*` group (the newer spelling of `custom_reward_function`, the reward model's switches and the
-reward manager): each entry gives exactly the config its older key gives, verl 0.9's DAPO command line plans as the
-older one does, and what has no counterpart or contradicts the older key is refused in one line naming the key."""
+"""verl's other spellings of shardrl keys: verl 0.9's `reward.*` group (the newer spelling of
+`custom_reward_function`, the reward model's switches and the reward manager) and verl's names for the collective
+timeout and the sync bucket size. Each entry gives exactly the config its shardrl key gives, verl 0.9's DAPO command
+line plans as the older one does, and what has no counterpart or contradicts the other spelling is refused in one
+line naming the key."""
 
 import dataclasses
 import subprocess
@@ -9,7 +11,7 @@ import sys
 import pytest
 
 from shardrl.job.errors import ConfigError
-from shardrl.job.load import REWARD_SPELLINGS, compose
+from shardrl.job.load import VERL_SPELLINGS, compose
 from shardrl.job.plan import plan_job
 
 # A value for each folded entry (the older key's type), and for the reward model its companions.
@@ -29,7 +31,7 @@ def without_reward_group(config):
 @pytest.mark.parametrize("source", sorted(VALUES))
 def test_each_entry_is_its_older_key(source):
     value = VALUES[source]
-    target = REWARD_SPELLINGS[source]
+    target = VERL_SPELLINGS[f"reward.{source}"]
     extra = NEEDS.get(source, [])
     if source == "reward_model.nnodes":
         extra = ["reward_model.n_gpus_per_node=1"]
@@ -122,3 +124,18 @@ def test_verls_gdpo_manager_hands_the_function_the_experiment_name(spelling):
     assert batch.non_tensors["extra_info"][0] == {"split": "train", "experiment_name": "exp-7"}
     naive, _ = scored()
     assert naive.scores.tolist() == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("source, value", [("actor_rollout_ref.nccl_timeout", 1200),
+                                           ("actor_rollout_ref.rollout.checkpoint_engine."
+                                            "update_weights_bucket_megabytes", 4096)])
+def test_verls_names_for_the_timeout_and_the_sync_bucket(source, value):
+    target = VERL_SPELLINGS[source]
+    newer, older = (plan_job(compose("ppo_trainer", [f"{key}={value}"])) for key in (source, target))
+    assert compose("ppo_trainer", [f"{source}={value}"]).at(target) == value
+    assert newer.rollout.weight_sync == older.rollout.weight_sync and newer.cluster == older.cluster
+    assert (newer.rollout.weight_sync.bucket_bytes == 4096 << 20) == (value == 4096)
+    assert (newer.cluster.collective_timeout.total_seconds() == 1200) == (value == 1200)
+    with pytest.raises(ConfigError, match="set one") as err:
+        compose("ppo_trainer", [f"{source}={value}", f"{target}={value + 1}"])
+    assert err.value.key == source
