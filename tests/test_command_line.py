@@ -55,8 +55,20 @@ def test_check_overrides_refuses_unknown_keys_only():
     assert str(info.value) == DID_YOU_MEAN
     check_overrides(["data=x", "trainer.logger=[console]", "hydra.run.dir=/tmp/x", "hydra/job_logging=disabled",
                      "+ray_kwargs.ray_init.address=auto", "+new.group=1", "new.group=2",  # added, then changed
-                     "actor_rollout_ref.model.override_config.rope_theta=1e6",  # a mapping's entry: Hydra decides
+                     "+actor_rollout_ref.model.override_config.rope_theta=1e6",  # a mapping's new entry
+                     "reward.reward_model.rollout.name=vllm",  # an entry the yaml's mapping holds
                      "trainer.total_epochs=1,2", "key with no equals sign"])  # Hydra reports what it cannot parse
+
+
+def test_changing_an_entry_a_mapping_does_not_hold_asks_for_plus_in_one_line():
+    """Hydra's own answer ("Key 'rope_theta' is not in struct", over several lines) is replaced before it composes."""
+    key = "actor_rollout_ref.model.override_config.rope_theta"
+    with pytest.raises(ConfigError) as info:
+        check_overrides(["trainer.dry_run=true", f"{key}=1e6"])
+    assert info.value.key == key and f"add it with +{key}=" in str(info.value) and "\n" not in str(info.value)
+    done = subprocess.run([sys.executable, "-m", "shardrl.trainer.main_ppo", "trainer.dry_run=true", f"{key}=1e6"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and done.stderr.strip().count("\n") == 0 and key in done.stderr
 
 
 def test_a_new_key_added_with_plus_gets_the_same_answer_from_the_schema():

@@ -166,11 +166,14 @@ def compose(config_name: str = "ppo_trainer", overrides: Sequence[str] = ()) -> 
         return load_config(hydra_compose(config_name=config_name, overrides=list(overrides)))
 
 
-def check_known_key(key: str) -> None:
+def check_known_key(key: str) -> bool:
     """Raise the `did you mean` error when `key` (the key of a command-line `key=value`, which must exist) is neither
-    a key nor a group of the schema. An entry of a free-form mapping passes: what the yaml holds there decides."""
+    a key nor a group of the schema. Returns whether it is an entry of a free-form mapping (then what the yaml holds
+    there decides)."""
     leaves = field_paths(PPOConfig)
     known = {".".join(path.split(".")[:i]) for path in leaves for i in range(1, path.count(".") + 2)}
-    if key in known or any(key.startswith(f"{mapping}.") for mapping in mapping_paths(PPOConfig)):
-        return
+    if key in known:
+        return False
+    if any(key.startswith(f"{mapping}.") for mapping in mapping_paths(PPOConfig)):
+        return True
     raise unknown_key(key, leaves)

@@ -33,22 +33,44 @@ HELP_KEYS = (
 USAGE = "usage: python -m shardrl.trainer.main_ppo [--config-name=NAME] [key=value ...] [+new.key=value ...]"
 
 
-def check_overrides(overrides: list[str]) -> None:
-    """Raise the `did you mean` ConfigError for the first `key=value` whose key the config does not have. Keys an
-    earlier `+key=` added count as existing; Hydra's own keys, `key@package=` forms and overrides Hydra cannot parse
-    are left to Hydra, which reports them itself."""
+def check_overrides(overrides: list[str], config_dir: str = str(CONFIG_DIR),
+                    config_name: str = DEFAULT_CONFIG) -> None:
+    """Raise the `did you mean` ConfigError for the first `key=value` whose key the config does not have, and a
+    one-line ConfigError for a `key=value` that changes an entry a free-form mapping does not hold (the config
+    `config_name` in `config_dir` composed to see; a new entry needs `+key=value`). Keys an earlier `+key=` added
+    count as existing; Hydra's own keys, `key@package=` forms and overrides Hydra cannot parse are left to Hydra,
+    which reports them itself."""
     try:
         parsed = OverridesParser.create().parse_overrides(overrides)
     except HydraException:
         return
     added: list[str] = []
+    entries: list[str] = []  # changed entries of free-form mappings: they must exist already
     for override in parsed:
         key = override.key_or_group
         if override.type is not OverrideType.CHANGE:
             added.append(key)
         elif not (override.package is not None or key.split(".")[0].split("/")[0] == "hydra"
                   or any(key == new or key.startswith(f"{new}.") for new in added)):
-            check_known_key(key)
+            if check_known_key(key):
+                entries.append(key)
+    if entries:
+        _check_mapping_entries(entries, config_dir, config_name)
+
+
+def _check_mapping_entries(keys: list[str], config_dir: str, config_name: str) -> None:
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            tree = OmegaConf.to_container(compose(config_name=config_name), resolve=False)
+    except (HydraException, MissingConfigException):
+        return  # a config that does not compose: Hydra reports it when it runs
+    for key in keys:
+        node: Any = tree
+        for part in key.split("."):
+            if not isinstance(node, dict) or part not in node:
+                raise ConfigError(key, f"is a new entry of a free-form mapping: add it with +{key}=... (Hydra's "
+                                       "`+` adds a key the config does not hold)")
+            node = node[part]
 
 
 def help_text(config_dir: str, config_name: str) -> str:

@@ -115,7 +115,7 @@ def main() -> None:
     # replaced, and an unknown key fails here with the closest one instead of Hydra's bare "not in struct".
     args = get_args_parser().parse_args(sys.argv[1:])
     try:
-        check_overrides(args.overrides)
+        check_overrides(args.overrides, args.config_path or str(CONFIG_DIR), args.config_name or DEFAULT_CONFIG)
         if args.help:
             print(help_text(args.config_path or str(CONFIG_DIR), args.config_name or DEFAULT_CONFIG))
             sys.exit(0)
