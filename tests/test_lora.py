@@ -201,6 +201,7 @@ DENSE_LORA = LoRASettings(rank=4, alpha=8.0, seed=3)
 MOE_LORA = LoRASettings(rank=4, alpha=8.0, target_modules=("q_proj", "k_proj", "v_proj", "o_proj"), seed=3)
 LORA_LAYOUTS = [  # (model kind, world, sizes, distributed optimizer, micro batch size)
     ("dense", 2, dict(tp=2), False, 2),
+    ("dense", 2, dict(cp=2), False, 2),
     pytest.param("dense", 2, dict(pp=2), False, 1, marks=pytest.mark.slow),
     pytest.param("dense", 2, dict(pp=2, vpp=2), False, 1, marks=pytest.mark.slow),
     pytest.param("dense", 2, {}, True, 2, marks=pytest.mark.slow),
