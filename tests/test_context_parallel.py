@@ -9,9 +9,6 @@ import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from shardrl.job.errors import ConfigError
-from shardrl.job.load import compose
-from shardrl.job.plan import plan_job
 from shardrl.models.config import ModelConfig
 from shardrl.models.tiny import make_tiny_checkpoint
 from shardrl.models.transformer import Transformer
@@ -70,14 +67,6 @@ def test_the_gather_puts_rows_in_packed_order_and_sums_or_keeps_gradients():
         weights = torch.arange(11, dtype=torch.float64) + 1
         assert torch.equal(kept, (weights + rank)[r["index"]])  # replicated use: this rank's own gradient
         assert torch.equal(r["False"][1], (2 * weights + 1)[r["index"]])  # local use: summed over both ranks
-
-
-def test_routing_replay_with_context_parallelism_is_refused_before_workers_start():
-    config = compose(overrides=["trainer.n_gpus_per_node=2", "actor_rollout_ref.actor.megatron.context_parallel_size=2",
-                      "actor_rollout_ref.actor.router_replay.mode=R2"])
-    with pytest.raises(ConfigError, match=r"^actor_rollout_ref.actor.megatron.context_parallel_size: 2 with MoE "
-                                          r"routing replay"):
-        plan_job(config)
 
 
 SEQUENCE = 2048

@@ -30,7 +30,7 @@ from shardrl.workers.samples import samples_batch
 PROMPT, RESPONSE, LAYERS = 8, 10, 4
 PROMPTS = [[3, 9, 4], [5, 6, 7, 8, 9, 10, 11, 12], [30, 31], [7, 7, 7, 7, 7], [2, 40, 41, 42, 43, 44], [8]]
 LAYOUTS = {"1": ({}, 1), "ep2": (dict(ep=2), 2), "ep2_etp2": (dict(tp=2, ep=2, etp=2), 4),
-           "pp2_ep2": (dict(pp=2, ep=2), 4)}
+           "pp2_ep2": (dict(pp=2, ep=2), 4), "cp2": (dict(cp=2), 2), "cp2_ep2": (dict(cp=2, ep=2), 4)}
 FIXED, DYNAMIC = ForwardBatching(2, None), ForwardBatching(None, 24)
 
 
@@ -127,7 +127,8 @@ def test_the_sample_batch_aligns_the_engines_routing_with_input_ids(rollout):
 
 @pytest.mark.parametrize("name, batching", [
     ("1", FIXED), ("1", DYNAMIC), ("ep2", FIXED), ("ep2_etp2", DYNAMIC), ("pp2_ep2", FIXED),
-    pytest.param("pp2_ep2", DYNAMIC, marks=pytest.mark.slow)],
+    pytest.param("pp2_ep2", DYNAMIC, marks=pytest.mark.slow), ("cp2", DYNAMIC),
+    pytest.param("cp2_ep2", FIXED, marks=pytest.mark.slow)],
     ids=lambda v: v if isinstance(v, str) else ("dynamic" if v.max_token_len else "fixed"))
 def test_r3_old_log_prob_pass_replays_the_rollouts_experts_at_every_layout(checkpoints, rollout, name, batching):
     trainer, _ = checkpoints

@@ -1,6 +1,7 @@
 """R2 routing replay through the actor's passes: the old-logprob pass records the experts every MoE layer of a real
 (tiny, HF-made) Qwen3-MoE chose for every token, equal to transformers' router top-k, at one process, EP2, TP2 with
-sequence parallelism and PP2 x EP2, with fixed and dynamic micro batches; a pass that replays a routing table uses
+sequence parallelism, PP2 x EP2 and context parallelism (CP2, CP2 x EP2, CP2 x TP2 with SP: each CP rank routes its
+share of the tokens), with fixed and dynamic micro batches; a pass that replays a routing table uses
 exactly its experts for each token whatever the micro batches and layout, so replayed log-probs agree across them
 and differ from the model's own routing. The job keys are refused or checked before workers start."""
 
@@ -26,7 +27,8 @@ from shardrl.workers.engine import ROUTED_EXPERTS, ModelEngine
 from test_parity_matrix import BATCH, make_batch
 
 E, K = 4, 2  # the tiny qwen3_moe's experts and top-k
-LAYOUTS = {"1": ({}, 1), "ep2": (dict(ep=2), 2), "tp2_sp": (dict(tp=2), 2), "pp2_ep2": (dict(pp=2, ep=2), 4)}
+LAYOUTS = {"1": ({}, 1), "ep2": (dict(ep=2), 2), "tp2_sp": (dict(tp=2), 2), "pp2_ep2": (dict(pp=2, ep=2), 4),
+           "cp2": (dict(cp=2), 2), "cp2_ep2": (dict(cp=2, ep=2), 4), "cp2_tp2_sp": (dict(cp=2, tp=2), 4)}
 BATCHINGS = [ForwardBatching(3, None), ForwardBatching(None, 20)]
 
 
@@ -87,7 +89,9 @@ def hf_top_k(ckpt: str) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("name, batching", [
     ("1", BATCHINGS[0]), ("1", BATCHINGS[1]), ("ep2", BATCHINGS[0]), ("tp2_sp", BATCHINGS[1]),
-    ("pp2_ep2", BATCHINGS[0]), pytest.param("pp2_ep2", BATCHINGS[1], marks=pytest.mark.slow)], ids=lambda v: v if isinstance(v, str) else (
+    ("pp2_ep2", BATCHINGS[0]), pytest.param("pp2_ep2", BATCHINGS[1], marks=pytest.mark.slow), ("cp2", BATCHINGS[1]),
+    pytest.param("cp2_ep2", BATCHINGS[0], marks=pytest.mark.slow),
+    pytest.param("cp2_tp2_sp", BATCHINGS[1], marks=pytest.mark.slow)], ids=lambda v: v if isinstance(v, str) else (
     "dynamic" if v.max_token_len else "fixed"))
 def test_recorded_routing_is_transformers_router_top_k_and_replay_follows_the_table(moe, name, batching):
     expected = hf_top_k(moe)

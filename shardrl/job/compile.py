@@ -98,7 +98,6 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
         _check_bitwise_layout(role.spec, actor.megatron.dtype, "actor_rollout_ref.actor.megatron")
     log_prob = role.batches.get("log_prob")
     mode = shared.router_replay
-    _check_context_routing(role.spec, mode in ("R2", "R3") or shared.record_routing, "actor_rollout_ref.actor")
     if mode == "R3":
         _needs_rollout_routing(shared, "actor_rollout_ref.actor.router_replay.mode")
     if shared.record_routing and log_prob is None and "R3" not in (mode, shared.ref_router_replay):
@@ -145,15 +144,6 @@ def _check_bitwise_layout(spec: LayoutSpec, dtype: str, prefix: str) -> None:
                                              f"half-precision GPU ones; use bfloat16")
 
 
-def _check_context_routing(spec: LayoutSpec, routes_tables: bool, prefix: str) -> None:
-    """MoE routing tables (replayed, recorded or compared) hold a whole micro batch's tokens; a CP share does not
-    cut them yet."""
-    if spec.cp > 1 and routes_tables:
-        raise ConfigError(f"{prefix}.megatron.context_parallel_size", f"{spec.cp} with MoE routing replay or the "
-                          f"rollout's routing recorded (router_replay.mode, rollout.enable_rollout_routing_replay): "
-                          f"routing tables are not cut into CP shares yet; use 1, or turn routing replay off")
-
-
 def _needs_rollout_routing(shared: SharedKeys, key: str) -> None:
     """R3 replays what the rollout engine recorded: the rollout must record it."""
     if not shared.record_routing:
@@ -186,7 +176,6 @@ def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOpt
     model = model_options(config.actor_rollout_ref.ref.megatron, "actor_rollout_ref.ref.megatron", role.spec,
                           role.ranks, False, None, shared.override_config, load_weight=True)
     mode = shared.ref_router_replay
-    _check_context_routing(role.spec, mode == "R3", "actor_rollout_ref.ref")
     if mode == "R2":
         raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "the reference pass records nothing for a later "
                           "pass to replay; use R3 (the rollout's routing) or disabled")

@@ -66,6 +66,17 @@ class RoutingTable:
         experts = torch.zeros(num_tokens, len(layer_ids), top_k, dtype=torch.long, device=device)
         return cls(experts, layer_ids, False, None if reference is None else reference.to(device))
 
+    def context_share(self, local_index: Tensor) -> RoutingTable:
+        """The table of one CP rank's share of the micro batch's tokens (`local_index` [T_r], packed positions in
+        order): its rows of a replayed table, or a recording table of its tokens (compared against its rows of the
+        reference). Its results are per local token; the caller gathers them back over CP."""
+        layer_ids = sorted(self.column, key=self.column.__getitem__)
+        if self.replay:
+            return RoutingTable(self.experts[local_index], layer_ids, replay=True)
+        reference = None if self.reference is None else self.reference[local_index]
+        return RoutingTable.recording(local_index.numel(), layer_ids, self.experts.shape[-1], self.experts.device,
+                                      reference)
+
     @property
     def counts_mismatch(self) -> bool:
         return self.replay or self.reference is not None

@@ -30,6 +30,7 @@ from shardrl.parallel.offload import HostBuffers
 from shardrl.parallel.optimizer import AdamW, LRScheduler
 from shardrl.parallel.pipeline import chunk_pre_post, forward_backward, stage_layer_ids
 from shardrl.parallel.expert import attached
+from shardrl.parallel.context import gather_tokens
 from shardrl.parallel.routing import RoutingTable, expert_id_dtype
 from shardrl.workers.packing import Packed, pack
 
@@ -112,9 +113,8 @@ class ModelEngine:
     def run(self, micro_batches: list[MicroBatch], loss_fn: LossFn, forward_only: bool) -> list[dict[str, Tensor]]:
         """Forward (+ backward) every micro batch through the pipeline; per-micro-batch outputs on every rank."""
         last = self.chunks[-1]
-        if self.layout.cp_size > 1:  # each CP rank runs its share of every micro batch's tokens
-            micro_batches = [dataclasses.replace(mb, packed=mb.packed.context_share(self.layout))
-                             for mb in micro_batches]
+        if self.layout.cp_size > 1:  # each CP rank runs its share of every micro batch's tokens (and routing rows)
+            micro_batches = [self._context_share(mb) for mb in micro_batches]
 
         def forward_step(chunk: Transformer, mb: MicroBatch, x: Tensor | None) -> Tensor:
             p = mb.packed
@@ -127,15 +127,26 @@ class ModelEngine:
                                    broadcast_outputs=True)
         groups = [self.layout.tp_group, self.layout.pp_group]  # each rank routed its tokens at its layers
         for mb, out in zip(micro_batches, outputs):
-            table = mb.routing
+            table, context = mb.routing, mb.packed.context
             if table is None:
                 continue
+
+            def whole(per_token: Tensor) -> Tensor:  # a CP share's rows -> the micro batch's, in packed order
+                return per_token if context is None else gather_tokens(per_token, context, replicated=True)
+
             if table.counts_mismatch:
-                out[ROUTING_MISMATCH] = per_row(table.mismatch_per_token(groups), mb.attention_mask)
+                out[ROUTING_MISMATCH] = per_row(whole(table.mismatch_per_token(groups)), mb.attention_mask)
             if mb.records_routing:
                 table.complete(groups)
-                out[ROUTED_EXPERTS] = unpack_routing(table, mb.attention_mask, self.config.moe.num_experts)
+                out[ROUTED_EXPERTS] = unpack_routing(whole(table.experts), mb.attention_mask,
+                                                     self.config.moe.num_experts)
         return outputs
+
+    def _context_share(self, mb: MicroBatch) -> MicroBatch:
+        """This CP rank's share of a micro batch: its tokens, and its rows of the routing table."""
+        packed = mb.packed.context_share(self.layout)
+        routing = None if mb.routing is None else mb.routing.context_share(packed.context.local_index)
+        return dataclasses.replace(mb, packed=packed, routing=routing)
 
     @property
     def count_group(self) -> dist.ProcessGroup | None:
@@ -209,12 +220,12 @@ def routing_table(t, num_tokens: int, routing: Routing, config: ModelConfig, dev
     return RoutingTable.recording(num_tokens, layer_ids, config.moe.top_k, device, reference=batch_routing)
 
 
-def unpack_routing(table: RoutingTable, attention_mask: Tensor, num_experts: int) -> Tensor:
-    """A recorded table back to its rows: [b, S, L, k] on the host in the smallest integer type of the expert ids,
-    zero at padding."""
+def unpack_routing(experts: Tensor, attention_mask: Tensor, num_experts: int) -> Tensor:
+    """A recorded table's experts [T, L, k] (packed order) back to their rows: [b, S, L, k] on the host in the
+    smallest integer type of the expert ids, zero at padding."""
     mask = attention_mask.bool()
-    out = torch.zeros(*mask.shape, *table.experts.shape[1:], dtype=expert_id_dtype(num_experts))
-    out[mask] = table.experts.cpu().to(out.dtype)
+    out = torch.zeros(*mask.shape, *experts.shape[1:], dtype=expert_id_dtype(num_experts))
+    out[mask] = experts.cpu().to(out.dtype)
     return out
 
 
