@@ -70,6 +70,7 @@ class SharedKeys:
     record_routing: bool
     bitwise: bool  # rollout.bitwise_logprobs: the rollout engine and the actor run batch-invariant kernels
     lora: LoRASettings | None  # model.lora_rank > 0: adapters on the actor and the rollout, the reference the base
+    fused_logprobs: bool  # model.use_fused_kernels: the actor's and the reference's log-probs from the LM head fused
 
     @property
     def use_reference_policy(self) -> bool:
@@ -88,7 +89,8 @@ def read_shared(config: PPOConfig) -> SharedKeys:
                       distillation=config.distillation.enabled, router_replay=arr.actor.router_replay.mode,
                       ref_router_replay=arr.ref.router_replay.mode,
                       record_routing=rollout.enable_rollout_routing_replay, bitwise=rollout.bitwise_logprobs,
-                      lora=lora_settings(arr.model, config.trainer.seed))
+                      lora=lora_settings(arr.model, config.trainer.seed),
+                      fused_logprobs=arr.model.use_fused_kernels)
 
 
 def lora_settings(model: PolicyModelConfig, seed: int) -> LoRASettings | None:

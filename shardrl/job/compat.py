@@ -70,9 +70,6 @@ REFUSED: tuple[Refused, ...] = (
     *(Refused(f"{group}.megatron.use_mbridge", _is(True), False, "shardrl loads HF checkpoints at any layout with "
               "its own bridge (models/hf_bridge.py), as mbridge does; verl's per-model converters are not here; set "
               "true or remove the key") for group in _MEGATRON_GROUPS),
-    *(Refused(f"{group}.use_fused_kernels", _is(False), True, "verl's fused linear + cross-entropy kernels "
-              "(log-probs without materialising the logits) are not in shardrl: its log-probs come from the logits "
-              "in token chunks; set false or remove the key") for group in _MODEL_GROUPS),
     *(Refused(f"{group}.use_remove_padding", _is(True), False, "shardrl always packs sequences (no padding tokens are "
               "computed); set true or remove the key") for group in _MODEL_GROUPS),
     Refused("actor_rollout_ref.rollout.mode", _is("sync"), "async", "the native engine is driven by the trainer's "
@@ -135,6 +132,8 @@ ACCEPTED: tuple[Accepted, ...] = (
     Accepted("algorithm.rollout_correction.bypass_mode", "folded into algorithm.rollout_correction.decoupled"),
     *(Accepted(key, f"verl's spelling of {target}, folded into it by load.py")
       for key, target in VERL_SPELLINGS.items()),
+    Accepted("critic.model.use_fused_kernels", "a value head has no vocabulary: nothing to fuse (it follows the "
+             "actor's key by default)"),
     *(Accepted(f"{group}.megatron.vanilla_mbridge", "verl's choice between two HF<->Megatron bridge libraries; "
                "shardrl loads HF checkpoints at any layout with its own bridge (models/hf_bridge.py, checked against "
                "transformers), whichever is named") for group in _MEGATRON_GROUPS),

@@ -90,7 +90,7 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
     optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
     model = model_options(actor.megatron, "actor_rollout_ref.actor.megatron", role.spec, role.ranks,
                           arr.model.enable_gradient_checkpointing, optim, shared.override_config, actor.load_weight,
-                          bitwise=shared.bitwise, lora=shared.lora)
+                          bitwise=shared.bitwise, lora=shared.lora, fused_logprobs=shared.fused_logprobs)
     if shared.lora is not None and shared.bitwise:
         raise ConfigError("actor_rollout_ref.model.lora_rank", "bitwise mode has no batch-invariant LoRA GEMMs yet; "
                           "use lora_rank=0 or rollout.bitwise_logprobs=false")
@@ -174,7 +174,8 @@ def teacher_options(config: PPOConfig, role: RolePlan) -> TeacherOptions:
 def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOptions:
     # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
     model = model_options(config.actor_rollout_ref.ref.megatron, "actor_rollout_ref.ref.megatron", role.spec,
-                          role.ranks, False, None, shared.override_config, load_weight=True)
+                          role.ranks, False, None, shared.override_config, load_weight=True,
+                          fused_logprobs=shared.fused_logprobs)
     mode = shared.ref_router_replay
     if mode == "R2":
         raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "the reference pass records nothing for a later "
@@ -443,16 +444,21 @@ def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> Op
 def model_options(megatron: MegatronConfig, key: str, spec: LayoutSpec, ranks: list[int],
                   gradient_checkpointing: bool, optim: OptimOptions | None, override_config: dict[str, Any],
                   load_weight: bool, value_head: bool = False, bitwise: bool = False,
-                  lora: LoRASettings | None = None) -> ModelOptions:
+                  lora: LoRASettings | None = None, fused_logprobs: bool = False) -> ModelOptions:
     """`megatron`: the role's group at `key`; `gradient_checkpointing`: its model.enable_gradient_checkpointing
     (recompute, as Megatron's full recompute through `override_transformer_config` also asks); `bitwise`: the
     role's model runs the batch-invariant kernels (the actor in bitwise mode); `lora`: it trains adapters only (the
-    actor with model.lora_rank > 0; the critic with critic.model.lora_rank > 0, and its value head)."""
+    actor with model.lora_rank > 0; the critic with critic.model.lora_rank > 0, and its value head); `fused_logprobs`:
+    its log-probs straight from the LM head, one token chunk of logits at a time (model.use_fused_kernels)."""
     override = read_transformer_overrides(megatron.override_transformer_config, key)
     engine = EngineOptions(
         sequence_parallel=megatron.sequence_parallel, recompute=gradient_checkpointing or override.recompute,
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
-        router=override.router, fast=FastPaths(bitwise=bitwise, attention=override.attention), lora=lora)
+        router=override.router, fast=FastPaths(bitwise=bitwise, attention=override.attention,
+                                               fused_logprobs=fused_logprobs), lora=lora)
+    if bitwise and fused_logprobs:
+        raise ConfigError("actor_rollout_ref.model.use_fused_kernels", "bitwise mode computes the LM head with its "
+                          "batch-invariant GEMM over the whole batch; set it false or rollout.bitwise_logprobs=false")
     if bitwise and override.router.fp32_logits:
         raise ConfigError(f"{key}.override_transformer_config.moe_router_dtype", "bitwise mode needs the rollout's "
                           "router maths, and the rollout engine computes router logits in the model dtype; remove the "

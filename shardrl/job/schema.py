@@ -106,7 +106,7 @@ class ModelSourceConfig:
     override_config: dict[str, Any]  # overrides of config.json fields
     enable_gradient_checkpointing: bool
     use_remove_padding: bool
-    use_fused_kernels: bool  # verl's fused linear + cross-entropy (no logits materialised): not here, only false
+    use_fused_kernels: bool  # log-probs from the LM head one token chunk of logits at a time (verl's fused kernels)
 
 
 @dataclass(frozen=True)

@@ -32,12 +32,15 @@ class FastPaths:
     engine and the trainer compute the same log-probs (`rollout.bitwise_logprobs`). The one option here that
     changes bits on purpose; it costs speed. attention: which fused kernel runs packed causal attention on CUDA
     (`AttentionKernel`; FA4 ran 1.6-2.0x torch's flash forward + backward on an H200, `bench/attention_kernels.py`);
-    bitwise mode runs its own."""
+    bitwise mode runs its own. fused_logprobs: log-probs and entropies from the hidden states and the LM head one
+    token chunk at a time, never holding the whole batch's logits (verl's `use_fused_kernels`;
+    `parallel/fused_logprobs.py`): less memory, one more LM head GEMM in the backward."""
 
     tp_overlap: TPOverlap = field(default_factory=TPOverlap)
     compile: bool = False
     bitwise: bool = False
     attention: AttentionKernel = "flash"
+    fused_logprobs: bool = False
 
 
 @functools.cache

@@ -28,6 +28,7 @@ from shardrl.parallel.context import ContextShard
 from shardrl.models.norm import RMSNorm
 from shardrl.models.rope import RotaryEmbedding
 from shardrl.parallel.expert import MoELayer, RouterOptions
+from shardrl.parallel.fused_logprobs import fused_vocab_parallel_logprobs
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.spec import set_spec
 from shardrl.parallel.tensor import ColumnParallelLinear, ReplicatedLinear, enter_tp, gather_tokens, linear
@@ -73,7 +74,7 @@ class Transformer(nn.Module):
                  sequence_parallel: bool = False, recompute: bool = False, dtype: torch.dtype = torch.float32,
                  router: RouterOptions = RouterOptions(), fast: FastPaths = FastPaths()) -> None:
         super().__init__()
-        self.config, self.layout, self.bitwise = config, layout, fast.bitwise
+        self.config, self.layout, self.bitwise, self.fused_logprobs = config, layout, fast.bitwise, fast.fused_logprobs
         self.layer_ids = range(config.num_layers) if layer_ids is None else layer_ids
         self.pre_process, self.post_process, self.value_head = pre_process, post_process, value_head
         self.sequence_parallel, self.recompute = sequence_parallel and layout.tp_size > 1, recompute
@@ -140,7 +141,12 @@ class Transformer(nn.Module):
 
     def compute_logprobs(self, hidden: Tensor, targets: Tensor, temperature: float = 1.0) -> tuple[Tensor, Tensor]:
         """Log-probabilities of `targets` [T] (the next token of each position) and entropies, both [T] fp32,
-        computed vocab-parallel without gathering the logits."""
+        computed vocab-parallel without gathering the logits; with `FastPaths.fused_logprobs` straight from the
+        hidden states, one token chunk of logits at a time (`parallel/fused_logprobs.py`)."""
+        if self.fused_logprobs:
+            h = enter_tp(hidden, self.layout.tp_group, self.sequence_parallel, targets.shape[0])  # [T, H]
+            return fused_vocab_parallel_logprobs(h, self.lm_head_weight(), targets, self.layout.tp_group,
+                                                 self.config.vocab_size, temperature)
         logits = self.scaled_logits(hidden, targets.shape[0], temperature)  # [T, Vp/tp]
         return vocab_parallel_logprobs(logits, targets, self.layout.tp_group, self.config.vocab_size)
 

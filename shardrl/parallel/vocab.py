@@ -123,7 +123,13 @@ def softmax_normaliser(z: Tensor, group: Group, chunk_elements: int,
 
     Each rank's statistics are relative to its own max, rescaled to the global max after one MAX all-reduce; then one
     SUM all-reduce carries sum exp(z - max), sum exp(z - max) * z and `held`."""
-    block_max, block_sum_exp, block_sum_exp_z = block_softmax_stats(z, chunk_elements)  # [T] each
+    return combine_block_stats(*block_softmax_stats(z, chunk_elements), group, held)
+
+
+def combine_block_stats(block_max: Tensor, block_sum_exp: Tensor, block_sum_exp_z: Tensor, group: Group,
+                        held: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor]:
+    """Each rank's `block_softmax_stats` of its vocab block [T] each (and `held` [T, E]) -> `softmax_normaliser`'s
+    (log sum exp over the whole vocab, E_p[z], `held` summed over TP), the same on every rank of `group`."""
     z_max = block_max
     if group is not None:
         z_max = block_max.clone()
