@@ -136,6 +136,8 @@ def parse_args() -> argparse.Namespace:
                    help="column-parallel backward waits for the input-gradient all-reduce (default: overlap)")
     p.add_argument("--tp-comm-chunks", type=int, default=1, help="row-parallel forward pipelines this many pieces")
     p.add_argument("--compile", action="store_true", help="torch.compile the elementwise chains")
+    p.add_argument("--fused-logprobs", action="store_true",
+                   help="log-probs from the LM head one vocabulary chunk at a time (model.use_fused_kernels)")
     p.add_argument("--variants", default=None,
                    help=f"comma-separated from {', '.join(VARIANTS)}, or 'all': one table, ratios to the first "
                         f"(overrides the three flags above)")
@@ -607,7 +609,7 @@ def variants_table(name: str, rows: list[dict]) -> str:
 def chosen_variants(args: argparse.Namespace) -> tuple[tuple[str, FastPaths], ...]:
     if args.variants is None:
         fast = FastPaths(TPOverlap(backward=not args.no_tp_overlap, chunks=args.tp_comm_chunks), args.compile,
-                         attention=args.attention)
+                         attention=args.attention, fused_logprobs=args.fused_logprobs)
         return (("flags", fast),)
     names = list(VARIANTS) if args.variants == "all" else args.variants.split(",")
     return tuple((n, dataclasses.replace(VARIANTS[n], attention=args.attention)) for n in names)
