@@ -39,6 +39,7 @@ from shardrl.agents.loop import (
     TurnLimits,
 )
 from shardrl.agents.parsers import get_parser
+from shardrl.agents.function_tools import check_unique_names, load_function_tools
 from shardrl.agents.registry import import_class, load_interactions, load_tools
 from shardrl.agents.render import TurnRenderer
 from shardrl.agents.trajectory import Trajectory
@@ -246,6 +247,7 @@ class AgentSettings:
     tokenizer_path: str | None = None  # filled in at launch (the built-in task's tokenizer is made there)
     format: str = "hermes"  # the tool-call syntax (`parsers.PARSERS`)
     tool_config_path: str | None = None
+    function_tool_path: str | None = None  # verl 0.9's @function_tool file: its tools run in processes of their own
     interaction_config_path: str | None = None
     agent_loop_config_path: str | None = None
     default_agent_loop: str = "single_turn_agent"
@@ -258,6 +260,10 @@ def build_runner(engine: Engine, settings: AgentSettings) -> AgentRunner:
     from the tokenizer."""
     tokenizer = AutoTokenizer.from_pretrained(settings.tokenizer_path)
     tools = load_tools(settings.tool_config_path) if settings.tool_config_path else []
+    if settings.function_tool_path:
+        tools += load_function_tools(settings.function_tool_path, settings.limits.tool_timeout,
+                                     settings.limits.max_concurrent_tool_calls)
+        check_unique_names([tool.name for tool in tools], settings.function_tool_path)
     toolbox = ToolBox(tools, settings.limits)
     interactions = load_interactions(settings.interaction_config_path) if settings.interaction_config_path else {}
     renderer = TurnRenderer(tokenizer, toolbox.schemas, dict(settings.template_kwargs))

@@ -265,8 +265,11 @@ def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, prompt_l
         episode_timeout=served.episode_timeout, memory_limit_mb=served.memory_limit_mb,
         num_workers=agent.num_workers, max_episodes_per_process=served.max_episodes_per_process)
     settings = AgentSettings(limits, None, multi_turn.format, multi_turn.tool_config_path,
-                             multi_turn.interaction_config_path, agent.agent_loop_config_path,
-                             agent.default_agent_loop, endpoint=endpoint)
+                             # absolute: the rollout workers import it wherever they run
+                             multi_turn.function_tool_path and str(Path(multi_turn.function_tool_path)
+                                                                   .expanduser().resolve()),
+                             multi_turn.interaction_config_path,
+                             agent.agent_loop_config_path, agent.default_agent_loop, endpoint=endpoint)
     if not multi_turn.enable:
         return None
     prefix = "actor_rollout_ref.rollout"
@@ -278,6 +281,7 @@ def agent_settings(multi_turn: MultiTurnConfig, agent: AgentLoopConfig, prompt_l
     except ValueError as err:
         raise ConfigError(f"{prefix}.multi_turn.format", str(err).split(": ", 1)[-1]) from None
     for key, path in (("multi_turn.tool_config_path", settings.tool_config_path),
+                      ("multi_turn.function_tool_path", settings.function_tool_path),
                       ("multi_turn.interaction_config_path", settings.interaction_config_path),
                       ("agent.agent_loop_config_path", settings.agent_loop_config_path)):
         if path is not None and not Path(path).expanduser().is_file():

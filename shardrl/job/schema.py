@@ -253,6 +253,7 @@ class MultiTurnConfig:
     max_assistant_turns: PosInt | None  # null: no limit but the response length
     max_user_turns: PosInt | None
     tool_config_path: str | None
+    function_tool_path: str | None  # verl 0.9's: a Python file of @function_tool functions, more tools
     interaction_config_path: str | None
     max_parallel_calls: PosInt
     max_tool_response_length: PosInt  # characters

@@ -14,6 +14,7 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 from shardrl.agents.agent_host import AgentHostError
 from shardrl.agents.driver import AgentSettings, agent_host
 from shardrl.agents.loop import AGENT_LOOPS
+from shardrl.agents.function_tools import FunctionToolError, check_unique_names, function_tool_schemas
 from shardrl.agents.registry import interaction_names_of, tool_schemas_of
 from shardrl.algos import make_kl_controller
 from shardrl.algos.distillation import DistillationSettings
@@ -106,7 +107,8 @@ def train(plan: JobPlan) -> None:
     data = plan.data
     tokenizer_key = "data.tokenizer" if data.tokenizer else "actor_rollout_ref.model.path"
     tokenizer = load_tokenizer(paths.tokenizer, tokenizer_key, data.trust_remote_code)
-    tools = agent_tool_schemas(paths.tool_config)
+    tools = agent_tool_schemas(paths.tool_config, None if plan.rollout.agent is None else
+                               plan.rollout.agent.function_tool_path)
     if plan.teacher is not None:
         check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
         check_distillation_topk(plan.actor.distillation, len(tokenizer))
@@ -172,7 +174,8 @@ def announce_user_files(plan: JobPlan, paths: RunPaths) -> None:
         print(f"loaded reward function {Path(reward.custom_path).expanduser().resolve()}:{reward.custom_name}")
     if agent is None:
         return
-    for what, file in (("tool config", agent.tool_config_path), ("interaction config", agent.interaction_config_path),
+    for what, file in (("tool config", agent.tool_config_path), ("function tools", agent.function_tool_path),
+                       ("interaction config", agent.interaction_config_path),
                        ("agent loop config", agent.agent_loop_config_path)):
         if file:
             print(f"loaded {what} {Path(file).expanduser().resolve()}")
@@ -201,16 +204,25 @@ def custom_score_fn(reward: RewardOptions) -> GuardedScoreFn:
 
 
 TOOL_CONFIG_KEY = "actor_rollout_ref.rollout.multi_turn.tool_config_path"
+FUNCTION_TOOL_KEY = "actor_rollout_ref.rollout.multi_turn.function_tool_path"
 
 
-def agent_tool_schemas(tool_config: str | None) -> list[dict] | None:
-    """The tools' schemas prompts are rendered with (None: no tools); a bad tool config is a ConfigError."""
-    if tool_config is None:
+def agent_tool_schemas(tool_config: str | None, function_tools: str | None = None) -> list[dict] | None:
+    """The tools' schemas prompts are rendered with (None: no tools): the tool config's, then the function-tool
+    file's (read in a process of its own); a bad file or a name twice is a ConfigError."""
+    if tool_config is None and function_tools is None:
         return None
     try:
-        return tool_schemas_of(tool_config)
+        schemas = tool_schemas_of(tool_config) if tool_config is not None else []
     except ValueError as err:
         raise ConfigError(TOOL_CONFIG_KEY, str(err)) from None
+    if function_tools is not None:
+        try:
+            schemas += function_tool_schemas(function_tools)
+            check_unique_names([schema["function"]["name"] for schema in schemas], function_tools)
+        except FunctionToolError as err:
+            raise ConfigError(FUNCTION_TOOL_KEY, str(err)) from None
+    return schemas
 
 
 def check_agent_functions(agent: AgentSettings) -> None:
