@@ -489,16 +489,9 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass(frozen=True)
-class RewardFunctionSpelling:
-    """verl 0.9's `reward.custom_reward_function`: folded into `custom_reward_function` (null: not given)."""
-
-    path: str | None
-    name: str | None
-
-
-@dataclass(frozen=True)
-class RewardManagerModuleSpelling:
-    """verl 0.9's `reward.reward_manager.module`: a user reward-manager class (refused when given)."""
+class UserCodeSpelling:
+    """verl 0.9's (file, name) of user code in its `reward` group: `custom_reward_function` (folded into the key of
+    that name) and `reward_manager.module` (a reward-manager class: refused when given). Null: not given."""
 
     path: str | None
     name: str | None
@@ -511,7 +504,7 @@ class RewardManagerSpelling:
 
     name: Literal["naive", "batch", "dapo", "gdpo"] | None
     source: str | None
-    module: RewardManagerModuleSpelling
+    module: UserCodeSpelling
 
 
 @dataclass(frozen=True)
@@ -536,7 +529,7 @@ class RewardSpellingConfig:
     refused when any entry is set: run code in a reward function or an agent tool instead."""
 
     num_workers: PosInt | None  # -> custom_reward_function.num_workers (the scoring processes)
-    custom_reward_function: RewardFunctionSpelling
+    custom_reward_function: UserCodeSpelling
     reward_manager: RewardManagerSpelling
     reward_model: RewardModelSpelling
     reward_kwargs: dict[str, Any]  # -> reward_model.reward_kwargs (DAPO's overlong shaping)
