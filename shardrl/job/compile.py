@@ -403,7 +403,9 @@ def loop_options(config: PPOConfig, shared: SharedKeys, step: StepSize, save_hf:
         run_dir=trainer.default_local_dir,
         max_ckpt_to_keep={"actor": trainer.max_actor_ckpt_to_keep, "critic": trainer.max_critic_ckpt_to_keep},
         save_hf=save_hf, balance_batch=trainer.balance_batch, actor_mini_batch_size=step.actor_mini,
-        critic_mini_batch_size=step.critic_mini, log_val_generations=trainer.log_val_generations)
+        critic_mini_batch_size=step.critic_mini, log_val_generations=trainer.log_val_generations,
+        rollout_data_dir=trainer.rollout_data_dir, validation_data_dir=trainer.validation_data_dir,
+        val_only=trainer.val_only)
 
 
 RAY_INIT_KEYS = {"address", "num_cpus"}  # what controller.init_ray takes of ray.init's arguments

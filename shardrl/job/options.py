@@ -382,6 +382,10 @@ class LoopOptions:
     actor_mini_batch_size: int
     critic_mini_batch_size: int | None
     log_val_generations: int
+    # verl's sample dumps: <dir>/<step>.jsonl per training step / per validation (None: none)
+    rollout_data_dir: str | None = None
+    validation_data_dir: str | None = None
+    val_only: bool = False  # validate before training, then stop
 
 
 @dataclass(frozen=True)

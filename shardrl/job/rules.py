@@ -115,6 +115,9 @@ def _validate_estimators(config: PPOConfig) -> None:
     if algo.adv_estimator == "grpo_passk" and config.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("actor_rollout_ref.rollout.n", "adv_estimator=grpo_passk needs >= 2 samples per prompt (it "
                                                          "rewards each group's best over its runner-up)")
+    if config.trainer.val_only and not config.trainer.val_before_train:
+        raise ConfigError("trainer.val_only", "it stops after the validation before training, which "
+                                              "trainer.val_before_train=false skips; set that true")
     actor = config.actor_rollout_ref.actor
     name = "clip_ratio" if actor.clip_ratio_low is None else "clip_ratio_low"
     low = getattr(actor, name)

@@ -641,6 +641,8 @@ class TrainerConfig:
     experiment_name: str
     logger: list[Logger]
     log_val_generations: NonNegInt
+    rollout_data_dir: str | None  # verl's: every training step's samples as <dir>/<step>.jsonl
+    validation_data_dir: str | None  # verl's: every validation's samples as <dir>/<step>.jsonl
     nnodes: PosInt
     n_gpus_per_node: PosInt  # ranks per node (CPU processes when device is cpu)
     device: Literal["auto", "cpu", "cuda"]
@@ -650,6 +652,7 @@ class TrainerConfig:
     test_freq: AtLeastMinusOne
     critic_warmup: NonNegInt
     val_before_train: bool
+    val_only: bool  # verl's: validate before training (val_before_train), then stop
     resume_mode: Literal["auto", "disable", "resume_path"]
     resume_from_path: str | None
     default_local_dir: str

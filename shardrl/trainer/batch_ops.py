@@ -3,9 +3,12 @@ correction, advantages, and the batch's data metrics (verl's metric names)."""
 
 from __future__ import annotations
 
+import json
 import math
+import os
 import uuid
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,6 +24,7 @@ from shardrl.rewards.manager import SampleScores, compute_token_level_scores
 from shardrl.job.options import AlgorithmOptions, LoopOptions, RewardOptions
 from shardrl.workers.engine import ROUTING_MISMATCH, UNREPLAYED_LOG_PROBS
 
+EXTRA_COLUMN = "reward_extra/"  # a reward extra kept as a non-tensor column (`score(extras_as_columns=True)`)
 # Which validation samples `trainer.log_val_generations` shows: a fixed seed, so every validation of every run shows
 # the answers to the same prompts and they can be compared.
 VAL_GENERATIONS_SEED = 42
@@ -67,11 +71,12 @@ def balance_over_dp(batch: Batch, loop: LoopOptions, actor_dp: int,
     return batch.take(order), metrics
 
 
-def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions,
-          keep_extras: Sequence[str] = ()) -> tuple[Batch, SampleScores]:
+def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions, keep_extras: Sequence[str] = (),
+          extras_as_columns: bool = False) -> tuple[Batch, SampleScores]:
     """`token_level_scores` `[B, R]` (with `reward_model.overlong_buffer`'s shaping when enabled; validation too, as
     verl's DAPO recipe scores it) and the per-sample scores and extras. The extras named in `keep_extras` (gdpo's
-    reward components) also become non-tensor columns of the batch, which later steps read. With verl's gdpo
+    reward components) also become non-tensor columns of the batch, which later steps read; `extras_as_columns`:
+    every extra does, as `reward_extra/<name>` (the sample dumps read them after dynamic sampling's filter). With verl's gdpo
     manager (`reward.experiment_name`) every sample's extra_info holds the run's experiment name first."""
     if reward.experiment_name is not None:
         batch.non_tensors["extra_info"] = as_object_array(
@@ -85,7 +90,47 @@ def score(batch: Batch, tokenizer, score_fn, reward: RewardOptions,
             raise ValueError(f"algorithm.gdpo_reward_keys: the reward function returned no {key!r} (its extras: "
                              f"{sorted(scores.extras)}); return it in every sample's result dict")
         batch.non_tensors[key] = as_object_array(scores.extras[key])
+    if extras_as_columns:
+        for key, values in scores.extras.items():
+            batch.non_tensors[f"{EXTRA_COLUMN}{key}"] = as_object_array(values)
     return batch, scores
+
+
+def sample_records(batch: Batch, tokenizer, step: int) -> list[dict[str, Any]]:
+    """verl's sample dump rows (`trainer.rollout_data_dir` / `validation_data_dir`): per sample `input` (the decoded
+    prompt), `output` (the decoded response as the model saw it, tool turns included), `gts` (the ground truth),
+    `score` (its token scores summed), `step`, and each reward extra kept as a column (`reward_extra/<name>`)."""
+    t = batch.tensors
+    width = t["prompts"].shape[1]
+    prompt_mask, response_mask = t["attention_mask"][:, :width].bool(), t["attention_mask"][:, width:].bool()
+    inputs = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["prompts"], prompt_mask)],
+                                    skip_special_tokens=True)
+    outputs = tokenizer.batch_decode([ids[m].tolist() for ids, m in zip(t["responses"], response_mask)],
+                                     skip_special_tokens=True)
+    scores = t["token_level_scores"].sum(-1).tolist()
+    truths = [(info or {}).get("ground_truth") for info in batch.non_tensors.get("reward_model", [None] * len(batch))]
+    extras = {key.removeprefix(EXTRA_COLUMN): list(values) for key, values in batch.non_tensors.items()
+              if key.startswith(EXTRA_COLUMN)}
+    return [{"input": inputs[i], "output": outputs[i], "gts": truths[i], "score": scores[i], "step": step,
+             **{key: values[i] for key, values in extras.items()}} for i in range(len(batch))]
+
+
+def write_records(directory: str, step: int, records: list[dict[str, Any]]) -> Path:
+    """`<directory>/<step>.jsonl`, one JSON object per line (values JSON cannot hold as str()), written under a
+    temporary name and renamed: a reader never sees half a file."""
+    folder = Path(directory).expanduser()
+    folder.mkdir(parents=True, exist_ok=True)
+    path, temporary = folder / f"{step}.jsonl", folder / f".{step}.jsonl.tmp"
+    with open(temporary, "w") as out:
+        for record in records:
+            out.write(json.dumps(record, ensure_ascii=False, default=_plain) + "\n")
+    os.replace(temporary, path)
+    return path
+
+
+def _plain(value: Any) -> Any:
+    """json.dumps's fallback: numpy numbers as Python ones, anything else as its str()."""
+    return value.item() if isinstance(value, np.generic) else str(value)
 
 
 def reward_metrics(extras: dict[str, list[Any]]) -> dict[str, float]:

@@ -130,6 +130,8 @@ def train(plan: JobPlan) -> None:
     if paths.val_files:
         val_data = dataset(paths.val_files, data.val_max_samples, "data.val_files")
         val_prompts = validation_prompts(val_data, data.val_batch_size, data.validation_shuffle, data.seed)
+    if plan.loop.val_only and val_prompts is None:
+        raise ConfigError("trainer.val_only", "there is no validation data to run; set data.val_files")
     datasets = [d for d in (loader.dataset, val_data) if d is not None]
     check_prompt_ids_fit(datasets, paths.model, tokenizer_key)
     agents_score = plan.rollout.agent is not None and bool(plan.rollout.agent.agent_loop_config_path)
@@ -154,7 +156,8 @@ def train(plan: JobPlan) -> None:
         stopped: KeyboardInterrupt | None = None
         try:
             ppo.fit(start.checkpoint)
-            ppo.save_hf(paths.run_dir / "hf_export")
+            if not plan.loop.val_only:  # nothing was trained to export
+                ppo.save_hf(paths.run_dir / "hf_export")
         except KeyboardInterrupt as stop:  # Ctrl-C, SIGINT or SIGTERM (stop_signals.py): the logged steps stay
             stopped = stop
         finally:

@@ -50,8 +50,8 @@ class Workers:
     reward_model: RoleHandle | None = None  # RewardModelWorker: `reward_model.enable`
     judge: RoleHandle | None = None  # JudgeWorker: `reward_model.judge.enable`
 
-    def score(self, batch: Batch, tokenizer, score_fn, reward: RewardOptions,
-              keep_extras: Sequence[str] = ()) -> tuple[Batch, SampleScores]:
+    def score(self, batch: Batch, tokenizer, score_fn, reward: RewardOptions, keep_extras: Sequence[str] = (),
+              extras_as_columns: bool = False) -> tuple[Batch, SampleScores]:
         """Token-level scores of generated samples: the reward model's when there is one (verl's: then the reward
         function is not called), the judge's (instead of the reward function's or added to it), else the reward
         function's (`batch_ops.score`)."""
@@ -59,7 +59,7 @@ class Workers:
             batch = batch.union(self.reward_model.call(RewardModelWorker.compute_rm_score, batch))
         if self.judge is not None:
             batch = batch.union(self.judge.call(JudgeWorker.judge, batch))
-        return batch_ops.score(batch, tokenizer, score_fn, reward, keep_extras)
+        return batch_ops.score(batch, tokenizer, score_fn, reward, keep_extras, extras_as_columns)
 
     def generate(self, samples: Batch, validate: bool = False) -> Batch:
         """One response per row, on the hybrid engine or the detached rollout pool."""
@@ -168,13 +168,16 @@ class PPOTrainer:
     def score_samples(self, samples: Batch) -> tuple[Batch, SampleScores]:
         """`Workers.score` with this run's tokenizer, reward function and options (also the reward loop's)."""
         return self.workers.score(samples, self.tokenizer, self.score_fn, self.plan.reward,
-                                  self.algorithm.gdpo_reward_keys or ())
+                                  self.algorithm.gdpo_reward_keys or (), bool(self.loop.rollout_data_dir))
 
     def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
         """On a scored batch: balance -> log-probs (old, ref, distillation teacher) -> values -> advantages (then
         PF-PPO's resampling) -> update critic, actor."""
         w, t = self.workers, self.timeline
         metrics: dict[str, Any] = {}
+        if self.loop.rollout_data_dir:  # verl's dump of the samples the step trains on (its steps count from 1)
+            batch_ops.write_records(self.loop.rollout_data_dir, step + 1,
+                                    batch_ops.sample_records(batch, self.tokenizer, step + 1))
         if self.loop.balance_batch:
             with t.phase(step, "balance"):
                 batch, metrics = batch_ops.balance_over_dp(batch, self.loop, w.actor.layout.dp,
@@ -257,8 +260,12 @@ class PPOTrainer:
         n = self.loop.val_samples_per_prompt
         samples = batch_ops.with_sample_seeds(batch_ops.assign_uids(self.val_prompts).repeat(n), self.loop.seed, -1)
         batch = self.workers.generate(samples, validate=True)
-        batch, sample_scores = self.workers.score(batch, self.tokenizer, self.score_fn, self.plan.reward)
+        batch, sample_scores = self.workers.score(batch, self.tokenizer, self.score_fn, self.plan.reward,
+                                                  extras_as_columns=bool(self.loop.validation_data_dir))
         scores = batch.tensors["token_level_scores"].sum(-1).numpy()
+        if self.loop.validation_data_dir:
+            batch_ops.write_records(self.loop.validation_data_dir, self.global_step,
+                                    batch_ops.sample_records(batch, self.tokenizer, self.global_step))
         if self.loop.log_val_generations:
             self.tracker.log_generations(self.global_step, batch_ops.val_generations(
                 batch, self.tokenizer, scores, self.loop.log_val_generations))
@@ -321,6 +328,8 @@ class PPOTrainer:
         self.sync_weights(-1)
         if self.val_prompts is not None and loop.val_before_train:
             self.tracker.log(self.global_step, self.validate())
+            if loop.val_only:  # verl's: the validation was the run
+                return
         start = time.perf_counter()
         progress = self.tracker.progress(self.total_steps, self.global_step, self.timeline)
         pictures = Pictures(self.tracker.run_dir, run_title(self.plan), self.timeline)
