@@ -139,8 +139,8 @@ CLIP_METRICS = {"gpg": set(), "cispo": {"actor/pg_clipfrac"}, "sapo": set(), "gr
                  marks=pytest.mark.slow),
     pytest.param("rloo_vectorized", ["algorithm.adv_estimator=rloo_vectorized"], marks=pytest.mark.slow),
     # two mini batches a step: the second selects from its own forward pass
-    ("kl_cov", [f"{ACTOR}.policy_loss.loss_mode=kl_cov", f"{ACTOR}.policy_loss.kl_cov_ratio=0.01",
-                f"{ACTOR}.ppo_mini_batch_size=4"]),
+    pytest.param("kl_cov", [f"{ACTOR}.policy_loss.loss_mode=kl_cov", f"{ACTOR}.policy_loss.kl_cov_ratio=0.01",
+                            f"{ACTOR}.ppo_mini_batch_size=4"], marks=pytest.mark.slow),
     pytest.param("clip_cov", [f"{ACTOR}.policy_loss.loss_mode=clip_cov", f"{ACTOR}.policy_loss.clip_cov_ratio=0.01",
                               f"{ACTOR}.policy_loss.clip_cov_lb=0.01"], marks=pytest.mark.slow),
     pytest.param("dr_grpo", ["algorithm.norm_adv_by_std_in_grpo=false",
