@@ -139,3 +139,28 @@ def test_verls_names_for_the_timeout_and_the_sync_bucket(source, value):
     with pytest.raises(ConfigError, match="set one") as err:
         compose("ppo_trainer", [f"{source}={value}", f"{target}={value + 1}"])
     assert err.value.key == source
+
+
+@pytest.mark.parametrize("entry, value, accepted", [
+    ("optimizer_cpu_offload", "False", True), ("use_precision_aware_optimizer", "False", True),
+    ("optimizer_offload_fraction", "0", True), ("decoupled_weight_decay", "True", True),
+    ("optimizer_cpu_offload", "True", False), ("optimizer_offload_fraction", "1", False),
+    ("use_precision_aware_optimizer", "True", False), ("decoupled_weight_decay", "False", False),
+    ("adam_eps", "1e-6", False),
+])
+def test_megatron_optimizer_overrides_pass_only_where_they_describe_shardrls_adamw(entry, value, accepted):
+    key = f"actor_rollout_ref.actor.optim.override_optimizer_config.{entry}"
+    config = compose("ppo_trainer", [f"+{key}={value}"])
+    if accepted:
+        assert plan_job(config).actor.model.engine.optim is not None
+        return
+    with pytest.raises(ConfigError) as err:
+        plan_job(config)
+    assert err.value.key == key and "not supported" in str(err.value) and "\n" not in str(err.value)
+
+
+def test_data_trust_remote_code_needs_the_models():
+    with pytest.raises(ConfigError) as err:
+        compose("ppo_trainer", ["data.trust_remote_code=true"])
+    assert err.value.key == "data.trust_remote_code" and "actor_rollout_ref.model.trust_remote_code" in str(err.value)
+    compose("ppo_trainer", ["data.trust_remote_code=true", "actor_rollout_ref.model.trust_remote_code=true"])

@@ -132,6 +132,8 @@ ACCEPTED: tuple[Accepted, ...] = (
     Accepted("algorithm.rollout_correction.bypass_mode", "folded into algorithm.rollout_correction.decoupled"),
     *(Accepted(key, f"verl's spelling of {target}, folded into it by load.py")
       for key, target in VERL_SPELLINGS.items()),
+    Accepted("data.trust_remote_code", "checked against actor_rollout_ref.model.trust_remote_code, which loads the "
+             "tokenizer (rules.py)"),
     Accepted("critic.model.use_fused_kernels", "a value head has no vocabulary: nothing to fuse (it follows the "
              "actor's key by default)"),
     *(Accepted(f"{group}.megatron.vanilla_mbridge", "verl's choice between two HF<->Megatron bridge libraries; "

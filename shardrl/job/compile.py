@@ -87,7 +87,8 @@ def _update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: i
 def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> ActorOptions:
     arr = config.actor_rollout_ref
     actor = arr.actor
-    optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer)
+    optim = optim_options(actor.optim, actor.clip_grad_norm, actor.megatron.use_distributed_optimizer,
+                          "actor_rollout_ref.actor.optim")
     model = model_options(actor.megatron, "actor_rollout_ref.actor.megatron", role.spec, role.ranks,
                           arr.model.enable_gradient_checkpointing, optim, shared.override_config, actor.load_weight,
                           bitwise=shared.bitwise, lora=shared.lora, fused_logprobs=shared.fused_logprobs)
@@ -204,7 +205,8 @@ def reward_model_options(config: PPOConfig, role: RolePlan) -> RewardModelOption
 
 def critic_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> CriticOptions:
     critic = config.critic
-    optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer)
+    optim = optim_options(critic.optim, critic.clip_grad_norm, critic.megatron.use_distributed_optimizer,
+                          "critic.optim")
     lora = named_lora_settings(critic.model, shared.seed, "critic.model")
     model = model_options(critic.megatron, "critic.megatron", role.spec, role.ranks,
                           critic.model.enable_gradient_checkpointing, optim, critic.model.override_config,
@@ -438,7 +440,25 @@ def async_options(config: PPOConfig) -> AsyncOptions | None:
                         trigger_parameter_sync_step=a.trigger_parameter_sync_step, require_batches=a.require_batches)
 
 
-def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool) -> OptimOptions:
+# verl's Megatron optimizer overrides that describe shardrl's AdamW at these values, and why another value is refused.
+_HYBRID_CPU = ("Megatron's hybrid CPU optimizer (the Adam step on the CPU) is not in shardrl; megatron."
+               "optimizer_offload=true keeps the optimizer state in host memory between steps (the step runs on the "
+               "GPU)")
+OPTIMIZER_OVERRIDES: dict[str, tuple[Any, str]] = {
+    "optimizer_cpu_offload": (False, _HYBRID_CPU), "overlap_cpu_optimizer_d2h_h2d": (False, _HYBRID_CPU),
+    "optimizer_offload_fraction": (0, _HYBRID_CPU), "offload_fraction": (0, _HYBRID_CPU),
+    "use_precision_aware_optimizer": (False, "shardrl keeps fp32 master weights and fp32 Adam moments"),
+    "decoupled_weight_decay": (True, "shardrl's AdamW decays the weights decoupled from the gradient"),
+}
+
+
+def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool, key: str) -> OptimOptions:
+    """`key`: the role's optim group (for errors)."""
+    for name, value in optim.override_optimizer_config.items():
+        accepted, why = OPTIMIZER_OVERRIDES.get(name, (None, "not a setting of shardrl's AdamW (its keys: lr, betas, "
+                                                             "weight_decay, clip_grad, the lr schedule's)"))
+        if name not in OPTIMIZER_OVERRIDES or value != accepted:
+            raise ConfigError(f"{key}.override_optimizer_config.{name}", f"{value!r} is not supported: {why}")
     return OptimOptions(lr=optim.lr, betas=tuple(optim.betas), weight_decay=optim.weight_decay, clip_grad=clip_grad,
                         distributed=distributed,
                         total_steps=optim.total_training_steps if optim.total_training_steps > 0 else None,

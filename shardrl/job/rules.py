@@ -115,6 +115,10 @@ def _validate_estimators(config: PPOConfig) -> None:
     if algo.adv_estimator == "grpo_passk" and config.actor_rollout_ref.rollout.n < 2:
         raise ConfigError("actor_rollout_ref.rollout.n", "adv_estimator=grpo_passk needs >= 2 samples per prompt (it "
                                                          "rewards each group's best over its runner-up)")
+    if config.data.trust_remote_code and not config.actor_rollout_ref.model.trust_remote_code:
+        raise ConfigError("data.trust_remote_code", "shardrl loads the one tokenizer with actor_rollout_ref.model."
+                                                    "trust_remote_code; set that true as well (it lets the model "
+                                                    "repository's code run)")
     if config.trainer.val_only and not config.trainer.val_before_train:
         raise ConfigError("trainer.val_only", "it stops after the validation before training, which "
                                               "trainer.val_before_train=false skips; set that true")

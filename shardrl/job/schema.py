@@ -85,6 +85,8 @@ class OptimConfig:
     betas: list[float]
     clip_grad: PosFloat  # max global grad norm
     total_training_steps: AtLeastMinusOne  # -1: filled in by the trainer
+    # verl's Megatron OptimizerConfig overrides: an entry is accepted only where it names what shardrl's AdamW does
+    override_optimizer_config: dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -611,6 +613,7 @@ class DataConfig:
     """Prompt datasets in verl's RL format and how they are batched and truncated."""
 
     tokenizer: str | None  # null: the actor's tokenizer
+    trust_remote_code: bool  # verl's: the tokenizer's code; shardrl loads it with actor_rollout_ref.model's key
     train_files: str | list[str] | None  # null: the built-in task of the default job
     val_files: str | list[str] | None
     train_max_samples: AtLeastMinusOne
