@@ -60,7 +60,7 @@ def _fused_at(tp: int) -> dict:
                 rank=layout.tp_rank, rows=rows)
 
 
-@pytest.mark.parametrize("tp", [1, 2, 4])
+@pytest.mark.parametrize("tp", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
 def test_values_and_both_gradients_match_float64_autograd(tp):
     log_prob, entropy, grad_h, grad_w = _reference()
     results = run_distributed(tp, _fused_at, tp) if tp > 1 else [_fused_at(1)]
