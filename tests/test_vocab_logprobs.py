@@ -39,14 +39,23 @@ def _reference(logits: torch.Tensor, targets: torch.Tensor, up_lp: torch.Tensor 
     return lp.detach(), ent.detach(), full.grad
 
 
+def _layout(tp: int) -> Layout:
+    return Layout.create(LayoutSpec(world_size=tp, tp=tp)) if tp > 1 else Layout.single()
+
+
+def _padded(logits: torch.Tensor, vocab: int, tp: int) -> torch.Tensor:
+    """The logits with the vocab padding TP adds; padded columns hold a huge logit, which would dominate the softmax
+    if it were not excluded."""
+    return F.pad(logits, (0, padded_vocab_size(vocab, tp) - vocab), value=1e4)
+
+
 def check_against_reference(tp: int) -> int:
     """Every case and upstream choice on this rank; returns the number of checks (so a silent skip shows)."""
-    layout = Layout.create(LayoutSpec(world_size=tp, tp=tp)) if tp > 1 else Layout.single()
+    layout = _layout(tp)
     checks = 0
     for vocab, chunk_elements in CASES:
         logits, targets, up_lp, up_ent = _inputs(vocab)
-        # Padded columns hold a huge logit: it would dominate the softmax if it were not excluded.
-        padded = F.pad(logits, (0, padded_vocab_size(vocab, tp) - vocab), value=1e4)
+        padded = _padded(logits, vocab, tp)
         for use_lp, use_ent in UPSTREAM:
             ref_lp, ref_ent, ref_grad = _reference(logits, targets, up_lp if use_lp else None,
                                                    up_ent if use_ent else None)
@@ -90,12 +99,11 @@ def test_no_grad_path_and_bf16_logits():
 def check_sum_squared_probs(tp: int) -> int:
     from shardrl.parallel.vocab import vocab_parallel_sum_squared_probs
 
-    layout = Layout.create(LayoutSpec(world_size=tp, tp=tp)) if tp > 1 else Layout.single()
+    layout = _layout(tp)
     checks = 0
     for vocab, chunk_elements in CASES:
         logits, _, _, _ = _inputs(vocab)
-        padded = F.pad(logits, (0, padded_vocab_size(vocab, tp) - vocab), value=1e4)
-        local = padded.chunk(tp, dim=-1)[layout.tp_rank]
+        local = _padded(logits, vocab, tp).chunk(tp, dim=-1)[layout.tp_rank]
         got = vocab_parallel_sum_squared_probs(local, layout.tp_group, vocab, chunk_elements)
         assert_close(got, logits.double().softmax(-1).square().sum(-1).float(), **TOL)
         checks += 1

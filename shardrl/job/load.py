@@ -3,6 +3,7 @@ spellings into ours, build the typed dataclasses (every value checked) and check
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -88,8 +89,10 @@ def _fold_spellings(tree: dict[str, Any]) -> dict[str, Any]:
     return tree
 
 
+@functools.cache
 def _packaged_defaults() -> dict[str, Any]:
-    """The packaged ppo_trainer.yaml as written (interpolations unresolved): the older keys' defaults."""
+    """The packaged ppo_trainer.yaml as written (interpolations unresolved): the older keys' defaults (read once per
+    process; `_fold_spellings` only reads it)."""
     return OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "ppo_trainer.yaml"), resolve=False)
 
 

@@ -88,9 +88,8 @@ def _logprobs_and_topk_kl(chunk: Transformer, hidden: Tensor, mb: MicroBatch, te
     student_ids = vocab_parallel_topk_ids(logits.detach(), teacher_ids.shape[-1], group, vocab_size)  # [T, k]
     shared = (teacher_ids.unsqueeze(-1) == student_ids.unsqueeze(-2)).any(-1)  # [T, k] in both top k
     overlap = (shared.sum(-1).float(), torch.where(shared, -terms, 0.0).sum(-1))  # TopKOverlap's two [T]
-    per_token = (log_prob, entropy, kl, mass, *overlap)
-    return *(unpack_responses(x, mb.packed) for x in per_token[:4]), TopKOverlap(
-        *(unpack_responses(x, mb.packed) for x in overlap))
+    rows = [unpack_responses(x, mb.packed) for x in (log_prob, entropy, kl, mass, *overlap)]  # [b, R] each
+    return *rows[:4], TopKOverlap(*rows[4:])
 
 
 @torch.no_grad()
