@@ -164,3 +164,66 @@ def test_data_trust_remote_code_needs_the_models():
         compose("ppo_trainer", ["data.trust_remote_code=true"])
     assert err.value.key == "data.trust_remote_code" and "actor_rollout_ref.model.trust_remote_code" in str(err.value)
     compose("ppo_trainer", ["data.trust_remote_code=true", "actor_rollout_ref.model.trust_remote_code=true"])
+
+
+@pytest.mark.parametrize("role", ["actor", "ref"])
+def test_verl_09s_engine_level_routing_replay_is_the_roles_router_replay(role):
+    engine = f"actor_rollout_ref.{role}.megatron.router_replay.mode"
+    config = compose("ppo_trainer", [f"{engine}=R3"])
+    assert config.at(f"actor_rollout_ref.{role}.router_replay.mode") == "R3"
+    assert dataclasses.replace(config, actor_rollout_ref=compose("ppo_trainer", [
+        f"actor_rollout_ref.{role}.router_replay.mode=R3"]).actor_rollout_ref).actor_rollout_ref.actor.router_replay \
+        == config.actor_rollout_ref.actor.router_replay
+    with pytest.raises(ConfigError, match="set one") as err:
+        compose("ppo_trainer", [f"{engine}=R3", f"actor_rollout_ref.{role}.router_replay.mode=R2"])
+    assert err.value.key == engine
+
+
+@pytest.mark.parametrize("override, key, reason", [
+    ("critic.megatron.router_replay.mode=R2", "critic.megatron.router_replay.mode", "policy's"),
+    ("actor_rollout_ref.actor.megatron.router_replay.record_file=/tmp/r.pt",
+     "actor_rollout_ref.actor.megatron.router_replay.record_file", "in the batch"),
+    ("actor_rollout_ref.actor.megatron.use_remove_padding=false", "actor_rollout_ref.actor.megatron.use_remove_padding",
+     "always packs"),
+    ("critic.megatron.use_remove_padding=false", "critic.megatron.use_remove_padding", "always packs"),
+    ("actor_rollout_ref.model.mtp.enable=true", "actor_rollout_ref.model.mtp.enable", "multi-token-prediction"),
+    ("actor_rollout_ref.model.mtp.enable_train=true", "actor_rollout_ref.model.mtp.enable_train", "qwen3_moe"),
+])
+def test_verl_09s_engine_and_mtp_keys_refused_where_shardrl_cannot_honour_them(override, key, reason):
+    with pytest.raises(ConfigError) as err:
+        plan_job(compose("ppo_trainer", [override]))
+    assert err.value.key == key and reason in str(err.value) and "\n" not in str(err.value)
+
+
+def test_verl_09s_megatron_script_keys_at_their_values_plan():
+    plan_job(compose("ppo_trainer", ["actor_rollout_ref.actor.megatron.use_remove_padding=true",
+                                     "actor_rollout_ref.model.mtp.enable=false",
+                                     "actor_rollout_ref.model.mtp.mtp_loss_scaling_factor=0.2"]))
+
+
+def _final_lr(overrides):
+    from types import SimpleNamespace
+
+    from shardrl.parallel.optimizer import LRScheduler
+
+    optim = plan_job(compose("ppo_trainer", ["actor_rollout_ref.actor.optim.lr_decay_style=cosine",
+                                             *overrides])).actor.model.engine.optim
+    scheduler = LRScheduler(SimpleNamespace(lr=optim.lr), total_steps=10, style=optim.decay_style,
+                            min_lr_ratio=optim.min_lr_ratio)
+    return scheduler.lr_at(0), scheduler.lr_at(10)
+
+
+def test_verls_megatron_min_lr_is_the_final_learning_rate():
+    peak, final = _final_lr(["actor_rollout_ref.actor.optim.lr=2e-6", "actor_rollout_ref.actor.optim.min_lr=5e-7"])
+    assert peak == pytest.approx(2e-6) and final == pytest.approx(5e-7)
+    assert _final_lr(["actor_rollout_ref.actor.optim.lr=2e-6", "actor_rollout_ref.actor.optim.min_lr_ratio=0.25"]) \
+        == pytest.approx((peak, final))
+    compose("ppo_trainer", ["actor_rollout_ref.actor.optim.lr=2e-6", "actor_rollout_ref.actor.optim.min_lr=5e-7",
+                            "actor_rollout_ref.actor.optim.min_lr_ratio=0.25"])  # the same rate twice
+    for overrides, reason in ((["actor_rollout_ref.actor.optim.lr=2e-6",
+                                "actor_rollout_ref.actor.optim.min_lr=1e-5"], "above"),
+                              (["actor_rollout_ref.actor.optim.min_lr=1e-7",
+                                "actor_rollout_ref.actor.optim.min_lr_ratio=0.5"], "set one")):
+        with pytest.raises(ConfigError, match=reason) as err:
+            compose("ppo_trainer", overrides)
+        assert err.value.key == "actor_rollout_ref.actor.optim.min_lr"

@@ -71,7 +71,17 @@ REFUSED: tuple[Refused, ...] = (
               "its own bridge (models/hf_bridge.py), as mbridge does; verl's per-model converters are not here; set "
               "true or remove the key") for group in _MEGATRON_GROUPS),
     *(Refused(f"{group}.use_remove_padding", _is(True), False, "shardrl always packs sequences (no padding tokens are "
-              "computed); set true or remove the key") for group in _MODEL_GROUPS),
+              "computed); set true or remove the key")
+      for group in (*_MODEL_GROUPS, *(f"{g}.megatron" for g in _MEGATRON_GROUPS))),
+    *(Refused(f"{group}.megatron.router_replay.{file}", _is(None), "/tmp/routes.pt", "shardrl carries routing in the "
+              "batch from the pass that records it to the one that replays it; leave it null")
+      for group in _MEGATRON_GROUPS for file in ("record_file", "replay_file")),
+    *(Refused(f"{group}.megatron.router_replay.mode", _is("disabled"), "R3", "routing replay is the policy's and "
+              "the reference's (actor_rollout_ref.{actor,ref}.router_replay.mode); this role replays nothing")
+      for group in ("critic", "reward_model", "distillation.teacher_model")),
+    *(Refused(f"{group}.mtp.{switch}", _is(False), True, "none of shardrl's model families (llama, qwen2, qwen3, "
+              "mixtral, qwen2_moe, qwen3_moe) has multi-token-prediction layers; set false")
+      for group in _MODEL_GROUPS for switch in ("enable", "enable_train", "enable_rollout")),
     Refused("actor_rollout_ref.rollout.mode", _is("sync"), "async", "the native engine is driven by the trainer's "
             "schedule (the async modes are --config-name=one_step_off_ppo_trainer / fully_async_ppo_trainer); set "
             "sync"),
@@ -143,6 +153,13 @@ ACCEPTED: tuple[Accepted, ...] = (
                "reward model's serving engine, a sandbox service)")
       for key in ("reward_manager.source", "reward_manager.module.path", "reward_manager.module.name",
                   "reward_model.rollout", "sandbox_fusion")),
+    *(Accepted(f"{group}.mtp.{key}", "describes the MTP draft, read only with mtp.enable, which is refused (none of "
+               "shardrl's families has MTP layers)")
+      for group in _MODEL_GROUPS for key in ("detach_encoder", "mtp_loss_scaling_factor", "speculative_algorithm",
+                                             "speculative_num_steps", "speculative_eagle_topk",
+                                             "speculative_num_draft_tokens", "method", "num_speculative_tokens")),
+    *(Accepted(f"{group}.optim.min_lr", f"folded into {group}.optim.min_lr_ratio (= min_lr / lr) by load.py")
+      for group in ("actor_rollout_ref.actor", "critic")),
     Accepted("algorithm.rollout_correction.use_policy_gradient", "folded into algorithm.rollout_correction."
              "loss_type"),
 )

@@ -4,6 +4,7 @@ spellings into ours, build the typed dataclasses (every value checked) and check
 from __future__ import annotations
 
 import functools
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -38,6 +39,8 @@ VERL_SPELLINGS = {
     "actor_rollout_ref.nccl_timeout": "trainer.collective_timeout_s",
     "actor_rollout_ref.rollout.checkpoint_engine.update_weights_bucket_megabytes":
         "actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
+    **{f"actor_rollout_ref.{role}.megatron.router_replay.mode": f"actor_rollout_ref.{role}.router_replay.mode"
+       for role in ("actor", "ref")},
 }
 
 
@@ -74,12 +77,12 @@ def _refuse_reward_group_extras(tree: dict[str, Any]) -> None:
 
 
 def _fold_spellings(tree: dict[str, Any]) -> dict[str, Any]:
-    """Fold each of `VERL_SPELLINGS` given (not null, not empty) into its shardrl key. One whose shardrl key was also
-    set to another value (not its packaged default) is refused: set one."""
+    """Fold each of `VERL_SPELLINGS` given (not null, not empty, not its packaged default) into its shardrl key. One
+    whose shardrl key was also set to another value (not its packaged default) is refused: set one."""
     defaults = _packaged_defaults()
     for source, target in VERL_SPELLINGS.items():
         value = _get(tree, source)
-        if value is None or value == {}:
+        if value is None or value == {} or value == _get(defaults, source):
             continue
         current = _get(tree, target)
         if current != _get(defaults, target) and current != value:
@@ -146,6 +149,28 @@ def _fold_bypass_mode(tree: dict[str, Any]) -> dict[str, Any]:
     return tree | {"algorithm": algorithm | {"rollout_correction": correction | folded}}
 
 
+def _fold_min_lr(tree: dict[str, Any]) -> dict[str, Any]:
+    """verl's Megatron optimizer names the final learning rate absolutely (`optim.min_lr`); shardrl's schedule takes
+    it as a fraction of `optim.lr` (`min_lr_ratio`, verl's FSDP spelling). A given min_lr decides the ratio; one above
+    lr, or a ratio also set to another value, is refused."""
+    for group in ("actor_rollout_ref.actor.optim", "critic.optim"):
+        optim = _get(tree, group)
+        if optim is None or optim.get("min_lr") is None:
+            continue
+        min_lr, lr = optim["min_lr"], optim["lr"]
+        if min_lr > lr:
+            raise ConfigError(f"{group}.min_lr", f"{min_lr} is above {group}.lr={lr}; the schedule decays from lr "
+                                                 "down to min_lr")
+        ratio = min_lr / lr if lr > 0 else 0.0
+        if optim["min_lr_ratio"] != _get(_packaged_defaults(), f"{group}.min_lr_ratio") and \
+                not math.isclose(optim["min_lr_ratio"], ratio):
+            raise ConfigError(f"{group}.min_lr", f"{min_lr} and {group}.min_lr_ratio={optim['min_lr_ratio']} set the "
+                                                 "same final learning rate differently (verl's Megatron and FSDP "
+                                                 "spellings); set one")
+        tree = _with(tree, group, optim | {"min_lr_ratio": ratio, "min_lr": None})
+    return tree
+
+
 def load_config(cfg: DictConfig) -> PPOConfig:
     """Resolve interpolations, build the typed config and check the rules that tie keys together."""
     try:
@@ -155,7 +180,7 @@ def load_config(cfg: DictConfig) -> PPOConfig:
     tree = {k: v for k, v in tree.items() if k != "hydra"}
     build(PPOConfig, tree)  # every value checked under the key the user wrote, before any is folded into another
     _refuse_reward_group_extras(tree)
-    tree = _fold_bypass_mode(_fold_reward_kwargs(_fold_spellings(tree)))
+    tree = _fold_min_lr(_fold_bypass_mode(_fold_reward_kwargs(_fold_spellings(tree))))
     config = build(PPOConfig, tree)
     validate(config)
     return config

@@ -36,6 +36,16 @@ UnitInterval = Annotated[float, Min(0), Max(1)]  # [0, 1]
 
 
 @dataclass(frozen=True)
+class EngineRouterReplayConfig:
+    """verl 0.9's engine-level spelling of a role's routing replay (`<role>.megatron.router_replay`). The policy's
+    and the reference's fold into their `router_replay` group (load.py); the other roles keep `disabled`."""
+
+    mode: Literal["disabled", "R2", "R3"]
+    record_file: str | None
+    replay_file: str | None
+
+
+@dataclass(frozen=True)
 class MegatronConfig:
     """Parallel layout, offload and precision of one role (actor, ref or critic)."""
 
@@ -54,9 +64,11 @@ class MegatronConfig:
     dist_checkpointing_path: str | None
     use_mbridge: bool  # verl's: load the HF checkpoint through a bridge at any layout (shardrl's own): only true
     vanilla_mbridge: bool  # verl's choice between two bridge libraries; shardrl has one of its own: any value
+    use_remove_padding: bool  # verl's engine-level spelling of model.use_remove_padding: only true (always packed)
     dtype: DType
     seed: int
     override_transformer_config: dict[str, Any]
+    router_replay: EngineRouterReplayConfig
 
     def layout(self, world_size: int) -> LayoutSpec:
         """This role's layout over `world_size` ranks (raises LayoutError when the sizes do not fit)."""
@@ -81,6 +93,7 @@ class OptimConfig:
     lr_decay_style: LrDecayStyle
     lr_decay_steps: PosInt | None  # the step the decay ends at (warmup included); null: total steps
     min_lr_ratio: UnitInterval  # final lr = lr * min_lr_ratio
+    min_lr: NonNegFloat | None  # verl's Megatron spelling of the final lr, absolute (null: min_lr_ratio's)
     weight_decay: NonNegFloat
     betas: list[float]
     clip_grad: PosFloat  # max global grad norm
@@ -112,6 +125,25 @@ class ModelSourceConfig:
 
 
 @dataclass(frozen=True)
+class MtpConfig:
+    """verl's multi-token-prediction group. None of shardrl's families (llama, qwen2, qwen3, mixtral, qwen2_moe,
+    qwen3_moe) has MTP layers, so `enable` stays false; the other keys describe a draft setup that is then unused,
+    as in verl with MTP off."""
+
+    enable: bool
+    enable_train: bool
+    enable_rollout: bool
+    detach_encoder: bool
+    mtp_loss_scaling_factor: NonNegFloat
+    speculative_algorithm: str
+    speculative_num_steps: PosInt
+    speculative_eagle_topk: PosInt
+    speculative_num_draft_tokens: PosInt
+    method: str
+    num_speculative_tokens: PosInt
+
+
+@dataclass(frozen=True)
 class LoRAModelConfig(ModelSourceConfig):
     """A trained model with verl's LoRA keys (the critic's `critic.model`): lora_rank 0 trains every weight; > 0
     trains adapters of that rank on `target_modules` (names or all-linear) less `exclude_modules`, and on the MoE
@@ -123,6 +155,7 @@ class LoRAModelConfig(ModelSourceConfig):
     target_modules: str | list[str]
     exclude_modules: list[str] | None
     target_parameters: list[str] | None
+    mtp: MtpConfig
 
 
 @dataclass(frozen=True)
