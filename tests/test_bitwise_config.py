@@ -39,6 +39,7 @@ def test_bitwise_logprobs_reaches_the_rollout_engine_and_the_actor_only():
     (["actor_rollout_ref.rollout.dtype=float16"], "actor_rollout_ref.rollout.dtype"),
     (["actor_rollout_ref.rollout.top_k=20"], "actor_rollout_ref.rollout.bitwise_logprobs"),
     (["actor_rollout_ref.rollout.top_p=0.9"], "actor_rollout_ref.rollout.bitwise_logprobs"),
+    (["actor_rollout_ref.rollout.logprobs_mode=raw_logprobs"], "actor_rollout_ref.rollout.logprobs_mode"),
 ])
 def test_what_bitwise_mode_cannot_honour_is_refused_before_workers_start(overrides, key):
     with pytest.raises(ConfigError) as err:

@@ -74,6 +74,19 @@ def test_logprobs_equal_trainer_forward(checkpoints, family):
         assert_close(torch.tensor(out.raw_logprobs), expected_raw, atol=1e-5, rtol=0)
 
 
+def test_raw_logprobs_mode_reports_the_unscaled_unfiltered_logprob_of_the_same_draws(checkpoints):
+    """vLLM's logprobs_mode, engine-wide: the draws stay those of the filtered, scaled distribution; each token's
+    reported logprob becomes the trainer's at temperature 1 (and differs from the processed one)."""
+    path = checkpoints["qwen2"]
+    params = SamplingParams(max_tokens=10, temperature=0.7, top_k=20, seed=3, ignore_eos=True)
+    processed = _engine(path).generate(PROMPTS, params)
+    raw = _engine(path, replace(CONFIG, logprobs_mode="raw_logprobs")).generate(PROMPTS, params)
+    assert _tokens(raw) == _tokens(processed)
+    for out, expected, other in zip(raw, _trainer_logprobs(path, raw, 1.0), processed):
+        assert_close(torch.tensor(out.logprobs), expected, atol=1e-5, rtol=0)
+        assert (torch.tensor(out.logprobs) - torch.tensor(other.logprobs)).abs().max() > 1e-2
+
+
 def test_continuous_batching_equals_one_at_a_time(checkpoints):
     path = checkpoints["llama"]
     prompts = [[(7 * i + j) % 100 + 1 for j in range(n)] for i, n in enumerate([3, 12, 5, 20, 7])]

@@ -227,3 +227,12 @@ def test_verls_megatron_min_lr_is_the_final_learning_rate():
         with pytest.raises(ConfigError, match=reason) as err:
             compose("ppo_trainer", overrides)
         assert err.value.key == "actor_rollout_ref.actor.optim.min_lr"
+
+
+def test_rollout_logprobs_mode_reaches_the_engine_and_the_logits_modes_are_refused():
+    key = "actor_rollout_ref.rollout.logprobs_mode"
+    assert plan_job(compose("ppo_trainer", [f"{key}=raw_logprobs"])).rollout.engine.logprobs_mode == "raw_logprobs"
+    assert plan_job(compose("ppo_trainer")).rollout.engine.logprobs_mode == "processed_logprobs"
+    with pytest.raises(ConfigError, match="not logits") as err:
+        plan_job(compose("ppo_trainer", [f"{key}=raw_logits"]))
+    assert err.value.key == key and "\n" not in str(err.value)

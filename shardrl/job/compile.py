@@ -224,14 +224,24 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
     rollout = config.actor_rollout_ref.rollout
     length = shared.response_length
     agent = agent_settings(rollout.multi_turn, rollout.agent, shared.prompt_length, length)
+    if rollout.logprobs_mode.endswith("_logits"):
+        raise ConfigError("actor_rollout_ref.rollout.logprobs_mode", f"{rollout.logprobs_mode}: the trainer reads "
+                                                                     "each sampled token's log-prob "
+                                                                     "(rollout_log_probs), not logits; use "
+                                                                     "processed_logprobs or raw_logprobs")
     engine = EngineConfig(
         max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
         max_model_len=rollout.max_model_len or shared.prompt_length + shared.response_length,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching,
         record_routing=shared.record_routing, bitwise=shared.bitwise, lora=shared.lora,
-        spare_cache_rows=agent is not None)
+        spare_cache_rows=agent is not None, logprobs_mode=rollout.logprobs_mode)
     if shared.bitwise:
+        if rollout.logprobs_mode != "processed_logprobs":
+            raise ConfigError("actor_rollout_ref.rollout.logprobs_mode", f"{rollout.logprobs_mode} with {_BITWISE}: "
+                                                                         "bitwise mode checks each token's logprob "
+                                                                         "against the trainer's at the rollout "
+                                                                         "temperature; use processed_logprobs")
         _check_bitwise_layout(role.spec, rollout.dtype, "actor_rollout_ref.rollout")
         if rollout.top_k > 0 or rollout.top_p < 1.0 or not rollout.do_sample:
             raise ConfigError(_BITWISE, f"top_k={rollout.top_k}, top_p={rollout.top_p}, do_sample={rollout.do_sample}: "

@@ -355,6 +355,8 @@ class RolloutConfig:
     max_model_len: PosInt | None  # null: prompt_length + response_length
     enable_chunked_prefill: bool
     enable_prefix_caching: bool
+    # which logprob each sampled token reports (vLLM's logprobs_mode; the logits modes are refused)
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"]
     # verl's: the rollout engine records every token's MoE experts into the batch (`routed_experts`), for R3 to
     # replay; the old-logprob pass reports how often its own routing differs (`routing/rollout_mismatch`)
     enable_rollout_routing_replay: bool

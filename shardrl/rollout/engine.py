@@ -22,6 +22,7 @@ with their routing alike.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Iterable, Iterator
@@ -182,6 +183,8 @@ class Engine:
                               f"trainer scores unfiltered; sample with top_k=-1, top_p=1.0")
         if continues is not None and params.n != 1:
             raise EngineError(f"submit(continues={continues!r}): a continuation is one sequence; n={params.n}")
+        if self.config.logprobs_mode == "raw_logprobs" and not params.raw_logprobs:
+            params = dataclasses.replace(params, raw_logprobs=True)  # the sampler computes them only when asked
         base = str(next(self._counter)) if request_id is None else request_id
         ids = [base] if params.n == 1 else [f"{base}/{i}" for i in range(params.n)]
         for i, rid in enumerate(ids):
@@ -361,7 +364,8 @@ class Engine:
                     request.feed += 1
                     continue
                 request.feed = None
-            request.append(int(token), logprob, raw if request.params.raw_logprobs else None, self.policy_version)
+            reported = raw if self.config.logprobs_mode == "raw_logprobs" else logprob
+            request.append(int(token), reported, raw if request.params.raw_logprobs else None, self.policy_version)
             if request.finish_reason is not None:
                 routed = self.runner.routed_experts(request.slot, request.num_tokens)  # before the slot goes
                 self.scheduler.release(request)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 from torch import Tensor, nn
@@ -91,6 +92,10 @@ class EngineConfig:
     fused_sampling: bool = True
     seed: int = 0  # of the shared generator unseeded requests draw from (identical on every TP rank)
     eos_token_ids: tuple[int, ...] | None = None  # None: config.json's eos_token_id
+    # What every request's `logprobs` report, engine-wide as vLLM's `logprobs_mode` (verl's rollout key): a token's
+    # logprob under the distribution it was drawn from (`processed_logprobs`: temperature, top-k, top-p applied) or
+    # under the model's own temperature-1 unfiltered softmax (`raw_logprobs`).
+    logprobs_mode: Literal["processed_logprobs", "raw_logprobs"] = "processed_logprobs"
 
     def __post_init__(self) -> None:
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
@@ -99,6 +104,8 @@ class EngineConfig:
             # Sequences are prefilled whole (also when resumed after an abort), so one must fit in a prefill batch.
             raise ValueError(f"max_num_batched_tokens={self.max_num_batched_tokens} must be >= max_model_len="
                              f"{self.max_model_len}: a whole sequence is prefilled in one step")
+        if self.logprobs_mode not in ("processed_logprobs", "raw_logprobs"):
+            raise ValueError(f"logprobs_mode={self.logprobs_mode!r}: expected processed_logprobs or raw_logprobs")
 
 
 class ModelRunner:
