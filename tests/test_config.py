@@ -494,7 +494,8 @@ def test_fa4_is_refused_at_launch_where_it_cannot_run(head_dim_64):
                                      f"actor_rollout_ref.model.path={head_dim_64}"])
     plan = plan_job(config)  # the dry run accepts it: the machine that launches is what cannot run it
     key = "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend"
-    with mock.patch("shardrl.job.preflight.check_model_dir"):  # its config.json holds no weights to check
+    with mock.patch("shardrl.job.preflight.check_model_dir"), \
+            mock.patch("shardrl.job.preflight.refuse_uncarried_tensors"):  # its config.json holds no weights to check
         with pytest.raises(ConfigError, match=f"^{key}: fa4 runs on CUDA GPUs and this run is on cpu"):
             check_launch(plan)
         cuda_plan = dataclasses.replace(plan, device="cuda")
@@ -521,3 +522,49 @@ def test_fp32_router_logits_are_refused_in_bitwise_mode():
     assert error_key(["actor_rollout_ref.rollout.bitwise_logprobs=true", "actor_rollout_ref.actor.megatron.dtype="
                       "bfloat16", "actor_rollout_ref.rollout.dtype=bfloat16", f"{OVERRIDES}.moe_router_dtype=fp32"]) \
         == "actor_rollout_ref.actor.megatron.override_transformer_config.moe_router_dtype"
+
+
+def _with_tensors(source, target, names):
+    """A copy of the tiny checkpoint `source` at `target` whose weights file also holds `names` (zeros)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(source, target)
+    tensors = load_file(target / "model.safetensors") | {name: torch.zeros(2, 2) for name in names}
+    save_file(tensors, target / "model.safetensors", metadata={"format": "pt"})
+    return target
+
+
+@pytest.mark.parametrize("family, extra, overrides, dropped", [
+    ("qwen2", ["mtp.eh_proj.weight", "mtp.layers.0.input_layernorm.weight"], [], "mtp.eh_proj.weight"),
+    ("llama", ["lm_head.weight", "model.rotary_emb.inv_freq"], [], None),  # tied: transformers ignores both too
+    ("qwen2", [], ["+actor_rollout_ref.model.override_config.num_hidden_layers=1"], "model.layers.1."),
+])
+def test_checkpoint_strict_refuses_a_starting_checkpoint_with_tensors_the_model_drops(tmp_path, family, extra,
+                                                                                      overrides, dropped):
+    from shardrl.models.tiny import make_tiny_checkpoint
+
+    path = _with_tensors(make_tiny_checkpoint(family, tmp_path / "tiny"), tmp_path / "model", extra)
+    key = "actor_rollout_ref.actor.checkpoint.strict"
+    config = compose("ppo_trainer", [f"actor_rollout_ref.model.path={path}", *overrides])
+    if dropped is None:
+        check_launch(plan_job(config))
+        return
+    with pytest.raises(ConfigError) as info:
+        check_launch(plan_job(config))
+    assert info.value.key == key and repr(dropped).rstrip("'") in str(info.value) and "\n" not in str(info.value)
+    check_launch(plan_job(compose("ppo_trainer", [f"actor_rollout_ref.model.path={path}", f"{key}=false",
+                                                  *overrides])))
+
+
+def test_a_critic_from_a_causal_lm_is_strict_about_all_but_its_lm_head(tmp_path):
+    from shardrl.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("qwen2", tmp_path / "tiny")  # untied: the policy carries lm_head.weight
+    critic = ["algorithm.adv_estimator=gae", f"actor_rollout_ref.model.path={path}", f"critic.model.path={path}"]
+    check_launch(plan_job(compose("ppo_trainer", critic)))
+    with_head = _with_tensors(path, tmp_path / "rm", ["score.bias"])
+    with pytest.raises(ConfigError, match="'score.bias'") as info:
+        check_launch(plan_job(compose("ppo_trainer", [*critic, f"critic.model.path={with_head}"])))
+    assert info.value.key == "critic.checkpoint.strict"

@@ -236,3 +236,17 @@ def test_rollout_logprobs_mode_reaches_the_engine_and_the_logits_modes_are_refus
     with pytest.raises(ConfigError, match="not logits") as err:
         plan_job(compose("ppo_trainer", [f"{key}=raw_logits"]))
     assert err.value.key == key and "\n" not in str(err.value)
+
+
+def test_verl_09s_trainer_switches_run_shardrls_synchronous_trainer():
+    """use_v1 either way, and v1's sync mode, plan exactly the default run; the async v1 modes are refused."""
+    def planned(*overrides):  # what runs (the logged config dump names the keys as given)
+        return dataclasses.replace(plan_job(compose("ppo_trainer", list(overrides))), tracking=None)
+
+    default = planned()
+    assert planned("trainer.use_v1=false") == default
+    assert planned("trainer.v1.trainer_mode=sync", "trainer.v1.sampler.max_off_policy_threshold=2") == default
+    for mode in ("colocate_async", "separate_async"):
+        with pytest.raises(ConfigError, match="fully_async_ppo_trainer") as err:
+            plan_job(compose("ppo_trainer", [f"trainer.v1.trainer_mode={mode}"]))
+        assert err.value.key == "trainer.v1.trainer_mode" and "\n" not in str(err.value)

@@ -75,7 +75,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 def _checkpoint_options(checkpoint: CheckpointConfig) -> CheckpointOptions:
-    return CheckpointOptions(tuple(checkpoint.save_contents), tuple(checkpoint.load_contents))
+    return CheckpointOptions(tuple(checkpoint.save_contents), tuple(checkpoint.load_contents), checkpoint.strict)
 
 
 def _update_options(batching: MicroBatching, epochs: int, shuffle: bool, seed: int) -> UpdateOptions:

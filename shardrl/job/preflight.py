@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,7 +15,7 @@ from shardrl.job.model_check import MEGATRON_GROUPS
 from shardrl.job.options import EngineOptions
 from shardrl.job.plan import JobPlan
 from shardrl.models.config import ModelConfig, ModelConfigError
-from shardrl.models.hf_bridge import CheckpointError, checkpoint_tensor_shapes
+from shardrl.models.hf_bridge import CheckpointError, checkpoint_tensor_shapes, uncarried_tensors
 
 ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}  # rollout.name -> package it needs
 LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -36,6 +37,13 @@ def check_launch(plan: JobPlan) -> None:
                 raise ConfigError(key, f"{path} does not exist")
     for key, path in model_paths(plan):
         check_model_dir(key, path)
+    for key, path, options, value_head in ((f"{group}.checkpoint.strict", path, role, group == "critic")
+                                           for group, path, role in (
+                                               ("actor_rollout_ref.actor", plan.model_path, plan.actor),
+                                               ("critic", plan.critic_model_path, plan.critic))
+                                           if role is not None and path is not None):
+        if options.checkpoint.strict:
+            refuse_uncarried_tensors(key, path, options.model.override_config, value_head)
     reward_path = plan.reward.custom_path
     if reward_path is not None and not Path(reward_path).expanduser().is_file():
         raise ConfigError("custom_reward_function.path", f"{reward_path} does not exist")
@@ -61,6 +69,19 @@ def check_launch(plan: JobPlan) -> None:
         if logger in LOGGER_PACKAGES and not _installed(LOGGER_PACKAGES[logger]):
             raise ConfigError("trainer.logger", f"{logger} is not installed (pip install {LOGGER_PACKAGES[logger]}); "
                                                 f"remove '{logger}' from trainer.logger")
+
+
+def refuse_uncarried_tensors(key: str, path: str, overrides: dict[str, Any], value_head: bool) -> None:
+    """verl's `checkpoint.strict`: the HF checkpoint at `path` (already checked by `check_model_dir`) may hold only
+    tensors the trained model (config.json with `model.override_config`) carries, so that its exports hold
+    everything it started from."""
+    directory = Path(path).expanduser()
+    dropped = uncarried_tensors(checkpoint_tensor_shapes(directory), ModelConfig.from_pretrained(directory, overrides),
+                                value_head)
+    if dropped:
+        raise ConfigError(key, f"{directory} holds {len(dropped)} tensor(s) the model does not carry (e.g. "
+                               f"{dropped[0]!r}), so its exports would lack them; set {key}=false to train and "
+                               f"export without them")
 
 
 def trained_models(plan: JobPlan) -> list[tuple[str, EngineOptions]]:

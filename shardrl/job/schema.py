@@ -108,6 +108,9 @@ class CheckpointConfig:
 
     save_contents: list[CheckpointContent]
     load_contents: list[CheckpointContent]
+    # verl's export validation: true refuses, before workers start, a starting HF checkpoint holding tensors the
+    # model does not carry (its exports would lack them); false trains and exports without them
+    strict: bool
 
 
 @dataclass(frozen=True)
@@ -672,6 +675,46 @@ class DataConfig:
 
 
 @dataclass(frozen=True)
+class WarmupBatchesConfig:
+    num_warmup_batches: NonNegInt
+
+
+@dataclass(frozen=True)
+class SeparateAsyncConfig(WarmupBatchesConfig):
+    parameter_sync_step: PosInt
+
+
+@dataclass(frozen=True)
+class CustomSamplerConfig:
+    path: str | None
+    name: str | None
+
+
+@dataclass(frozen=True)
+class V1SamplerConfig:
+    """verl 0.9's replay-buffer settings. The off-policy bounds are read only by its asynchronous trainer modes
+    (refused here); failed agent groups are kept, as verl's default keeps them."""
+
+    max_off_policy_threshold: PosInt
+    max_off_policy_strategy: Literal["drop", "wait"]
+    sync_refill_failed_groups: bool
+    custom_sampler: CustomSamplerConfig
+    sampler_kwargs: dict[str, Any]
+
+
+@dataclass(frozen=True)
+class V1TrainerConfig:
+    """verl 0.9's `trainer.v1` group: which of its v1 trainers runs. `sync` is the synchronous PPO step shardrl's
+    trainer runs; the asynchronous ones are refused (shardrl's are its one_step_off / fully_async configs)."""
+
+    trainer_mode: Literal["sync", "colocate_async", "separate_async"]
+    sync: dict[str, Any]
+    colocate_async: WarmupBatchesConfig
+    separate_async: SeparateAsyncConfig
+    sampler: V1SamplerConfig
+
+
+@dataclass(frozen=True)
 class TrainerConfig:
     """The run: pools, device, length, validation, checkpoints, logging, seeds."""
 
@@ -700,6 +743,8 @@ class TrainerConfig:
     seed: int
     dry_run: bool
     collective_timeout_s: PosInt
+    use_v1: bool  # verl 0.9's switch between its legacy and v1 trainers: both run the same synchronous PPO step
+    v1: V1TrainerConfig
 
 
 @dataclass(frozen=True)

@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 from torch import Tensor, nn
 
 from shardrl.errors import UserError
-from shardrl.models.config import FAMILY_PREFIX
+from shardrl.models.config import FAMILY_PREFIX, ModelConfig
 from shardrl.models.transformer import Transformer
 from shardrl.parallel.layout import Layout
 from shardrl.parallel.lora import (EXPERT_PARAMETERS, PEFT_PREFIX, PEFT_WEIGHTS, ExpertLoRA, LoRA, adapted_weights,
@@ -61,6 +61,19 @@ def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
             raise CheckpointError(f"{file}: shard file listed in {INDEX_FILE} is missing")
         shapes |= _safetensors_header_shapes(file)
     return shapes
+
+
+def uncarried_tensors(checkpoint_names: Collection[str], config: ModelConfig, value_head: bool) -> list[str]:
+    """The tensors of a starting HF checkpoint (`checkpoint_names`) that a model of `config` neither loads nor
+    exports (MTP layers, heads of other tasks), sorted; what transformers itself ignores is left out: rotary
+    `inv_freq` buffers, and `lm_head.weight` where the model ties it to the embedding or (`value_head`) replaces it
+    with a value head. The names are the model's own specs', from a copy built on the meta device (no memory)."""
+    with torch.device("meta"):
+        model = Transformer(config, Layout.single("meta"), value_head=value_head)
+    carried = {name for param in model.parameters() for name in get_spec(param).hf_names()}
+    ignored = {"lm_head.weight"} if config.tie_word_embeddings or value_head else set()
+    return sorted(name for name in checkpoint_names
+                  if name not in carried and name not in ignored and not name.endswith("rotary_emb.inv_freq"))
 
 
 def _safetensors_header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
