@@ -126,6 +126,10 @@ REFUSED: tuple[Refused, ...] = (
               "it null") for field in ("path", "name")),
     Refused("trainer.v1.sampler.sampler_kwargs", lambda v: not v, {"x": 1}, "they are a custom sampler's arguments, "
             "and custom samplers are not loaded; leave it empty"),
+    *(Refused(f"actor_rollout_ref.rollout.agent.custom_async_server.{field}", _is(None), "my_server.py", "agent "
+              "loops talk to shardrl's native engine in process, and external agent programs to its OpenAI-compatible "
+              "endpoint (rollout.agent.endpoint.*); a serving-engine class of your own is not loaded; leave it null")
+      for field in ("path", "name")),
     Refused("reward_model.load_weight", _is(True), False, "a reward model is loaded from reward_model.model.path, "
             "never randomly initialised; set true"),
 )

@@ -321,6 +321,14 @@ class AgentEndpointConfig:
 
 
 @dataclass(frozen=True)
+class UserClassConfig:
+    """A class of the user's, verl's way: the file it is in and its name."""
+
+    path: str | None
+    name: str | None
+
+
+@dataclass(frozen=True)
 class AgentLoopConfig:
     """verl's `rollout.agent`: which agent loop runs a sample, user loops, and the agent processes (`num_workers`)
     that run agent functions."""
@@ -329,6 +337,7 @@ class AgentLoopConfig:
     default_agent_loop: str
     agent_loop_config_path: str | None
     endpoint: AgentEndpointConfig
+    custom_async_server: UserClassConfig  # verl's serving-engine class of your own (path, name): only null
 
 
 @dataclass(frozen=True)
@@ -685,12 +694,6 @@ class SeparateAsyncConfig(WarmupBatchesConfig):
 
 
 @dataclass(frozen=True)
-class CustomSamplerConfig:
-    path: str | None
-    name: str | None
-
-
-@dataclass(frozen=True)
 class V1SamplerConfig:
     """verl 0.9's replay-buffer settings. The off-policy bounds are read only by its asynchronous trainer modes
     (refused here); failed agent groups are kept, as verl's default keeps them."""
@@ -698,7 +701,7 @@ class V1SamplerConfig:
     max_off_policy_threshold: PosInt
     max_off_policy_strategy: Literal["drop", "wait"]
     sync_refill_failed_groups: bool
-    custom_sampler: CustomSamplerConfig
+    custom_sampler: UserClassConfig
     sampler_kwargs: dict[str, Any]
 
 
