@@ -36,6 +36,9 @@ return what finished (a request is finished when `done(its sample seed, its toke
         self.running: list[list[tuple[Batch, list[int]]]] = [[] for _ in range(num_replicas)]
         self.new_rows_per_call: list[int] = []
 
+    def replicas(self, method) -> int:
+        return self.layout.dp
+
     def call(self, method, *args):
         """As `RoleHandle.call`: only the rollouter's one call, `RolloutWorker.stream`, is faked."""
         assert method is RolloutWorker.stream, method
@@ -94,7 +97,7 @@ def rollouter(fake: FakeRollout, window: int, extra: int, in_order: bool = False
               restored: RolloutState | None = None) -> Rollouter:
     budget = Budget(per_step=0, trigger=0, window=window, extra=extra)  # the rollouter reads window and extra
     feed = PromptFeed(PromptLoader(Prompts(), PROMPTS_PER_BATCH, shuffle=False), sample_rows, N)
-    r = Rollouter(fake, fake.layout.dp, feed, budget, Timeline(), lambda: 0, in_order)
+    r = Rollouter(fake, feed, budget, Timeline(), lambda: 0, in_order)
     if restored is not None:
         r.restore(restored)
     r.thread.start()

@@ -12,7 +12,7 @@ from typing import Any, Literal
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
-from shardrl.job.schema import LoRAModelConfig, Mode, PolicyModelConfig, PPOConfig
+from shardrl.job.schema import LoRAModelConfig, PolicyModelConfig, PPOConfig, Schedule
 from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
 from shardrl.parallel.lora import ALL_LINEAR, EXPERT_PARAMETERS, LINEAR_NAMES, PEFT_WEIGHTS, LoRASettings
 
@@ -179,7 +179,7 @@ class StepSize:
     train_batch_size: int
 
 
-def plan_step(config: PPOConfig, shared: SharedKeys, mode: Mode, async_training: AsyncOptions | None) -> StepSize:
+def plan_step(config: PPOConfig, shared: SharedKeys, mode: Schedule, async_training: AsyncOptions | None) -> StepSize:
     """Prompts per training step and actor mini batches per step; every mini batch size must divide the step."""
     actor_mini = config.actor_rollout_ref.actor.ppo_mini_batch_size
     critic_mini = config.critic.ppo_mini_batch_size if shared.use_critic else None

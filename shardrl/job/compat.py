@@ -114,9 +114,6 @@ REFUSED: tuple[Refused, ...] = (
       for state in ("grad", "optimizer")),
     Refused("reward_model.megatron.use_distributed_optimizer", _is(False), True, "the reward model never trains: it "
             "has no optimizer to distribute; set false"),
-    Refused("trainer.v1.trainer_mode", _is("sync"), "separate_async", "verl 0.9's asynchronous v1 trainers are not "
-            "built here; shardrl's asynchronous trainers are --config-name=one_step_off_ppo_trainer and "
-            "fully_async_ppo_trainer (docs/async.md); set sync"),
     Refused("trainer.v1.sync", lambda v: not v, {"x": 1}, "verl's sync trainer has no settings; leave it empty"),
     Refused("trainer.v1.sampler.sync_refill_failed_groups", _is(False), True, "a failed agent trajectory is kept "
             "and trained on as written (finish_reason error, counted), verl's default; replacing its group with "
@@ -178,10 +175,10 @@ ACCEPTED: tuple[Accepted, ...] = (
       for group in ("actor_rollout_ref.actor", "critic")),
     Accepted("trainer.use_v1", "verl's choice between two implementations of the same synchronous PPO step; "
              "shardrl's trainer runs that step whichever is named"),
-    *(Accepted(f"trainer.v1.{key}", "read only by verl's asynchronous v1 trainers (trainer.v1.trainer_mode), which "
-               "are refused") for key in ("colocate_async.num_warmup_batches", "separate_async.num_warmup_batches",
-                                          "separate_async.parameter_sync_step", "sampler.max_off_policy_threshold",
-                                          "sampler.max_off_policy_strategy")),
+    *(Accepted(f"trainer.v1.separate_async.{key}", "read only by verl's separate_async trainer, which is refused "
+               "(rules.py)") for key in ("num_warmup_batches", "parameter_sync_step")),
+    Accepted("trainer.v1.sampler.max_off_policy_strategy", "drop, the only one built, is what colocate_async does; "
+             "wait is refused there (rules.py)"),
     Accepted("algorithm.rollout_correction.use_policy_gradient", "folded into algorithm.rollout_correction."
              "loss_type"),
 )

@@ -444,6 +444,11 @@ def cluster_options(config: PPOConfig) -> ClusterOptions:
 
 def async_options(config: PPOConfig) -> AsyncOptions | None:
     a = config.async_training
+    if config.mode == "colocate_async":  # verl's colocated v1 trainer: partial rollout always, span-bounded groups
+        v1 = config.trainer.v1
+        return AsyncOptions(partial_rollout=True, staleness_threshold=None, trigger_parameter_sync_step=None,
+                            require_batches=None, warmup_batches=v1.colocate_async.num_warmup_batches,
+                            max_lag=v1.sampler.max_off_policy_threshold - 1)
     if a is None:
         return None
     return AsyncOptions(partial_rollout=bool(a.partial_rollout), staleness_threshold=a.staleness_threshold,

@@ -415,7 +415,13 @@ class TrackingOptions:
 
 @dataclass(frozen=True)
 class AsyncOptions:
+    """The asynchronous schedules' settings (trainer/staleness.py reads them): `async_training.*` for one_step_off
+    and fully_async; for colocate_async (verl 0.9's trainer.v1) the batches generated ahead of the step
+    (`warmup_batches`) and the largest lag a trained token may have (`max_lag`, from max_off_policy_threshold)."""
+
     partial_rollout: bool
     staleness_threshold: float | None
     trigger_parameter_sync_step: int | None
     require_batches: int | None
+    warmup_batches: int | None = None
+    max_lag: int | None = None

@@ -60,14 +60,14 @@ from shardrl.job.options import (
     TeacherOptions,
     TrackingOptions,
 )
-from shardrl.job.schema import Mode, PPOConfig
+from shardrl.job.schema import PPOConfig, Schedule
 
 
 @dataclass(frozen=True)
 class JobPlan:
     """The placement and layouts (for the printout) and the compiled options every part of the run takes."""
 
-    mode: Mode
+    mode: Schedule
     placement: Literal["colocated", "detached"]
     device: Literal["cpu", "cuda"]
     trainer_ranks: list[int]

@@ -192,8 +192,27 @@ def _validate_reward_model(config: PPOConfig) -> None:
                                                      "*ForSequenceClassification checkpoint with num_labels=1)")
 
 
+def _validate_v1_trainer(config: PPOConfig) -> None:
+    """verl 0.9's v1 trainer modes: sync and colocate_async run here (colocated); separate_async is refused, and
+    colocate_async cannot be combined with an async config's separate rollout pool."""
+    v1, key = config.trainer.v1, "trainer.v1.trainer_mode"
+    if v1.trainer_mode == "separate_async":
+        raise ConfigError(key, "separate_async is not built here; shardrl's asynchronous trainers on a separate "
+                               "rollout pool are --config-name=one_step_off_ppo_trainer and fully_async_ppo_trainer "
+                               "(docs/async.md); colocate_async runs colocated")
+    if v1.trainer_mode == "colocate_async" and config.async_training is not None:
+        raise ConfigError(key, f"colocate_async runs the rollout on the trainer pool, and this config's "
+                               f"async_training.mode={config.async_training.mode} puts it on a pool of its own; use "
+                               f"--config-name=ppo_trainer (or ppo_megatron_trainer) with colocate_async")
+    if v1.trainer_mode == "colocate_async" and v1.sampler.max_off_policy_strategy != "drop":
+        raise ConfigError("trainer.v1.sampler.max_off_policy_strategy", f"{v1.sampler.max_off_policy_strategy} "
+                                                                         "(wait for stale groups instead of dropping "
+                                                                         "them) is not built; use drop")
+
+
 def _validate_async(config: PPOConfig) -> None:
     """Sync mode colocates actor and rollout; the async modes need a rollout pool and their own keys."""
+    _validate_v1_trainer(config)
     async_cfg, pool = config.async_training, config.rollout
     if (async_cfg is None) != (pool is None):
         present = "async_training" if pool is None else "rollout"

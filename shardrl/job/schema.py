@@ -28,7 +28,9 @@ DType = Literal["float32", "bfloat16", "float16"]
 LrDecayStyle = Literal["constant", "linear", "cosine"]
 CheckpointContent = Literal["model", "optimizer", "extra", "hf_model"]
 Logger = Literal["console", "wandb", "tensorboard", "mlflow", "file"]
-Mode = Literal["sync", "one_step_off", "fully_async"]
+Mode = Literal["sync", "one_step_off", "fully_async"]  # async_training.mode
+# The trainer's schedule: `Mode`, or verl 0.9's colocated asynchronous trainer (trainer.v1.trainer_mode)
+Schedule = Literal["sync", "one_step_off", "fully_async", "colocate_async"]
 # What dynamic sampling compares within a prompt group (see shardrl.trainer.dynamic_sampling.metric_values).
 FilterMetric = Literal["acc", "score", "seq_reward", "seq_final_reward"]
 AtLeastMinusOne = Annotated[int, Min(-1)]  # -1 means "off" / "derive it"
@@ -695,8 +697,9 @@ class SeparateAsyncConfig(WarmupBatchesConfig):
 
 @dataclass(frozen=True)
 class V1SamplerConfig:
-    """verl 0.9's replay-buffer settings. The off-policy bounds are read only by its asynchronous trainer modes
-    (refused here); failed agent groups are kept, as verl's default keeps them."""
+    """verl 0.9's replay-buffer settings. The off-policy bound is read by the colocated asynchronous trainer: a
+    prompt group whose generation spans more than `max_off_policy_threshold` policy versions is dropped; failed agent
+    groups are kept, as verl's default keeps them."""
 
     max_off_policy_threshold: PosInt
     max_off_policy_strategy: Literal["drop", "wait"]
@@ -707,8 +710,9 @@ class V1SamplerConfig:
 
 @dataclass(frozen=True)
 class V1TrainerConfig:
-    """verl 0.9's `trainer.v1` group: which of its v1 trainers runs. `sync` is the synchronous PPO step shardrl's
-    trainer runs; the asynchronous ones are refused (shardrl's are its one_step_off / fully_async configs)."""
+    """verl 0.9's `trainer.v1` group: which of its v1 trainers runs. `sync` is shardrl's synchronous trainer;
+    `colocate_async` its colocated asynchronous one (trainer/colocated_async.py); `separate_async` is refused
+    (shardrl's trainers on a separate rollout pool are its one_step_off / fully_async configs)."""
 
     trainer_mode: Literal["sync", "colocate_async", "separate_async"]
     sync: dict[str, Any]
@@ -851,8 +855,10 @@ class PPOConfig:
     async_training: AsyncTrainingConfig | None = field(default=None)  # async modes only
 
     @property
-    def mode(self) -> Mode:
-        return self.async_training.mode if self.async_training else "sync"
+    def mode(self) -> Schedule:
+        if self.async_training is not None:
+            return self.async_training.mode
+        return "colocate_async" if self.trainer.v1.trainer_mode == "colocate_async" else "sync"
 
     def at(self, dotted: str) -> Any:
         """The group or value at a dotted key, e.g. `config.at("critic.megatron")`."""

@@ -54,8 +54,7 @@ class FullyAsyncTrainer(PPOTrainer):
         # Batch k trains at step k unless an async checkpoint says otherwise; the feed owns the loader from now on.
         feed = PromptFeed(self.loader, self.sample_rows, self.loop.samples_per_prompt, self.global_step)
         scorer = self.score_samples if self.plan.reward.while_generating else None
-        self.rollouter = Rollouter(self.workers.rollout, self.workers.rollout.layout.dp, feed, budget, self.timeline,
-                                   lambda: self.global_step, self.in_order, scorer)
+        self.rollouter = self.make_rollouter(feed, budget, scorer)
         if self.restored is not None and "rollouter" in self.restored:  # an async checkpoint
             self.rollouter.restore(self.restored["rollouter"])
         elif self.restored is not None:  # a synchronous one: nothing was in flight
@@ -81,6 +80,11 @@ class FullyAsyncTrainer(PPOTrainer):
         finally:
             self.rollouter.close()
             self.rollouter = None
+
+    def make_rollouter(self, feed: PromptFeed, budget: staleness.Budget, scorer) -> Rollouter:
+        """The rollouter on the rollout pool (the colocated schedule's runs on the trainer pool)."""
+        return Rollouter(self.workers.rollout, feed, budget, self.timeline, lambda: self.global_step, self.in_order,
+                         scorer)
 
     def _sync_paused(self, step: int) -> dict[str, float]:
         with self.timeline.phase(step, "pause_rollout"):

@@ -34,6 +34,7 @@ from shardrl.rewards.outcomes import RewardFunctionError
 from shardrl.models.checkpoint import find_latest
 from shardrl.models.config import ModelConfig
 from shardrl.rewards.registry import builtin_sources, default_compute_score, has_scorer
+from shardrl.trainer.colocated_async import ColocatedAsyncTrainer
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.one_step_off import OneStepOffTrainer
 from shardrl.trainer.ppo import PPOTrainer, Workers
@@ -47,7 +48,8 @@ from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker
 from shardrl.workers.rollout import RolloutWorker
 
-TRAINERS = {"sync": PPOTrainer, "one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer}
+TRAINERS = {"sync": PPOTrainer, "one_step_off": OneStepOffTrainer, "fully_async": FullyAsyncTrainer,
+            "colocate_async": ColocatedAsyncTrainer}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -35,6 +35,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from itertools import islice
+from typing import Any
 
 import torch
 
@@ -91,11 +92,14 @@ class RolloutState:
 class Rollouter:
     """Keeps the rollout pool busy within the staleness budget; thread-safe towards the trainer's calls."""
 
-    def __init__(self, rollout: RoleHandle, num_replicas: int, feed: PromptFeed, budget: Budget, timeline: Timeline,
-                 trainer_step: Callable[[], int], in_order: bool = False, score: Scorer | None = None) -> None:
+    def __init__(self, rollout: RoleHandle, feed: PromptFeed, budget: Budget, timeline: Timeline,
+                 trainer_step: Callable[[], int], in_order: bool = False, score: Scorer | None = None,
+                 stream: Callable[..., Any] = RolloutWorker.stream) -> None:
         """`score`: score each finished group on a scoring thread of its own before the trainer may take it
-        (`reward_model.use_reward_loop`; the group's `scored`); None: the trainer scores what it takes."""
-        self.rollout, self.num_replicas, self.feed = rollout, num_replicas, feed
+        (`reward_model.use_reward_loop`; the group's `scored`); None: the trainer scores what it takes. `stream`:
+        the worker method the calls run, `RolloutWorker.stream` on a rollout pool or the colocated worker's."""
+        self.rollout, self.stream, self.feed = rollout, stream, feed
+        self.num_replicas = rollout.replicas(stream)
         self.group_size, self.window, self.extra, self.in_order = feed.group_size, budget.window, budget.extra, in_order
         self.timeline, self.trainer_step = timeline, trainer_step
         self.cond = threading.Condition()
@@ -103,7 +107,7 @@ class Rollouter:
         self.outstanding: deque[Group] = deque()  # started, not taken by the trainer, in start order
         self.running: dict[str, Group] = {}  # by uid
         self.queue: deque[Group] = deque()  # finished, first finished first
-        self.replica_load = [0] * num_replicas  # samples running per replica
+        self.replica_load = [0] * self.num_replicas  # samples running per replica
         self.budget = budget.window + budget.extra  # groups it may still start before the next sync
         self.dropped = 0
         self.stats = dict.fromkeys(("call_s", *ENGINE_KEYS), 0.0)  # since `stats_since`
@@ -235,8 +239,7 @@ class Rollouter:
             while (new := self._next_groups()) is not None:
                 start = time.perf_counter()
                 with self.timeline.phase(self.trainer_step(), "generate", lane="rollout"):
-                    results = self.rollout.call(RolloutWorker.stream, self._assign(new),
-                                                [STEPS_PER_CALL] * self.num_replicas)
+                    results = self.rollout.call(self.stream, self._assign(new), [STEPS_PER_CALL] * self.num_replicas)
                 with self.cond:
                     self.stats["call_s"] += time.perf_counter() - start
                     for replica, (finished, engine) in enumerate(results):

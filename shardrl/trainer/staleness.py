@@ -48,11 +48,12 @@ class Budget:
 
 def budget(plan: JobPlan) -> Budget:
     """fully_async: the flags above. one_step_off: a batch per step, a sync every step and one batch of run-ahead
-    (the next batch generates while the current one trains), which is a bound of 1."""
+    (the next batch generates while the current one trains), which is a bound of 1. colocate_async: a batch per step,
+    a sync every step and `warmup_batches` batches of run-ahead."""
     a = plan.async_training
-    if plan.mode == "one_step_off":
+    if plan.mode in ("one_step_off", "colocate_async"):
         per_step = plan.loop.train_batch_size
-        return Budget(per_step, 1, per_step, per_step)
+        return Budget(per_step, 1, per_step, per_step * (a.warmup_batches if plan.mode == "colocate_async" else 1))
     per_step = a.require_batches * plan.loop.actor_mini_batch_size
     window = a.trigger_parameter_sync_step * per_step
     return Budget(per_step, a.trigger_parameter_sync_step, window, math.floor(a.staleness_threshold * window))
@@ -62,6 +63,8 @@ def max_staleness(plan: JobPlan) -> int:
     """The largest lag (versions) a trained token can have under the plan's schedule; see the module docstring."""
     if plan.mode == "sync":
         return 0
+    if plan.mode == "colocate_async":  # verl's rule: a group spanning more versions is dropped, whatever the budget
+        return plan.async_training.max_lag
     b = budget(plan)
     return b.trigger - 1 + math.ceil(b.extra / b.per_step)
 

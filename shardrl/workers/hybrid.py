@@ -72,6 +72,30 @@ class ActorRolloutRefWorker(ActorRefWorker):
             self.rollout.sleep()
         return finished
 
+    @dispatch_mode(Dispatch.PER_REPLICA, layout="rollout")
+    def stream(self, prompts: Batch | None, max_steps: int) -> tuple[Batch | None, dict[str, Any]]:
+        """`RolloutWorker.stream` on the colocated engine (the colocated asynchronous trainer's rollouter): new rows
+        wait in a backlog and enter the engine in refill chunks, and each call runs at most `max_steps` engine steps.
+        The trainer pauses the stream around everything else it runs on these ranks (`pause_generation`)."""
+        self.rollout.wake_up()  # a no-op unless the cache sleeps (pause_generation, free_cache_engine)
+        if prompts is not None:
+            self.samples.add(prompts, self.rollout_options.train.params(prompts.tensors["sample_seed"]), refill=True)
+        return self.samples.run(max_steps)
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def pause_generation(self) -> None:
+        """Stop the requests in flight, keeping what they generated (`resume_generation` continues them, re-prefilled
+        from prompt and tokens so far), and with `rollout.free_cache_engine` free the KV cache for training."""
+        self.rollout.abort(keep=True)
+        if self.rollout_options.free_cache_engine:
+            self.rollout.sleep()
+
+    @dispatch_mode(Dispatch.ONE_TO_ALL)
+    def resume_generation(self) -> None:
+        """Continue the requests `pause_generation` stopped, under whatever weights the engine holds now."""
+        self.rollout.wake_up()
+        self.rollout.resume()
+
     @dispatch_mode(Dispatch.ONE_TO_ALL)
     def take_agent_stats(self) -> RunnerStats | None:
         """The agent runner's stats since the last call (None: single turn)."""
