@@ -44,7 +44,7 @@ VARIANTS = [
                      "distillation.distillation_loss.loss_mode=forward_kl_topk", "reward_model.enable=true",
                      "reward_model.model.path=/a/rm", "reward_model.use_dynamic_bsz=true"]),
     ("ppo_trainer", ["reward_model.judge.enable=true", "reward_model.judge.model_path=/a/judge",
-                     "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov"]),
+                     "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "trainer.v1.trainer_mode=colocate_async"]),
     ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),
     ("fully_async_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                                  "actor_rollout_ref.actor.policy_loss.loss_mode=kl_cov"]),

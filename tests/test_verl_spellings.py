@@ -239,14 +239,33 @@ def test_rollout_logprobs_mode_reaches_the_engine_and_the_logits_modes_are_refus
 
 
 def test_verl_09s_trainer_switches_run_shardrls_synchronous_trainer():
-    """use_v1 either way, and v1's sync mode, plan exactly the default run; the async v1 modes are refused."""
+    """use_v1 either way, and v1's sync mode, plan exactly the default run."""
     def planned(*overrides):  # what runs (the logged config dump names the keys as given)
         return dataclasses.replace(plan_job(compose("ppo_trainer", list(overrides))), tracking=None)
 
     default = planned()
     assert planned("trainer.use_v1=false") == default
     assert planned("trainer.v1.trainer_mode=sync", "trainer.v1.sampler.max_off_policy_threshold=2") == default
-    for mode in ("colocate_async", "separate_async"):
-        with pytest.raises(ConfigError, match="fully_async_ppo_trainer") as err:
-            plan_job(compose("ppo_trainer", [f"trainer.v1.trainer_mode={mode}"]))
-        assert err.value.key == "trainer.v1.trainer_mode" and "\n" not in str(err.value)
+
+
+def test_verl_09s_colocated_async_trainer_plans_its_schedule():
+    plan = plan_job(compose("ppo_trainer", ["trainer.v1.trainer_mode=colocate_async",
+                                            "trainer.v1.colocate_async.num_warmup_batches=2",
+                                            "trainer.v1.sampler.max_off_policy_threshold=3"]))
+    from shardrl.trainer import staleness
+
+    assert plan.mode == "colocate_async" and plan.placement == "colocated"
+    assert staleness.budget(plan) == staleness.Budget(32, 1, 32, 64) and staleness.max_staleness(plan) == 2
+
+
+@pytest.mark.parametrize("config_name, overrides, key, reason", [
+    ("ppo_trainer", ["trainer.v1.trainer_mode=separate_async"], "trainer.v1.trainer_mode", "fully_async_ppo_trainer"),
+    ("fully_async_ppo_trainer", ["trainer.v1.trainer_mode=colocate_async"], "trainer.v1.trainer_mode",
+     "a pool of its own"),
+    ("ppo_trainer", ["trainer.v1.trainer_mode=colocate_async", "trainer.v1.sampler.max_off_policy_strategy=wait"],
+     "trainer.v1.sampler.max_off_policy_strategy", "use drop"),
+])
+def test_verl_09s_trainer_modes_shardrl_cannot_run_are_refused(config_name, overrides, key, reason):
+    with pytest.raises(ConfigError, match=reason) as err:
+        plan_job(compose(config_name, overrides))
+    assert err.value.key == key and "\n" not in str(err.value)

@@ -60,6 +60,7 @@ from shardrl.job.schema import (
     CheckpointConfig,
     DEFAULT_DISTILLATION_TOPK,
     MegatronConfig,
+    Schedule,
     OptimConfig,
     PPOConfig,
     RolloutCorrectionConfig,
@@ -442,9 +443,9 @@ def cluster_options(config: PPOConfig) -> ClusterOptions:
         reward_model_nodes=rm.nnodes if own else None, reward_model_gpus_per_node=rm.n_gpus_per_node if own else None)
 
 
-def async_options(config: PPOConfig) -> AsyncOptions | None:
+def async_options(config: PPOConfig, mode: Schedule) -> AsyncOptions | None:
     a = config.async_training
-    if config.mode == "colocate_async":  # verl's colocated v1 trainer: partial rollout always, span-bounded groups
+    if mode == "colocate_async":  # verl's colocated v1 trainer: partial rollout always, span-bounded groups
         v1 = config.trainer.v1
         return AsyncOptions(partial_rollout=True, staleness_threshold=None, trigger_parameter_sync_step=None,
                             require_batches=None, warmup_batches=v1.colocate_async.num_warmup_batches,

@@ -137,7 +137,8 @@ def plan_job(config: PPOConfig) -> JobPlan:
     detached = cluster.rollout_nodes is not None
     rollout_ranks = (list(range(len(trainer_ranks), len(trainer_ranks) + cluster.rollout_nodes *
                                 cluster.rollout_gpus_per_node)) if detached else trainer_ranks)
-    mode, async_training = config.mode, async_options(config)
+    mode = config.mode
+    async_training = async_options(config, mode)
     step = plan_step(config, shared, mode, async_training)
     roles = {"actor": train_role(config, shared, "actor", "actor_rollout_ref.actor.megatron", trainer_ranks, step)}
     skipped = {}
