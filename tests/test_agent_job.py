@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 
 from shardrl.data import builtin_task
 
@@ -122,6 +123,34 @@ def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(
     endpoint = [m for m in metrics if "agent/endpoint/episodes" in m]
     assert len(endpoint) >= len(metrics) - 2 and all(m["agent/endpoint/failed_episodes"] == 0 for m in endpoint)
     assert max(m["agent/endpoint/requests_per_episode"] for m in endpoint) > 1  # tool results went back
+
+
+@pytest.mark.slow  # 25 s; the default suite keeps the fully async multi-turn job
+def test_colocate_async_continues_multi_turn_trajectories_across_steps(tmp_path):
+    """verl 0.9's colocated async trainer on multi-turn rows (built-in tool agent and the OpenAI-client agent) on two
+    engine replicas: trajectories stopped by a step (mid turn or between turns) continue under the new weights, and
+    every trained token stays within the span rule's bound."""
+    task = builtin_task.prepare(tmp_path / "task", multi_turn=True)
+    rows = builtin_task.make_rows(256, seed=5, multi_turn=True)
+    for row in rows[::2]:
+        row["agent_name"] = "openai_tool_agent"
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
+    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path}",
+           "trainer.logger=[file]", "trainer.n_gpus_per_node=2", f"actor_rollout_ref.model.path={task['model']}",
+           f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'train.parquet'}",
+           f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLE_LOOPS}",
+           "actor_rollout_ref.rollout.agent.num_workers=1", "data.train_batch_size=16",
+           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.v1.trainer_mode=colocate_async",
+           "trainer.v1.colocate_async.num_warmup_batches=1", "trainer.v1.sampler.max_off_policy_threshold=3",
+           "trainer.total_training_steps=6", "trainer.test_freq=3", "trainer.val_before_train=false",
+           "actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_response_length=8"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "colocate_async mode: samples may be up to 2 versions old" in done.stdout
+    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    trained = [m for m in metrics if "async/staleness_max" in m]
+    assert len(trained) == 6 and max(m["async/staleness_max"] for m in trained) <= 2
+    assert sum(m["agent/tool_calls/mean"] for m in trained) > 0 and "val-core/reward/mean" in metrics[-1]
 
 
 def test_rows_naming_unknown_loops_or_interactions_are_refused_before_workers_start(tmp_path):
