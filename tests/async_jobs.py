@@ -28,3 +28,13 @@ def check_learned(rows, bound):
     for r in rows:
         if "async/staleness_hist" in r:
             assert math.isclose(sum(r["async/staleness_hist"]), 1.0), r["async/staleness_hist"]
+
+
+def assert_same_numbers(expected_rows, rows, not_compared):
+    """Every logged number of `expected_rows` (keys not starting with one of `not_compared`) equal in `rows`, step
+    by step."""
+    assert [r["step"] for r in expected_rows] == [r["step"] for r in rows]
+    for expected, got in zip(expected_rows, rows):
+        keys = {k for k in expected if not k.startswith(not_compared)}
+        assert keys <= set(got), sorted(keys - set(got))
+        assert {k: got[k] for k in keys} == {k: expected[k] for k in keys}, f"step {expected['step']}"

@@ -86,21 +86,27 @@ def test_user_tool_and_interaction_files_run_in_a_training_job(tmp_path):
     assert all("agent/decode_steps_during_tools" in m and "agent/tool_idle_s" in m for m in metrics)
 
 
-def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(tmp_path):
-    """Trajectories paused by weight syncs (mid turn or between turns) continue under the new weights on two
-    rollout replicas; every token of every trained sample stays within the staleness bound. Half the rows run the
-    built-in tool agent, half the OpenAI-client agent of examples/openai_agent through each replica's endpoint."""
+def two_agents_job(tmp_path, config_name="ppo_trainer"):
+    """The trainer's command line (up to the schedule's flags) on the built-in multi-turn task, 2 ranks: half the rows
+    run the built-in tool agent, half the OpenAI-client agent of examples/openai_agent through the endpoint."""
     task = builtin_task.prepare(tmp_path / "task", multi_turn=True)
     rows = builtin_task.make_rows(256, seed=5, multi_turn=True)
     for row in rows[::2]:
         row["agent_name"] = "openai_tool_agent"
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", "--config-name=fully_async_ppo_trainer",
-           f"trainer.default_local_dir={tmp_path}", "trainer.logger=[file]", "trainer.n_gpus_per_node=2",
-           f"actor_rollout_ref.model.path={task['model']}", f"data.train_files={tmp_path / 'train.parquet'}",
-           f"data.val_files={tmp_path / 'train.parquet'}",
-           f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLE_LOOPS}",
-           "actor_rollout_ref.rollout.agent.num_workers=1",
+    return [sys.executable, "-m", "shardrl.trainer.main_ppo", f"--config-name={config_name}",
+            f"trainer.default_local_dir={tmp_path}",
+            "trainer.logger=[file]", "trainer.n_gpus_per_node=2", f"actor_rollout_ref.model.path={task['model']}",
+            f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'train.parquet'}",
+            f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLE_LOOPS}",
+            "actor_rollout_ref.rollout.agent.num_workers=1"]
+
+
+def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(tmp_path):
+    """Trajectories paused by weight syncs (mid turn or between turns) continue under the new weights on two
+    rollout replicas; every token of every trained sample stays within the staleness bound. Half the rows run the
+    built-in tool agent, half the OpenAI-client agent of examples/openai_agent through each replica's endpoint."""
+    cmd = [*two_agents_job(tmp_path, "fully_async_ppo_trainer"),
            "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "rollout.n_gpus_per_node=2",
            "async_training.partial_rollout=true", "async_training.require_batches=2",
            "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0.25",
@@ -130,16 +136,7 @@ def test_colocate_async_continues_multi_turn_trajectories_across_steps(tmp_path)
     """verl 0.9's colocated async trainer on multi-turn rows (built-in tool agent and the OpenAI-client agent) on two
     engine replicas: trajectories stopped by a step (mid turn or between turns) continue under the new weights, and
     every trained token stays within the span rule's bound."""
-    task = builtin_task.prepare(tmp_path / "task", multi_turn=True)
-    rows = builtin_task.make_rows(256, seed=5, multi_turn=True)
-    for row in rows[::2]:
-        row["agent_name"] = "openai_tool_agent"
-    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    cmd = [sys.executable, "-m", "shardrl.trainer.main_ppo", f"trainer.default_local_dir={tmp_path}",
-           "trainer.logger=[file]", "trainer.n_gpus_per_node=2", f"actor_rollout_ref.model.path={task['model']}",
-           f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'train.parquet'}",
-           f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLE_LOOPS}",
-           "actor_rollout_ref.rollout.agent.num_workers=1", "data.train_batch_size=16",
+    cmd = [*two_agents_job(tmp_path), "data.train_batch_size=16",
            "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.v1.trainer_mode=colocate_async",
            "trainer.v1.colocate_async.num_warmup_batches=1", "trainer.v1.sampler.max_off_policy_threshold=3",
            "trainer.total_training_steps=6", "trainer.test_freq=3", "trainer.val_before_train=false",
