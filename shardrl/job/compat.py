@@ -173,8 +173,9 @@ ACCEPTED: tuple[Accepted, ...] = (
                                              "speculative_num_draft_tokens", "method", "num_speculative_tokens")),
     *(Accepted(f"{group}.optim.min_lr", f"folded into {group}.optim.min_lr_ratio (= min_lr / lr) by load.py")
       for group in ("actor_rollout_ref.actor", "critic")),
-    Accepted("trainer.use_v1", "verl's choice between two implementations of the same synchronous PPO step; "
-             "shardrl's trainer runs that step whichever is named"),
+    Accepted("trainer.use_v1", "verl's choice between its legacy and v1 trainers; shardrl's trainer runs the "
+             "synchronous step whichever is named (with algorithm.filter_groups, the legacy trainer's whole-batch "
+             "selection: docs/config.md)"),
     *(Accepted(f"trainer.v1.separate_async.{key}", "read only by verl's separate_async trainer, which is refused "
                "(rules.py)") for key in ("num_warmup_batches", "parameter_sync_step")),
     Accepted("trainer.v1.sampler.max_off_policy_strategy", "drop, the only one built, is what colocate_async does; "

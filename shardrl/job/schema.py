@@ -750,7 +750,7 @@ class TrainerConfig:
     seed: int
     dry_run: bool
     collective_timeout_s: PosInt
-    use_v1: bool  # verl 0.9's switch between its legacy and v1 trainers: both run the same synchronous PPO step
+    use_v1: bool  # verl 0.9's switch between its legacy and v1 trainers: shardrl runs its synchronous step either way
     v1: V1TrainerConfig
 
 
