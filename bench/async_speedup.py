@@ -1,6 +1,6 @@
-"""Async speedup: training steps per hour of the synchronous, one-step-off and fully async trainers on the same model,
-data, batch, engine settings and GPUs, from one run (issue 9 targets: one-step-off >= 1.35x and fully async >= 2x
-the synchronous).
+"""Async speedup: training steps per hour of the synchronous, one-step-off, fully async and colocated async trainers on
+the same model, data, batch, engine settings and GPUs, from one run (issue 9 targets: one-step-off >= 1.35x and fully
+async >= 2x the synchronous).
 
 Workload (rollout-heavy, long-tailed): a random-weight Qwen2-shape model of ~0.3B parameters in bf16; every step
 trains on 64 prompts x 8 samples (`--world 2`: 32 x 8). The model stops on any of 16 of its 8192 tokens, so with its
@@ -9,8 +9,11 @@ median ~355, p90 ~1180, capped at `--response-length` (1024 at half scale: ~14% 
 what a synchronous step waits for while most sequences have finished). Generation is most of a synchronous step;
 the script prints the distribution it measured and the share of the synchronous step spent generating.
 
-Pools: the synchronous trainer runs colocated on all GPUs; the async modes on a trainer pool and a rollout pool of
-half the GPUs each. `--world 2` is the HALF-SCALE run (2 colocated vs 1 + 1). All three anchor PPO on the rollout's
+Pools: the synchronous and the colocated async trainer (verl 0.9's `trainer.v1.trainer_mode=colocate_async`,
+`--warmup-batches` batches generated ahead, groups spanning more than `--max-span` versions dropped) run colocated on
+all GPUs; one-step-off and fully async on a trainer pool and a rollout pool of half the GPUs each. `--world 2` is the
+HALF-SCALE run (2 colocated vs 1 + 1); `--world 1 --modes sync colocate_async` compares the colocated two on one
+GPU. All three anchor PPO on the rollout's
 logprobs (no old-logprob pass) so they do the same work per step, and share the engine settings (max_num_seqs twice
 a step's samples: the synchronous engine never holds more than its batch, the async ones keep the next batch's
 requests in flight).
@@ -47,7 +50,8 @@ MODEL_300M = dict(hidden_size=1024, intermediate_size=2816, num_hidden_layers=24
                   num_key_value_heads=8, vocab_size=8192, max_position_embeddings=4096)
 MODEL_TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=512, max_position_embeddings=512)
-MODES = ("sync", "one_step_off", "fully_async")
+MODES = ("sync", "one_step_off", "fully_async", "colocate_async")
+COLOCATED = ("sync", "colocate_async")  # on all `--world` GPUs; the others on two pools of half
 TRAIN_PHASES = ("reward", "old_log_prob", "ref", "values", "adv", "update_critic", "update_actor")
 ROLLOUT_KEYS = ("rollout/engine_s", "rollout/prefill_s", "rollout/overhead_s", "rollout/idle_s",
                 "rollout/decode_batch", "rollout/occupancy")
@@ -55,7 +59,8 @@ ROLLOUT_KEYS = ("rollout/engine_s", "rollout/prefill_s", "rollout/overhead_s", "
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--world", type=int, default=4, help="GPUs in all (even): sync uses all, async half + half")
+    parser.add_argument("--world", type=int, default=4,
+                        help="GPUs in all: the colocated modes use all, the others half + half (then even)")
     parser.add_argument("--steps", type=int, default=12)
     parser.add_argument("--warmup", type=int, default=2, help="first steps left out of the mean")
     parser.add_argument("--prompts", type=int, default=64, help="prompts per training step")
@@ -67,6 +72,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--slots", type=int, default=None,
                         help="engine max_num_seqs in every mode (default: twice a step's samples); the async modes "
                              "keep up to that many sequences in flight, the synchronous one never more than a step's")
+    parser.add_argument("--warmup-batches", type=int, default=1, help="colocate_async: batches generated ahead")
+    parser.add_argument("--max-span", type=int, default=4,
+                        help="colocate_async: max_off_policy_threshold (versions a kept group may span)")
     parser.add_argument("--no-partial", action="store_true",
                         help="both async modes: partial_rollout=false (the one_step_off config's default)")
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
@@ -77,8 +85,10 @@ def parse_args() -> argparse.Namespace:
     if args.quick:
         args.world, args.steps, args.warmup, args.prompts, args.n, args.response_length = 2, 3, 1, 8, 2, 16
         args.stop_tokens = 32
-    if args.world < 2 or args.world % 2:
-        parser.error(f"--world {args.world}: needs an even number of GPUs (trainer and rollout pools of half each)")
+    two_pools = [m for m in args.modes if m not in COLOCATED]
+    if two_pools and (args.world < 2 or args.world % 2):
+        parser.error(f"--world {args.world}: {', '.join(two_pools)} need an even number of GPUs (trainer and rollout "
+                     f"pools of half each)")
     return args
 
 
@@ -117,6 +127,11 @@ def overrides(args: argparse.Namespace, mode: str, model: Path, task: dict, run_
     ]
     if mode == "sync":
         return ["--config-name=ppo_trainer", *common, f"trainer.n_gpus_per_node={args.world}"]
+    if mode == "colocate_async":
+        return ["--config-name=ppo_trainer", *common, f"trainer.n_gpus_per_node={args.world}",
+                "trainer.v1.trainer_mode=colocate_async",
+                f"trainer.v1.colocate_async.num_warmup_batches={args.warmup_batches}",
+                f"trainer.v1.sampler.max_off_policy_threshold={args.max_span}"]
     pools = [f"trainer.n_gpus_per_node={half}", f"rollout.n_gpus_per_node={half}",
              "async_training.use_rollout_log_probs=true", "actor_rollout_ref.rollout.gpu_memory_utilization=0.85",
              f"async_training.partial_rollout={str(not args.no_partial).lower()}"]
@@ -169,7 +184,8 @@ def print_tables(args: argparse.Namespace, results: dict[str, dict]) -> None:
     where = "CPU processes" if args.quick else "GPUs"
     scale = " (HALF SCALE: the issue's setting is 4)" if args.world == 2 and not args.quick else ""
     print(f"\n{args.prompts} prompts x {args.n} samples per step, responses <= {args.response_length} tokens, "
-          f"{where}: sync on {args.world} colocated, async on {half} trainer + {half} rollout{scale}")
+          f"{where}: sync and colocate_async on {args.world} colocated, one_step_off and fully_async on {half} "
+          f"trainer + {half} rollout{scale}")
     sync = results.get("sync")
     if sync:
         print(f"responses: mean {sync['response_length_mean']:.0f} tokens, {100 * sync['response_clip_ratio']:.1f}% "
