@@ -106,8 +106,8 @@ def _wider_tokenizer(model: Path, directory: Path) -> Path:
 
 
 def _rename_a_tensor(directory: Path) -> None:
-    """The same weights with one tensor under a name the model does not have: every header check passes, the
-    worker building the model finds it missing."""
+    """The same weights with one tensor under a name the model does not have: every header check passes, and the
+    launch finds the model's tensor missing (as the worker building the model would)."""
     from safetensors.torch import load_file, save_file
     tensors = load_file(directory / "model.safetensors")
     name = next(n for n in tensors if "layers.0.mlp.down_proj" in n)
@@ -241,16 +241,26 @@ def test_the_command_line_prints_the_line_and_exits_2(task, tmp_path):
 
 
 def test_a_user_error_a_worker_raises_is_the_same_line_with_its_rank_and_node(task, tmp_path):
+    """A distributed checkpoint directory that holds none: only the worker that reads it finds out."""
     env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    done = subprocess.run(_command(tmp_path, f"actor_rollout_ref.model.path={task['renamed_tensor']}",
-                                   f"data.train_files={task['train']}",
-                                   # else the launch refuses the renamed (extra) tensor before workers start
-                                   "actor_rollout_ref.actor.checkpoint.strict=false"),
+    empty = tmp_path / "no_checkpoint"
+    empty.mkdir()
+    done = subprocess.run(_command(tmp_path, f"data.train_files={task['train']}",
+                                   "actor_rollout_ref.actor.megatron.use_dist_checkpointing=true",
+                                   f"actor_rollout_ref.actor.megatron.dist_checkpointing_path={empty}"),
                           capture_output=True, text=True, timeout=300, env=env)
     assert done.returncode == 2 and "Traceback" not in done.stderr, done.stderr[-3000:]
     last = done.stderr.strip().splitlines()[-1]
     assert last.startswith("error: worker group 'trainer', role 'actor', 'add_role': rank 0 on "), last
-    assert "raised CheckpointError: " in last and "down_proj.weight' is missing from the checkpoint" in last, last
+    assert "raised CheckpointError: " in last and "no shardrl checkpoint here" in last, last
+
+
+def test_a_checkpoint_missing_a_tensor_is_refused_before_workers_start(task, tmp_path):
+    done = subprocess.run(_command(tmp_path, f"actor_rollout_ref.model.path={task['renamed_tensor']}",
+                                   f"data.train_files={task['train']}"), capture_output=True, text=True, timeout=300)
+    assert done.returncode == 2 and done.stderr.count("\n") == 1, done.stderr[-3000:]
+    assert done.stderr.startswith("error: actor_rollout_ref.model.path: ") and "lacks 1 tensor(s) the model needs " \
+        "(e.g. 'model.layers.0.mlp.down_proj.weight')" in done.stderr, done.stderr
 
 
 def test_tracebacks_come_back_under_the_debug_flag(task, tmp_path, monkeypatch):

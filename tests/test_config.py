@@ -495,7 +495,7 @@ def test_fa4_is_refused_at_launch_where_it_cannot_run(head_dim_64):
     plan = plan_job(config)  # the dry run accepts it: the machine that launches is what cannot run it
     key = "actor_rollout_ref.actor.megatron.override_transformer_config.attention_backend"
     with mock.patch("shardrl.job.preflight.check_model_dir"), \
-            mock.patch("shardrl.job.preflight.refuse_uncarried_tensors"):  # its config.json holds no weights to check
+            mock.patch("shardrl.job.preflight.check_model_weights"):  # its config.json holds no weights to check
         with pytest.raises(ConfigError, match=f"^{key}: fa4 runs on CUDA GPUs and this run is on cpu"):
             check_launch(plan)
         cuda_plan = dataclasses.replace(plan, device="cuda")
@@ -568,3 +568,25 @@ def test_a_critic_from_a_causal_lm_is_strict_about_all_but_its_lm_head(tmp_path)
     with pytest.raises(ConfigError, match="'score.bias'") as info:
         check_launch(plan_job(compose("ppo_trainer", [*critic, f"critic.model.path={with_head}"])))
     assert info.value.key == "critic.checkpoint.strict"
+
+
+def test_a_checkpoint_whose_tensors_do_not_fit_the_model_is_refused_at_launch(tmp_path):
+    """What the worker loading it would trip over, found from the safetensors headers before workers start: a tensor
+    of another shape, tensors of layers config.json (with its overrides) adds."""
+    from safetensors.torch import load_file, save_file
+
+    from shardrl.models.tiny import make_tiny_checkpoint
+
+    path = make_tiny_checkpoint("qwen2", tmp_path / "tiny")
+    layers = json.loads((path / "config.json").read_text())["num_hidden_layers"]
+    with pytest.raises(ConfigError, match=f"lacks .* tensor.*'model.layers.{layers}.") as info:
+        check_launch(plan_job(compose("ppo_trainer", [f"actor_rollout_ref.model.path={path}",
+                                                      f"+actor_rollout_ref.model.override_config.num_hidden_layers="
+                                                      f"{layers + 1}"])))
+    assert info.value.key == "actor_rollout_ref.model.path"
+    tensors = load_file(path / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(3)
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ConfigError, match=r"'model.norm.weight' has shape \(3,\), the model expects") as info:
+        check_launch(plan_job(compose("ppo_trainer", [f"actor_rollout_ref.model.path={path}"])))
+    assert info.value.key == "actor_rollout_ref.model.path"

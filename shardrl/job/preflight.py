@@ -6,16 +6,15 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.model_check import MEGATRON_GROUPS
-from shardrl.job.options import EngineOptions
+from shardrl.job.options import EngineOptions, ModelOptions
 from shardrl.job.plan import JobPlan
 from shardrl.models.config import ModelConfig, ModelConfigError
-from shardrl.models.hf_bridge import CheckpointError, checkpoint_tensor_shapes, uncarried_tensors
+from shardrl.models.hf_bridge import CheckpointError, checkpoint_tensor_shapes, ignored_tensor, model_tensor_shapes
 
 ROLLOUT_PACKAGES = {"vllm": "vllm", "sglang": "sglang"}  # rollout.name -> package it needs
 LOGGER_PACKAGES = {"wandb": "wandb", "tensorboard": "tensorboard", "mlflow": "mlflow"}
@@ -37,13 +36,7 @@ def check_launch(plan: JobPlan) -> None:
                 raise ConfigError(key, f"{path} does not exist")
     for key, path in model_paths(plan):
         check_model_dir(key, path)
-    for key, path, options, value_head in ((f"{group}.checkpoint.strict", path, role, group == "critic")
-                                           for group, path, role in (
-                                               ("actor_rollout_ref.actor", plan.model_path, plan.actor),
-                                               ("critic", plan.critic_model_path, plan.critic))
-                                           if role is not None and path is not None):
-        if options.checkpoint.strict:
-            refuse_uncarried_tensors(key, path, options.model.override_config, value_head)
+    check_model_weights(plan)
     reward_path = plan.reward.custom_path
     if reward_path is not None and not Path(reward_path).expanduser().is_file():
         raise ConfigError("custom_reward_function.path", f"{reward_path} does not exist")
@@ -71,17 +64,47 @@ def check_launch(plan: JobPlan) -> None:
                                                 f"remove '{logger}' from trainer.logger")
 
 
-def refuse_uncarried_tensors(key: str, path: str, overrides: dict[str, Any], value_head: bool) -> None:
-    """verl's `checkpoint.strict`: the HF checkpoint at `path` (already checked by `check_model_dir`) may hold only
-    tensors the trained model (config.json with `model.override_config`) carries, so that its exports hold
-    everything it started from."""
-    directory = Path(path).expanduser()
-    dropped = uncarried_tensors(checkpoint_tensor_shapes(directory), ModelConfig.from_pretrained(directory, overrides),
-                                value_head)
-    if dropped:
-        raise ConfigError(key, f"{directory} holds {len(dropped)} tensor(s) the model does not carry (e.g. "
-                               f"{dropped[0]!r}), so its exports would lack them; set {key}=false to train and "
-                               f"export without them")
+def weight_sources(plan: JobPlan) -> list[tuple[str, str, ModelOptions, frozenset[str], str | None]]:
+    """(config key of the directory, the directory, the model's options, the tensors it may lack, the key of its
+    verl `checkpoint.strict` or None) of every trained or scoring model that loads HF weights (not random-initialised,
+    not from a distributed checkpoint): the policy (and the reference, which loads the same), the critic (a causal
+    LM's directory lacks its value head, which then starts random), the distillation teacher, the reward model."""
+    found = []
+    if plan.model_path is not None:
+        found.append(("actor_rollout_ref.model.path", plan.model_path, plan.actor.model, frozenset(),
+                      "actor_rollout_ref.actor.checkpoint.strict" if plan.actor.checkpoint.strict else None))
+    if plan.critic is not None and plan.critic_model_path is not None:
+        found.append(("critic.model.path", plan.critic_model_path, plan.critic.model, frozenset({"score.weight"}),
+                      "critic.checkpoint.strict" if plan.critic.checkpoint.strict else None))
+    if plan.teacher is not None:
+        found.append(("distillation.teacher_model.model_path", plan.teacher.model_path, plan.teacher.model,
+                      frozenset(), None))
+    if plan.reward_model is not None:
+        found.append(("reward_model.model.path", plan.reward_model_path, plan.reward_model.model, frozenset(), None))
+    return [entry for entry in found if entry[2].load_weight and entry[2].dist_checkpoint is None]
+
+
+def check_model_weights(plan: JobPlan) -> None:
+    """Every model of `weight_sources` finds each tensor it needs in its directory (already checked by
+    `check_model_dir`), in the shape it needs, as the worker building it would; and where verl's `checkpoint.strict`
+    is on, nothing it does not carry (its exports would lack it). One ConfigError line naming the key."""
+    for key, path, model, optional, strict_key in weight_sources(plan):
+        directory = Path(path).expanduser()
+        config, value_head = ModelConfig.from_pretrained(directory, model.override_config), model.engine.value_head
+        shapes, expected = checkpoint_tensor_shapes(directory), model_tensor_shapes(config, value_head)
+        if missing := [name for name in expected if name not in shapes and name not in optional]:
+            raise ConfigError(key, f"{directory} lacks {len(missing)} tensor(s) the model needs (e.g. {missing[0]!r}); "
+                                   f"its weights and config.json (with model.override_config) are not of one model")
+        for name, shape in expected.items():
+            if name in shapes and shapes[name] != shape:
+                raise ConfigError(key, f"{directory}: tensor {name!r} has shape {shapes[name]}, the model expects "
+                                       f"{shape}; its weights and config.json (with model.override_config) are not "
+                                       f"of one model")
+        dropped = [name for name in shapes if name not in expected and not ignored_tensor(name, config, value_head)]
+        if strict_key is not None and dropped:
+            raise ConfigError(strict_key, f"{directory} holds {len(dropped)} tensor(s) the model does not carry (e.g. "
+                                          f"{sorted(dropped)[0]!r}), so its exports would lack them; set "
+                                          f"{strict_key}=false to train and export without them")
 
 
 def trained_models(plan: JobPlan) -> list[tuple[str, EngineOptions]]:

@@ -63,17 +63,19 @@ def checkpoint_tensor_shapes(path: str | Path) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def uncarried_tensors(checkpoint_names: Collection[str], config: ModelConfig, value_head: bool) -> list[str]:
-    """The tensors of a starting HF checkpoint (`checkpoint_names`) that a model of `config` neither loads nor
-    exports (MTP layers, heads of other tasks), sorted; what transformers itself ignores is left out: rotary
-    `inv_freq` buffers, and `lm_head.weight` where the model ties it to the embedding or (`value_head`) replaces it
-    with a value head. The names are the model's own specs', from a copy built on the meta device (no memory)."""
+def model_tensor_shapes(config: ModelConfig, value_head: bool) -> dict[str, tuple[int, ...]]:
+    """Every HF tensor a model of `config` loads and exports -> its full shape (one entry per expert), from the
+    model's own specs, built on the meta device (no memory)."""
     with torch.device("meta"):
         model = Transformer(config, Layout.single("meta"), value_head=value_head)
-    carried = {name for param in model.parameters() for name in get_spec(param).hf_names()}
-    ignored = {"lm_head.weight"} if config.tie_word_embeddings or value_head else set()
-    return sorted(name for name in checkpoint_names
-                  if name not in carried and name not in ignored and not name.endswith("rotary_emb.inv_freq"))
+    return {name: get_spec(param).full_shape for param in _unique_params(model) for name in get_spec(param).hf_names()}
+
+
+def ignored_tensor(name: str, config: ModelConfig, value_head: bool) -> bool:
+    """A checkpoint tensor that transformers also ignores when it loads the model: rotary `inv_freq` buffers, and
+    `lm_head.weight` where the model ties it to the embedding or (`value_head`) replaces it with a value head."""
+    return name.endswith("rotary_emb.inv_freq") or (name == "lm_head.weight" and (config.tie_word_embeddings or
+                                                                                    value_head))
 
 
 def _safetensors_header_shapes(file: Path) -> dict[str, tuple[int, ...]]:
