@@ -96,6 +96,7 @@ class RLDataset:
         data_source_key: str = "data_source",
         chat_template_kwargs: Mapping[str, Any] = {},
         tools: list[dict[str, Any]] | None = None,
+        render_workers: int = 1,
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise DatasetError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -104,6 +105,7 @@ class RLDataset:
         self.max_prompt_length = max_prompt_length
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
+        self.render_workers = render_workers  # processes rendering the chat template (`prompt_token_ids`)
         self.prompt_key = prompt_key
         self.data_source_key = data_source_key
         # Multi-turn: the tools' OpenAI schemas, which the template renders into the prompt (as the agent loop's
@@ -140,7 +142,8 @@ class RLDataset:
                 raise DatasetError(f"{path} row {number}: {self.prompt_key!r} must be a non-empty list of messages "
                                    f"with a 'role' and 'content' each, got {str(bad if messages else messages)[:80]}")
         try:
-            ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows], self.chat_template_kwargs)
+            ids = prompt_token_ids(tokenizer, [row[self.prompt_key] for row in rows], self.chat_template_kwargs,
+                                   self.render_workers)
         except Exception as err:  # the tokenizer's chat template (user-supplied jinja) failed on some row
             raise DatasetError(f"{path}: the tokenizer's chat template failed on its prompts ({type(err).__name__}: "
                                f"{first_line(err)}); check the messages and the template (data.tokenizer)") from None

@@ -288,6 +288,7 @@ class DataOptions:
     max_prompt_length: int
     truncation: str
     filter_overlong_prompts: bool
+    render_workers: int  # data.filter_overlong_prompts_workers: processes rendering the chat template
     apply_chat_template_kwargs: dict[str, Any]
     train_max_samples: int
     val_max_samples: int

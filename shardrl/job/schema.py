@@ -680,6 +680,7 @@ class DataConfig:
     validation_shuffle: bool
     seed: int
     filter_overlong_prompts: bool
+    filter_overlong_prompts_workers: PosInt  # processes that render the prompts' chat template at start
     truncation: Literal["error", "left", "right"]
     dataloader_num_workers: NonNegInt
     apply_chat_template_kwargs: dict[str, Any]
