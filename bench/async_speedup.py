@@ -80,11 +80,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--out", default="/tmp/shardrl_async_speedup")
     parser.add_argument("--timeout", type=int, default=3600, help="seconds per mode")
-    parser.add_argument("--quick", action="store_true", help="tiny model, few short steps, on CPU")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model on CPU; sizes not given default to a few short steps")
     args = parser.parse_args()
-    if args.quick:
-        args.world, args.steps, args.warmup, args.prompts, args.n, args.response_length = 2, 3, 1, 8, 2, 16
-        args.stop_tokens = 32
+    if args.quick:  # the sizes left at their defaults take the smoke test's
+        quick = dict(world=2, steps=3, warmup=1, prompts=8, n=2, response_length=16, stop_tokens=32)
+        for name, value in quick.items():
+            if getattr(args, name) == parser.get_default(name):
+                setattr(args, name, value)
     two_pools = [m for m in args.modes if m not in COLOCATED]
     if two_pools and (args.world < 2 or args.world % 2):
         parser.error(f"--world {args.world}: {', '.join(two_pools)} need an even number of GPUs (trainer and rollout "
