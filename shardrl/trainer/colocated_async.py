@@ -23,9 +23,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardrl.data.batch import Batch
 from shardrl.trainer import staleness
 from shardrl.trainer.fully_async import FullyAsyncTrainer
 from shardrl.trainer.prompt_feed import PromptFeed
+from shardrl.trainer.reward_loop import Scorer
 from shardrl.trainer.rollouter import Rollouter
 from shardrl.workers.hybrid import ActorRolloutRefWorker
 
@@ -34,11 +36,11 @@ class ColocatedAsyncTrainer(FullyAsyncTrainer):
     def partial_rollout(self) -> bool:
         return True
 
-    def make_rollouter(self, feed: PromptFeed, budget: staleness.Budget, scorer) -> Rollouter:
+    def make_rollouter(self, feed: PromptFeed, budget: staleness.Budget, scorer: Scorer | None) -> Rollouter:
         return Rollouter(self.workers.actor, feed, budget, self.timeline, lambda: self.global_step, self.in_order,
                          scorer, stream=ActorRolloutRefWorker.stream)
 
-    def train(self, batch, step: int) -> tuple[Any, dict[str, Any]]:
+    def train(self, batch: Batch, step: int) -> tuple[Batch, dict[str, Any]]:
         """The step's training with the stream paused and its requests stopped; then the new weights go to the
         engine (the schedule's sync every step) and the stopped requests continue under them."""
         with self.timeline.phase(step, "pause_rollout"):

@@ -34,7 +34,7 @@ from shardrl.data.batch import Batch
 from shardrl.trainer import batch_ops, staleness
 from shardrl.trainer.ppo import PPOTrainer
 from shardrl.trainer.prompt_feed import PromptFeed
-from shardrl.trainer.reward_loop import concat_scored
+from shardrl.trainer.reward_loop import Scorer, concat_scored
 from shardrl.trainer.rollouter import Rollouter, RolloutState
 
 IDLE_PHASES = ("wait_rollout", "pause_rollout")  # the trainer's phases that wait for the rollouter
@@ -81,7 +81,7 @@ class FullyAsyncTrainer(PPOTrainer):
             self.rollouter.close()
             self.rollouter = None
 
-    def make_rollouter(self, feed: PromptFeed, budget: staleness.Budget, scorer) -> Rollouter:
+    def make_rollouter(self, feed: PromptFeed, budget: staleness.Budget, scorer: Scorer | None) -> Rollouter:
         """The rollouter on the rollout pool (the colocated schedule's runs on the trainer pool)."""
         return Rollouter(self.workers.rollout, feed, budget, self.timeline, lambda: self.global_step, self.in_order,
                          scorer)
