@@ -232,3 +232,19 @@ def test_loader_refuses_bad_sizes_and_states(tokenizer, gsm8k_parquet):
         PromptLoader(dataset, batch_size=13)
     with pytest.raises(ValueError, match="does not fit 2 batches of 5"):
         PromptLoader(dataset, batch_size=5).load_state_dict({"epoch": 0, "index": 10})
+
+
+def test_a_row_with_images_is_refused_naming_it_and_the_key(tokenizer, gsm8k_parquet, tmp_path):
+    """verl's image_key / video_key / audio_key: shardrl's models read text only, so images must not vanish."""
+    rows = [row | {"images": None, "frames": None} for row in pq.read_table(gsm8k_parquet).to_pylist()]
+    rows[3]["images"] = [{"bytes": b"\x89PNG"}]
+    rows[5]["frames"] = ["clip.mp4"]
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "mm.parquet")
+    with pytest.raises(DatasetError, match=r"row 3: has 'images' \(data.image_key"):
+        RLDataset(tmp_path / "mm.parquet", tokenizer)
+    with pytest.raises(DatasetError, match="row 5: has 'frames'"):
+        RLDataset(tmp_path / "mm.parquet", tokenizer, media_keys=("pictures", "frames"))
+    for row in rows:
+        row["images"] = []  # an empty column is no image
+    pq.write_table(pa.Table.from_pylist(rows), tmp_path / "empty.parquet")
+    assert len(RLDataset(tmp_path / "empty.parquet", tokenizer, media_keys=("pictures",))) == len(rows)

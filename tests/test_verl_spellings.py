@@ -269,3 +269,13 @@ def test_verl_09s_trainer_modes_shardrl_cannot_run_are_refused(config_name, over
     with pytest.raises(ConfigError, match=reason) as err:
         plan_job(compose(config_name, overrides))
     assert err.value.key == key and "\n" not in str(err.value)
+
+
+@pytest.mark.parametrize("key", ["tool_config_path", "function_tool_path"])
+def test_verls_data_side_tool_paths_are_the_rollouts(key):
+    target = f"actor_rollout_ref.rollout.multi_turn.{key}"
+    assert compose("ppo_trainer", [f"data.{key}=/tmp/tools"]).at(target) == "/tmp/tools"
+    assert compose("ppo_trainer", [f"{target}=/tmp/tools"]).at(f"data.{key}") == "/tmp/tools"  # verl's interpolation
+    with pytest.raises(ConfigError, match="set one") as err:
+        compose("ppo_trainer", [f"data.{key}=/tmp/a", f"{target}=/tmp/b"])
+    assert err.value.key == f"data.{key}"

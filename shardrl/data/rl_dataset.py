@@ -97,6 +97,7 @@ class RLDataset:
         chat_template_kwargs: Mapping[str, Any] = {},
         tools: list[dict[str, Any]] | None = None,
         render_workers: int = 1,
+        media_keys: Sequence[str] = ("images", "videos", "audios"),
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise DatasetError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -106,6 +107,7 @@ class RLDataset:
         self.truncation = truncation
         self.filter_overlong_prompts = filter_overlong_prompts
         self.render_workers = render_workers  # processes rendering the chat template (`prompt_token_ids`)
+        self.media_keys = tuple(media_keys)  # verl's multimodal columns: a row with a value in one is refused
         self.prompt_key = prompt_key
         self.data_source_key = data_source_key
         # Multi-turn: the tools' OpenAI schemas, which the template renders into the prompt (as the agent loop's
@@ -137,6 +139,10 @@ class RLDataset:
             if not isinstance(messages, list):
                 raise DatasetError(f"{path} row {number}: {self.prompt_key!r} must be a list of chat messages, got "
                                    f"{type(messages).__name__} (data.prompt_key={self.prompt_key})")
+            media = next((key for key in self.media_keys if row.get(key)), None)
+            if media is not None:
+                raise DatasetError(f"{path} row {number}: has {media!r} (data.image_key / video_key / audio_key); "
+                                   f"shardrl trains text models, so multimodal prompts are not supported")
             bad = next((m for m in messages if not isinstance(m, dict) or not isinstance(m.get("role"), str)), None)
             if bad is not None or not messages:
                 raise DatasetError(f"{path} row {number}: {self.prompt_key!r} must be a non-empty list of messages "

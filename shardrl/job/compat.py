@@ -62,6 +62,17 @@ REFUSED: tuple[Refused, ...] = (
             "with the template would re-tokenize what the model sampled; remove the key"),
     Refused("actor_rollout_ref.rollout.multi_turn.num_repeat_rollouts", _is(None), 2,
             "samples per prompt are actor_rollout_ref.rollout.n; set that instead"),
+    Refused("data.use_shm", _is(False), True, "the data files are read once, at start, in the driver; there is no "
+            "copy to shared memory to make; set false"),
+    Refused("data.return_full_prompt", _is(False), True, "batches carry the prompt's ids and its messages "
+            "(raw_prompt), not its rendered text; set false"),
+    *(Refused(f"data.custom_cls.{field}", _is(None), "my_dataset.py", "a dataset class of your own is not loaded; "
+              "rows come from parquet or jsonl files in verl's RL format (data.train_files); leave it null")
+      for field in ("path", "name")),
+    Refused("data.continuous_token.enable", _is(False), True, "prompts are token ids rendered by the chat template; "
+            "set false"),
+    Refused("data.mm_processor_kwargs", lambda v: not v, {"max_pixels": 1}, "multimodal prompts are not supported "
+            "(shardrl's models are text models); leave it empty"),
     Refused("data.dataloader_num_workers", _is(0), 8, "prompts are tokenised once at start and batched in memory; "
             "there are no loader workers; remove the key"),
     *(Refused(f"{group}.external_lib", _is(None), "my_models", "shardrl builds its model families natively; a "
@@ -180,6 +191,9 @@ ACCEPTED: tuple[Accepted, ...] = (
                "(rules.py)") for key in ("num_warmup_batches", "parameter_sync_step")),
     Accepted("trainer.v1.sampler.max_off_policy_strategy", "drop, the only one built, is what colocate_async does; "
              "wait is refused there (rules.py)"),
+    *(Accepted(f"data.{key}", "read only for multimodal rows, which the dataset refuses (data.image_key)")
+      for key in ("image_patch_size", "return_multi_modal_inputs")),
+    Accepted("data.continuous_token.model_family", "read only with continuous_token.enable, which is refused"),
     Accepted("algorithm.rollout_correction.use_policy_gradient", "folded into algorithm.rollout_correction."
              "loss_type"),
 )

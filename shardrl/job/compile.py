@@ -320,6 +320,7 @@ def data_options(config: PPOConfig) -> DataOptions:
         tokenizer=model.tokenizer_path or data.tokenizer, trust_remote_code=model.trust_remote_code,
         prompt_key=data.prompt_key, max_prompt_length=data.max_prompt_length, truncation=data.truncation,
         filter_overlong_prompts=data.filter_overlong_prompts, render_workers=data.filter_overlong_prompts_workers,
+        media_keys=(data.image_key, data.video_key, data.audio_key),
         apply_chat_template_kwargs=dict(data.apply_chat_template_kwargs), train_max_samples=data.train_max_samples,
         val_max_samples=data.val_max_samples, gen_batch_size=data.gen_batch_size, val_batch_size=data.val_batch_size,
         shuffle=data.shuffle, validation_shuffle=data.validation_shuffle, seed=data.seed)

@@ -289,6 +289,7 @@ class DataOptions:
     truncation: str
     filter_overlong_prompts: bool
     render_workers: int  # data.filter_overlong_prompts_workers: processes rendering the chat template
+    media_keys: tuple[str, ...]  # data.image_key / video_key / audio_key: columns whose values the dataset refuses
     apply_chat_template_kwargs: dict[str, Any]
     train_max_samples: int
     val_max_samples: int

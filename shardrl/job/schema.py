@@ -658,6 +658,12 @@ class AlgorithmConfig:
 
 
 @dataclass(frozen=True)
+class ContinuousTokenConfig:
+    enable: bool
+    model_family: str
+
+
+@dataclass(frozen=True)
 class DataConfig:
     """Prompt datasets in verl's RL format and how they are batched and truncated."""
 
@@ -684,6 +690,19 @@ class DataConfig:
     truncation: Literal["error", "left", "right"]
     dataloader_num_workers: NonNegInt
     apply_chat_template_kwargs: dict[str, Any]
+    # verl's multimodal columns: shardrl trains text models, so a row with a non-empty value in one is refused
+    image_key: str
+    video_key: str
+    audio_key: str
+    image_patch_size: PosInt  # verl's: read only for images (refused)
+    return_multi_modal_inputs: bool  # verl's: read only for images (refused)
+    mm_processor_kwargs: dict[str, Any]  # verl's: only empty
+    use_shm: bool  # verl's: copy the data files to shared memory first; only false
+    return_full_prompt: bool  # verl's: the rendered prompt text in the batch; only false
+    custom_cls: UserClassConfig  # verl's dataset class of your own: only null
+    continuous_token: ContinuousTokenConfig  # verl's: only enable=false
+    tool_config_path: str | None  # verl's spelling of rollout.multi_turn.tool_config_path
+    function_tool_path: str | None  # verl's spelling of rollout.multi_turn.function_tool_path
 
 
 @dataclass(frozen=True)

@@ -121,7 +121,7 @@ def train(plan: JobPlan) -> None:
             return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
                              data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs,
                              data_source_key=plan.reward.data_source_key, tools=tools,
-                             render_workers=data.render_workers)
+                             render_workers=data.render_workers, media_keys=data.media_keys)
         except DatasetError as err:
             raise ConfigError(key, str(err)) from None
 
