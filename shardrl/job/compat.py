@@ -103,6 +103,11 @@ REFUSED: tuple[Refused, ...] = (
     Refused("actor_rollout_ref.rollout.engine_kwargs", lambda v: not any(v.values()), {"vllm": {"swap_space": 4}},
             "engine_kwargs configure vllm and sglang; the native engine's settings are actor_rollout_ref.rollout.* "
             "keys"),
+    Refused("actor_rollout_ref.rollout.skip_tokenizer_init", _is(True), False, "the native engine takes and returns "
+            "token ids and holds no tokenizer (the trainer decodes); set true"),
+    *(Refused(f"actor_rollout_ref.rollout.{key}", _is(None), example, "the native engine runs the actor's weights in "
+              "rollout.dtype (bfloat16, float16 or float32); weight quantization is not built; leave it null")
+      for key, example in (("quantization", "fp8"), ("quantization_config_file", "torchao_config.json"))),
     Refused("actor_rollout_ref.rollout.calculate_log_probs", _is(True), False, "the native engine always records each "
             "token's behaviour logprob (the off-policy contract); set true"),
     Refused("actor_rollout_ref.rollout.free_cache_engine", _is(False), True, "the detached rollout pool keeps its "

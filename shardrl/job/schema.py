@@ -369,6 +369,9 @@ class RolloutConfig:
     max_model_len: PosInt | None  # null: prompt_length + response_length
     enable_chunked_prefill: bool
     enable_prefix_caching: bool
+    skip_tokenizer_init: bool  # verl's (token in, token out): the native engine has no tokenizer; only true
+    quantization: str | None  # verl's vLLM weight quantization (fp8, torchao): only null
+    quantization_config_file: str | None  # its config file: only null
     # which logprob each sampled token reports (vLLM's logprobs_mode; the logits modes are refused)
     logprobs_mode: Literal["processed_logprobs", "raw_logprobs", "processed_logits", "raw_logits"]
     # verl's: the rollout engine records every token's MoE experts into the batch (`routed_experts`), for R3 to
