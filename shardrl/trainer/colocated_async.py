@@ -7,8 +7,8 @@ keeping `num_warmup_batches` loader batches beyond the current one in flight. A 
 what they generated (and with `rollout.free_cache_engine` the KV cache is freed for training), the step trains, the
 new weights go to the engine, and the stopped requests continue under them (partial rollout: their later tokens
 carry the new version) beside the next batch's. So the engine's slots freed by short responses fill with the next
-batch's prompts instead of idling through the longest response of each batch, and no GPU waits for generation
-beyond the first group of a step.
+batch's prompts instead of idling through the longest response of each batch: a step waits for a batch's worth of
+finished groups, not for the slowest of the groups it started.
 
 Staleness is verl's rule: a group whose generation spans more than `trainer.v1.sampler.max_off_policy_threshold`
 policy versions (a token more than threshold - 1 versions older than the trainer's) is dropped when the trainer would
