@@ -323,8 +323,10 @@ class AgentEndpointConfig:
 
 
 @dataclass(frozen=True)
-class UserClassConfig:
-    """A class of the user's, verl's way: the file it is in and its name."""
+class UserCode:
+    """User code named verl's way, by the file it is in and its name (null: not given): verl 0.9's
+    `reward.custom_reward_function` (folded into the key of that name) and the classes of your own that shardrl does
+    not load (reward manager, dataset, sampler, serving engine: refused when given)."""
 
     path: str | None
     name: str | None
@@ -339,7 +341,7 @@ class AgentLoopConfig:
     default_agent_loop: str
     agent_loop_config_path: str | None
     endpoint: AgentEndpointConfig
-    custom_async_server: UserClassConfig  # verl's serving-engine class of your own (path, name): only null
+    custom_async_server: UserCode  # verl's serving-engine class of your own (path, name): only null
 
 
 @dataclass(frozen=True)
@@ -543,22 +545,13 @@ class CustomRewardFunctionConfig:
 
 
 @dataclass(frozen=True)
-class UserCodeSpelling:
-    """verl 0.9's (file, name) of user code in its `reward` group: `custom_reward_function` (folded into the key of
-    that name) and `reward_manager.module` (a reward-manager class: refused when given). Null: not given."""
-
-    path: str | None
-    name: str | None
-
-
-@dataclass(frozen=True)
 class RewardManagerSpelling:
     """verl 0.9's `reward.reward_manager`: `name` folds into `reward_model.reward_manager`; `source=register` is the
     one kind shardrl has (its managers by name); `importlib` (a user class at `module.path`) is refused."""
 
     name: Literal["naive", "batch", "dapo", "gdpo"] | None
     source: str | None
-    module: UserCodeSpelling
+    module: UserCode
 
 
 @dataclass(frozen=True)
@@ -583,7 +576,7 @@ class RewardSpellingConfig:
     refused when any entry is set: run code in a reward function or an agent tool instead."""
 
     num_workers: PosInt | None  # -> custom_reward_function.num_workers (the scoring processes)
-    custom_reward_function: UserCodeSpelling
+    custom_reward_function: UserCode
     reward_manager: RewardManagerSpelling
     reward_model: RewardModelSpelling
     reward_kwargs: dict[str, Any]  # -> reward_model.reward_kwargs (DAPO's overlong shaping)
@@ -702,7 +695,7 @@ class DataConfig:
     mm_processor_kwargs: dict[str, Any]  # verl's: only empty
     use_shm: bool  # verl's: copy the data files to shared memory first; only false
     return_full_prompt: bool  # verl's: the rendered prompt text in the batch; only false
-    custom_cls: UserClassConfig  # verl's dataset class of your own: only null
+    custom_cls: UserCode  # verl's dataset class of your own: only null
     continuous_token: ContinuousTokenConfig  # verl's: only enable=false
     tool_config_path: str | None  # verl's spelling of rollout.multi_turn.tool_config_path
     function_tool_path: str | None  # verl's spelling of rollout.multi_turn.function_tool_path
@@ -727,7 +720,7 @@ class V1SamplerConfig:
     max_off_policy_threshold: PosInt
     max_off_policy_strategy: Literal["drop", "wait"]
     sync_refill_failed_groups: bool
-    custom_sampler: UserClassConfig
+    custom_sampler: UserCode
     sampler_kwargs: dict[str, Any]
 
 
