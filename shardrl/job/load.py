@@ -157,7 +157,7 @@ def _fold_min_lr(tree: dict[str, Any]) -> dict[str, Any]:
     lr, or a ratio also set to another value, is refused."""
     for group in ("actor_rollout_ref.actor.optim", "critic.optim"):
         optim = _get(tree, group)
-        if optim is None or optim.get("min_lr") is None:
+        if optim["min_lr"] is None:
             continue
         min_lr, lr = optim["min_lr"], optim["lr"]
         if min_lr > lr:

@@ -142,7 +142,7 @@ class CheckpointOptions:
 
     save_contents: tuple[str, ...]
     load_contents: tuple[str, ...]
-    strict: bool = True  # a starting HF checkpoint may hold only tensors the model carries (job/preflight.py)
+    strict: bool  # a starting HF checkpoint may hold only tensors the model carries (job/preflight.py)
 
 
 @dataclass(frozen=True)
