@@ -11,6 +11,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
+from async_jobs import run_job
 from shardrl.data import builtin_task
 
 EXAMPLE_LOOPS = Path(__file__).resolve().parents[1] / "examples" / "openai_agent" / "agent_loops.yaml"
@@ -86,37 +87,32 @@ def test_user_tool_and_interaction_files_run_in_a_training_job(tmp_path):
     assert all("agent/decode_steps_during_tools" in m and "agent/tool_idle_s" in m for m in metrics)
 
 
-def two_agents_job(tmp_path, config_name="ppo_trainer"):
-    """The trainer's command line (up to the schedule's flags) on the built-in multi-turn task, 2 ranks: half the rows
-    run the built-in tool agent, half the OpenAI-client agent of examples/openai_agent through the endpoint."""
+def two_agents_overrides(tmp_path):
+    """The trainer's flags (up to the schedule's) on the built-in multi-turn task, 2 ranks: half the rows run the
+    built-in tool agent, half the OpenAI-client agent of examples/openai_agent through the endpoint."""
     task = builtin_task.prepare(tmp_path / "task", multi_turn=True)
     rows = builtin_task.make_rows(256, seed=5, multi_turn=True)
     for row in rows[::2]:
         row["agent_name"] = "openai_tool_agent"
     pq.write_table(pa.Table.from_pylist(rows), tmp_path / "train.parquet")
-    return [sys.executable, "-m", "shardrl.trainer.main_ppo", f"--config-name={config_name}",
-            f"trainer.default_local_dir={tmp_path}",
-            "trainer.logger=[file]", "trainer.n_gpus_per_node=2", f"actor_rollout_ref.model.path={task['model']}",
+    return ["trainer.n_gpus_per_node=2", f"actor_rollout_ref.model.path={task['model']}",
             f"data.train_files={tmp_path / 'train.parquet'}", f"data.val_files={tmp_path / 'train.parquet'}",
             f"actor_rollout_ref.rollout.agent.agent_loop_config_path={EXAMPLE_LOOPS}",
-            "actor_rollout_ref.rollout.agent.num_workers=1"]
+            "actor_rollout_ref.rollout.agent.num_workers=1", "actor_rollout_ref.rollout.multi_turn.enable=true",
+            "data.max_response_length=8", "trainer.val_before_train=false"]
 
 
 def test_fully_async_partial_rollout_runs_multi_turn_within_its_staleness_bound(tmp_path):
     """Trajectories paused by weight syncs (mid turn or between turns) continue under the new weights on two
     rollout replicas; every token of every trained sample stays within the staleness bound. Half the rows run the
     built-in tool agent, half the OpenAI-client agent of examples/openai_agent through each replica's endpoint."""
-    cmd = [*two_agents_job(tmp_path, "fully_async_ppo_trainer"),
-           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "rollout.n_gpus_per_node=2",
-           "async_training.partial_rollout=true", "async_training.require_batches=2",
-           "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0.25",
-           "trainer.total_training_steps=8", "trainer.test_freq=-1", "trainer.val_before_train=false",
-           "actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_response_length=8"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "fully_async mode: samples may be up to 2 versions old" in done.stdout
-    assert f"loaded agent loop config {EXAMPLE_LOOPS.resolve()}" in done.stdout.splitlines()
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics, out = run_job(tmp_path, "fully_async_ppo_trainer", *two_agents_overrides(tmp_path),
+                           "actor_rollout_ref.actor.megatron.tensor_model_parallel_size=2", "rollout.n_gpus_per_node=2",
+                           "async_training.partial_rollout=true", "async_training.require_batches=2",
+                           "async_training.trigger_parameter_sync_step=2", "async_training.staleness_threshold=0.25",
+                           "trainer.total_training_steps=8", "trainer.test_freq=-1")
+    assert "fully_async mode: samples may be up to 2 versions old" in out
+    assert f"loaded agent loop config {EXAMPLE_LOOPS.resolve()}" in out.splitlines()
     assert len(metrics) == 8
     assert max(m["async/staleness_max"] for m in metrics) <= 2
     # With partial rollout a paused sample may be overtaken and come back past the bound; the trainer then drops it
@@ -136,15 +132,12 @@ def test_colocate_async_continues_multi_turn_trajectories_across_steps(tmp_path)
     """verl 0.9's colocated async trainer on multi-turn rows (built-in tool agent and the OpenAI-client agent) on two
     engine replicas: trajectories stopped by a step (mid turn or between turns) continue under the new weights, and
     every trained token stays within the span rule's bound."""
-    cmd = [*two_agents_job(tmp_path), "data.train_batch_size=16",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.v1.trainer_mode=colocate_async",
-           "trainer.v1.colocate_async.num_warmup_batches=1", "trainer.v1.sampler.max_off_policy_threshold=3",
-           "trainer.total_training_steps=6", "trainer.test_freq=3", "trainer.val_before_train=false",
-           "actor_rollout_ref.rollout.multi_turn.enable=true", "data.max_response_length=8"]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "colocate_async mode: samples may be up to 2 versions old" in done.stdout
-    metrics = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    metrics, out = run_job(tmp_path, "ppo_trainer", *two_agents_overrides(tmp_path), "data.train_batch_size=16",
+                           "actor_rollout_ref.actor.ppo_mini_batch_size=16", "trainer.v1.trainer_mode=colocate_async",
+                           "trainer.v1.colocate_async.num_warmup_batches=1",
+                           "trainer.v1.sampler.max_off_policy_threshold=3", "trainer.total_training_steps=6",
+                           "trainer.test_freq=3")
+    assert "colocate_async mode: samples may be up to 2 versions old" in out
     trained = [m for m in metrics if "async/staleness_max" in m]
     assert len(trained) == 6 and max(m["async/staleness_max"] for m in trained) <= 2
     assert sum(m["agent/tool_calls/mean"] for m in trained) > 0 and "val-core/reward/mean" in metrics[-1]
