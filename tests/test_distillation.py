@@ -131,7 +131,7 @@ def test_forward_kl_topk_is_floored_at_zero_then_the_loss_or_minus_the_advantage
 
 
 @pytest.mark.parametrize("overrides, key", [
-    (["distillation.enabled=true"], "distillation.teacher_model.model_path"),
+    (["distillation.enabled=true"], "distillation.teacher_models.teacher_model.model_path"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
       "distillation.distillation_loss.topk=16"], "distillation.distillation_loss.topk"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
@@ -176,8 +176,9 @@ def test_a_teacher_with_another_vocabulary_is_refused(task, tmp_path):
     other.add_tokens(["<tool>"])
     other.save_pretrained(tmp_path)
     with pytest.raises(ConfigError, match="vocabulary .* differs from the student's") as err:
-        check_teacher_vocabulary(str(tmp_path), AutoTokenizer.from_pretrained(task["model"]), False)
-    assert err.value.key == "distillation.teacher_model.model_path"
+        check_teacher_vocabulary("distillation.teacher_models.math.model_path", str(tmp_path),
+                                 AutoTokenizer.from_pretrained(task["model"]), False)
+    assert err.value.key == "distillation.teacher_models.math.model_path"
 
 
 def teacher_scores(model_path: str, teacher_path: str, overrides: list[str], batch: Batch) -> dict:
@@ -186,7 +187,7 @@ def teacher_scores(model_path: str, teacher_path: str, overrides: list[str], bat
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
     plan = plan_job(compose("ppo_trainer", overrides)).with_total_steps(1)
     worker = ActorRefWorker(plan.actor, plan.ref, model_path, teacher=plan.teacher)
-    return dict(worker.compute_teacher_log_prob(batch).tensors.items())
+    return dict(worker.compute_teacher_log_prob(batch, "default").tensors.items())
 
 
 def teacher_log_probs(model_path: str, teacher_path: str, overrides: list[str], batch: Batch):

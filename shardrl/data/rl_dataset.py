@@ -98,6 +98,7 @@ class RLDataset:
         tools: list[dict[str, Any]] | None = None,
         render_workers: int = 1,
         media_keys: Sequence[str] = ("images", "videos", "audios"),
+        carried_columns: Sequence[str] = (),
     ) -> None:
         if truncation not in TRUNCATION_MODES:
             raise DatasetError(f"data.truncation must be one of {list(TRUNCATION_MODES)}, got {truncation!r}")
@@ -110,6 +111,7 @@ class RLDataset:
         self.media_keys = tuple(media_keys)  # verl's multimodal columns: a row with a value in one is refused
         self.prompt_key = prompt_key
         self.data_source_key = data_source_key
+        self.carried_columns = tuple(carried_columns)  # other columns a batch carries (a teacher's routing field)
         # Multi-turn: the tools' OpenAI schemas, which the template renders into the prompt (as the agent loop's
         # renderer does, so the two agree).
         self.chat_template_kwargs = dict(chat_template_kwargs) | ({"tools": tools} if tools else {})
@@ -181,7 +183,7 @@ class RLDataset:
 
         tensors: input_ids, attention_mask, position_ids `[B, max_prompt_length]`, left-padded.
         non_tensors: raw_prompt (messages), raw_prompt_ids (unpadded ids), data_source (None where a row has none),
-        ability, reward_model, extra_info, and the `data_source_key` column when it is another.
+        ability, reward_model, extra_info, the `data_source_key` column when it is another, and `carried_columns`.
         """
         padded = [left_pad(self.prompt_ids[i], self.max_prompt_length, self.pad_token_id) for i in indices]
         input_ids, attention_mask, position_ids = (torch.stack(column) for column in zip(*padded))
@@ -195,6 +197,8 @@ class RLDataset:
             "extra_info": [row.get("extra_info") or {} for row in rows],
         }
         non_tensors[self.data_source_key] = [row[self.data_source_key] for row in rows]  # data_source by default
+        for column in self.carried_columns:
+            non_tensors[column] = [row.get(column) for row in rows]
         if any("agent_name" in row for row in rows):
             non_tensors["agent_name"] = [row.get("agent_name") for row in rows]
         tensors = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}

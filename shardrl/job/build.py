@@ -64,7 +64,7 @@ def build(cls: type, tree: Any, prefix: str = "") -> Any:
     for f in dataclasses.fields(cls):
         key = _join(prefix, f.name)
         if f.name not in tree:
-            if f.default is dataclasses.MISSING:
+            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
                 raise ConfigError(key, "missing from the config")
             continue
         values[f.name] = convert(hints[f.name], tree[f.name], key)
@@ -99,6 +99,9 @@ def convert(hint: Any, value: Any, key: str) -> Any:
     if origin is dict or hint is dict:
         if not isinstance(value, dict):
             raise ConfigError(key, f"expected a mapping of keys, got {value!r}")
+        entry = get_args(hint)[1] if get_args(hint) else Any
+        if dataclasses.is_dataclass(entry):  # named groups of one schema (entries added with Hydra's `+`)
+            return {name: build(entry, group, _join(key, name)) for name, group in value.items()}
         return value
     if dataclasses.is_dataclass(hint):
         return build(hint, value, key)

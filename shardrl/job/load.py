@@ -41,6 +41,7 @@ VERL_SPELLINGS = {
         "actor_rollout_ref.rollout.weight_sync.bucket_size_mb",
     **{f"actor_rollout_ref.{role}.megatron.router_replay.mode": f"actor_rollout_ref.{role}.router_replay.mode"
        for role in ("actor", "ref")},
+    "distillation.teacher_model.model_path": "distillation.teacher_models.teacher_model.model_path",
     **{f"data.{key}": f"actor_rollout_ref.rollout.multi_turn.{key}" for key in ("tool_config_path",
                                                                               "function_tool_path")},
 }

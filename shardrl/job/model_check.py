@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import math
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from shardrl.data import builtin_task
@@ -63,14 +64,16 @@ def with_overrides(hf: dict[str, Any], overrides: dict[str, Any], key: str) -> d
 
 
 def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASettings | None = None,
-                critic_lora: LoRASettings | None = None) -> list[str]:
+                critic_lora: LoRASettings | None = None,
+                teachers: Sequence[tuple[str, str]] = ()) -> list[str]:
     """Check every planned role against its model's config.json (`lora`: the actor's adapters, `SharedKeys.lora`;
-    `critic_lora`: the critic's); returns one note per role for the printout."""
+    `critic_lora`: the critic's; `teachers`: (config key, directory) of each distillation teacher); returns one note
+    per role for the printout."""
     actor, critic = config.actor_rollout_ref.model, config.critic.model
-    teacher, rm, judge = config.distillation.teacher_model, config.reward_model.model, config.reward_model.judge
+    rm, judge = config.reward_model.model, config.reward_model.judge
     sources = (("actor_rollout_ref.model.path", actor.path, actor.override_config, ("actor", "ref", "rollout")),
                ("critic.model.path", critic.path, critic.override_config, ("critic",)),
-               ("distillation.teacher_model.model_path", teacher.model_path, {}, ("teacher",)),
+               *((key, path, {}, ("teacher",)) for key, path in teachers),
                ("reward_model.model.path", rm.path, rm.override_config, ("reward_model",)),
                ("reward_model.judge.model_path", judge.model_path, {}, ("judge",)))
     # A null actor path (and a null critic path with it) is the built-in task's model, made at launch: its config is

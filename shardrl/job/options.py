@@ -147,10 +147,12 @@ class CheckpointOptions:
 
 @dataclass(frozen=True)
 class TeacherOptions:
-    """The on-policy distillation teacher: a frozen model of its own (any size, the student's tokenizer) scoring the
-    student's sampled tokens, built on the actor's ranks like the reference policy."""
+    """On-policy distillation's teachers: frozen models of their own (any size, the student's tokenizer) scoring the
+    student's sampled tokens at temperature 1, built on the actor's ranks like the reference policy, one layout for
+    all. With several, each sample goes to the teacher whose routing key its `route_field` value equals."""
 
-    model_path: str
+    sources: dict[str, tuple[str, str]]  # routing key -> (config key of its directory, HF directory)
+    route_field: str | None  # the samples' field that picks the teacher; None: one teacher scores every sample
     model: ModelOptions
     log_prob: ForwardBatching
 
@@ -162,7 +164,7 @@ class ActorOptions:
     update: UpdateOptions
     loss: PolicyLossOptions
     log_prob: ForwardBatching | None  # the old-logprob pass; None when PPO anchors on behaviour logprobs
-    temperature: float  # logprobs are taken at the rollout's sampling temperature (the teacher's too)
+    temperature: float  # logprobs are taken at the rollout's sampling temperature (the teachers' at 1)
     checkpoint: CheckpointOptions
     distillation: DistillationSettings | None  # on-policy distillation's term of the actor loss; None: off
     # MoE routing replay (verl's actor.router_replay.mode): R2, the old-logprob pass records each token's experts

@@ -174,6 +174,7 @@ def plan_job(config: PPOConfig) -> JobPlan:
     else:
         skipped["judge"] = "reward_model.judge.enable is false"
     sync_ranks = trainer_ranks + rollout_ranks if detached else trainer_ranks
+    teacher = teacher_options(config, roles["teacher"]) if "teacher" in roles else None
     actor = actor_options(config, shared, roles["actor"])
     critic = critic_options(config, shared, roles["critic"]) if "critic" in roles else None
     judge = judge_options(config, shared, roles["judge"]) if "judge" in roles else None
@@ -196,13 +197,14 @@ def plan_job(config: PPOConfig) -> JobPlan:
         roles=roles,
         skipped=skipped,
         model_notes=check_model(config, {name: role.spec for name, role in roles.items()}, shared.lora,
-                                critic.model.engine.lora if critic is not None else None),
+                                critic.model.engine.lora if critic is not None else None,
+                                teacher.sources.values() if teacher is not None else ()),
         dry_run=trainer.dry_run,
         model_path=config.actor_rollout_ref.model.path,
         critic_model_path=config.critic.model.path,
         actor=actor,
         ref=ref_options(config, shared, roles["ref"]) if "ref" in roles else _no_ref(shared),
-        teacher=teacher_options(config, roles["teacher"]) if "teacher" in roles else None,
+        teacher=teacher,
         critic=critic,
         reward_model=reward_model_options(config, roles["reward_model"]) if "reward_model" in roles else None,
         reward_model_path=config.reward_model.model.path,

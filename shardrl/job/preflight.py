@@ -77,8 +77,7 @@ def weight_sources(plan: JobPlan) -> list[tuple[str, str, ModelOptions, frozense
         found.append(("critic.model.path", plan.critic_model_path, plan.critic.model, frozenset({"score.weight"}),
                       "critic.checkpoint.strict" if plan.critic.checkpoint.strict else None))
     if plan.teacher is not None:
-        found.append(("distillation.teacher_model.model_path", plan.teacher.model_path, plan.teacher.model,
-                      frozenset(), None))
+        found.extend((key, path, plan.teacher.model, frozenset(), None) for key, path in plan.teacher.sources.values())
     if plan.reward_model is not None:
         found.append(("reward_model.model.path", plan.reward_model_path, plan.reward_model.model, frozenset(), None))
     return [entry for entry in found if entry[2].load_weight and entry[2].dist_checkpoint is None]
@@ -121,7 +120,7 @@ def model_paths(plan: JobPlan) -> list[tuple[str, str]]:
     if plan.critic is not None:
         found.append(("critic.model.path", plan.critic_model_path))
     if plan.teacher is not None:
-        found.append(("distillation.teacher_model.model_path", plan.teacher.model_path))
+        found.extend(plan.teacher.sources.values())
     if plan.reward_model is not None:
         found.append(("reward_model.model.path", plan.reward_model_path))
     if plan.judge is not None:

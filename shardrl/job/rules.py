@@ -5,6 +5,7 @@ batch-size normalisation, model fit) are in `shardrl.job.plan`."""
 
 from __future__ import annotations
 
+
 from shardrl.algos import ClipRange
 from shardrl.algos.covariance import CovarianceSelection
 from shardrl.algos.policy_filtration import PolicyFiltration
@@ -166,14 +167,12 @@ def _validate_shared_model_keys(config: PPOConfig) -> None:
 
 
 def _validate_distillation(config: PPOConfig) -> None:
-    """On-policy distillation needs a teacher; `topk` belongs to forward_kl_topk; k1's gradient ignores the teacher."""
+    """`topk` belongs to forward_kl_topk; k1's gradient ignores the teacher (the teachers themselves are resolved by
+    the planner, `compile.distillation_teachers`)."""
     distillation = config.distillation
     loss, key = distillation.distillation_loss, "distillation.distillation_loss"
     if not distillation.enabled:
         return
-    if distillation.teacher_model.model_path is None:
-        raise ConfigError("distillation.teacher_model.model_path", "must be set when distillation.enabled=true (an "
-                                                                   "HF model directory with the student's tokenizer)")
     if loss.topk is not None and loss.loss_mode != "forward_kl_topk":
         raise ConfigError(f"{key}.topk", f"{loss.topk} is for loss_mode=forward_kl_topk; {loss.loss_mode} scores the "
                                          "sampled token only: leave topk null")

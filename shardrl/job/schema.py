@@ -826,8 +826,9 @@ class DistillationLossConfig:
 
 @dataclass(frozen=True)
 class TeacherModelConfig:
-    """verl's `distillation.teacher_model`: a frozen model scoring the student's samples, built on the trainer pool
-    like the reference policy, with its own weights (`model_path`, any size, the student's tokenizer) and layout."""
+    """The teachers' layout and micro batches on the trainer pool, like the reference policy's (the spelling of
+    verl's first on-policy distillation, before its teacher pool). `model_path` is folded into
+    `teacher_models.teacher_model.model_path` (load.py)."""
 
     model_path: str | None
     enable_resource_pool: bool  # verl's own teacher pool; shardrl's teacher shares the trainer pool: false
@@ -841,15 +842,61 @@ class TeacherModelConfig:
 
 
 @dataclass(frozen=True)
+class TeacherInferenceConfig:
+    """verl 0.8+'s `distillation.teacher_models.<name>.inference`: the serving engine of a teacher on verl's teacher
+    pool. shardrl scores with its teachers on the trainer pool (laid out by `distillation.teacher_model.megatron`),
+    one forward pass over each sample, so these keep verl's defaults (rules.py refuses others), except
+    `max_model_len`, checked as verl checks it. The defaults are verl's; a teacher added with Hydra's `+` gets them."""
+
+    name: str = "vllm"
+    dtype: str = "bfloat16"
+    gpu_memory_utilization: Fraction = 0.5
+    enforce_eager: bool = True
+    cudagraph_capture_sizes: list[PosInt] | None = None
+    free_cache_engine: bool = True
+    data_parallel_size: PosInt = 1
+    expert_parallel_size: PosInt = 1
+    tensor_model_parallel_size: PosInt = 2
+    pipeline_model_parallel_size: PosInt = 1
+    max_num_batched_tokens: PosInt = 8192
+    max_model_len: PosInt | None = None  # prompt + response + 1 must fit (verl's check of its teacher engine)
+    max_num_seqs: PosInt = 1024
+    load_format: str = "auto"
+    engine_kwargs: dict[str, Any] = field(default_factory=dict)
+    limit_images: PosInt | None = None
+    enable_chunked_prefill: bool = True
+    enable_prefix_caching: bool = True
+    disable_log_stats: bool = True
+    skip_tokenizer_init: bool = True
+    prompt_length: PosInt | None = None  # verl copies the rollout's; read only by its engine
+    response_length: PosInt | None = None
+    temperature: float = 1.0  # the teacher scores at temperature 1 (verl ignores other values with a warning)
+
+
+@dataclass(frozen=True)
+class TeacherSpec:
+    """One of verl 0.8+'s `distillation.teacher_models`: a frozen teacher (`model_path`, the student's tokenizer)
+    scoring the samples whose `distillation.teacher_key` field equals `key`."""
+
+    key: str | None = None  # the routing value; a lone teacher needs none (it scores every sample)
+    model_path: str | None = None
+    num_replicas: NonNegInt = 0  # verl's serving replicas on the teacher pool; 0 here (no teacher pool)
+    inference: TeacherInferenceConfig = field(default_factory=TeacherInferenceConfig)
+
+
+@dataclass(frozen=True)
 class DistillationConfig:
     """On-policy distillation (verl's `distillation` group): the student (the actor) learns from a teacher's
-    log-probs of the tokens the student sampled, beside or instead of the task reward."""
+    log-probs of the tokens the student sampled, beside or instead of the task reward. Several teachers
+    (`teacher_models`) each score the samples whose `teacher_key` field names them."""
 
     enabled: bool
     enable_resource_pool: bool  # verl's own teacher pool: false
     n_gpus_per_node: NonNegInt
     nnodes: NonNegInt
-    teacher_model: TeacherModelConfig
+    teacher_model: TeacherModelConfig  # shardrl's: the teachers' layout and micro batches on the trainer pool
+    teacher_models: dict[str, TeacherSpec]  # verl 0.8+'s teachers by entry name
+    teacher_key: str  # the sample field routing each sample to its teacher (several teachers only)
     distillation_loss: DistillationLossConfig
 
 

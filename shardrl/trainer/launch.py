@@ -112,16 +112,20 @@ def train(plan: JobPlan) -> None:
     tools = agent_tool_schemas(paths.tool_config, None if plan.rollout.agent is None else
                                plan.rollout.agent.function_tool_path)
     if plan.teacher is not None:
-        check_teacher_vocabulary(plan.teacher.model_path, tokenizer, data.trust_remote_code)
+        for key, path in plan.teacher.sources.values():
+            check_teacher_vocabulary(key, path, tokenizer, data.trust_remote_code)
         check_distillation_topk(plan.actor.distillation, len(tokenizer))
     plan = with_reward_model_tokenizer(plan, tokenizer)
+
+    route = plan.teacher.route_field if plan.teacher is not None else None
 
     def dataset(files: list[str], max_samples: int, key: str) -> RLDataset:
         try:
             return RLDataset(files, tokenizer, data.max_prompt_length, data.truncation, data.filter_overlong_prompts,
                              data.prompt_key, max_samples, chat_template_kwargs=data.apply_chat_template_kwargs,
                              data_source_key=plan.reward.data_source_key, tools=tools,
-                             render_workers=data.render_workers, media_keys=data.media_keys)
+                             render_workers=data.render_workers, media_keys=data.media_keys,
+                             carried_columns=(route,) if route else ())
         except DatasetError as err:
             raise ConfigError(key, str(err)) from None
 
@@ -136,6 +140,8 @@ def train(plan: JobPlan) -> None:
     if plan.loop.val_only and val_prompts is None:
         raise ConfigError("trainer.val_only", "there is no validation data to run; set data.val_files")
     datasets = [d for d in (loader.dataset, val_data) if d is not None]
+    if route:
+        check_teacher_routes(loader.dataset, route, plan.teacher.sources)
     check_prompt_ids_fit(datasets, paths.model, tokenizer_key)
     agents_score = plan.rollout.agent is not None and bool(plan.rollout.agent.agent_loop_config_path)
     if rule_scorer_scores(plan.reward, plan.reward_model is not None) and not agents_score:
@@ -331,10 +337,10 @@ def check_data_sources(datasets: list[RLDataset], data_source_key: str) -> None:
                                                              f"set custom_reward_function.path/name")
 
 
-def check_teacher_vocabulary(teacher_path: str, student, trust_remote_code: bool) -> None:
-    """The teacher scores the student's token ids, so both must mean the same tokens: the teacher's tokenizer must
-    have the student's vocabulary (its model may pad its embedding to another size). Raises ConfigError."""
-    key = "distillation.teacher_model.model_path"
+def check_teacher_vocabulary(key: str, teacher_path: str, student, trust_remote_code: bool) -> None:
+    """The teacher (its directory at config `key`) scores the student's token ids, so both must mean the same tokens:
+    the teacher's tokenizer must have the student's vocabulary (its model may pad its embedding to another size).
+    Raises ConfigError."""
     try:
         teacher = AutoTokenizer.from_pretrained(teacher_path, trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as err:
@@ -344,6 +350,16 @@ def check_teacher_vocabulary(teacher_path: str, student, trust_remote_code: bool
         differ = sorted(set(mine.items()) ^ set(theirs.items()), key=lambda item: item[1])[:3]
         raise ConfigError(key, f"the teacher's vocabulary ({len(theirs)} tokens) differs from the student's "
                                f"({len(mine)}), e.g. {differ}; distillation needs the student's tokenizer")
+
+
+def check_teacher_routes(dataset: RLDataset, field: str, sources: dict[str, tuple[str, str]]) -> None:
+    """Every training prompt's `field` names one of the teachers (their `key`s), before workers start; a prompt
+    no teacher scores would stop the run at its step."""
+    for number, row in enumerate(dataset.rows):
+        if row.get(field) not in sources:
+            raise ConfigError("distillation.teacher_key", f"data.train_files row {number} has {field}="
+                              f"{row.get(field)!r}, which no teacher's key names (the teachers' keys: "
+                              f"{sorted(sources)}); add a teacher for it or fix the row")
 
 
 def check_distillation_topk(distillation: DistillationSettings, vocab_size: int) -> None:

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from shardrl.agents.driver import RunnerStats
 from shardrl.algos import KLController
@@ -25,7 +26,7 @@ from shardrl.models.checkpoint import checkpoint_dir, mark_latest
 from shardrl.models.hf_export import export_dir
 from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
-from shardrl.job.options import RewardOptions
+from shardrl.job.options import RewardOptions, TeacherOptions
 from shardrl.job.plan import JobPlan
 from shardrl.trainer.plots import Pictures, run_title
 from shardrl.trainer.reward_loop import ScoringThread, stream_generation
@@ -195,7 +196,7 @@ class PPOTrainer:
                 batch = batch.union(w.actor.call(ActorRefWorker.compute_ref_log_prob, batch))
         if self.plan.teacher is not None:
             with t.phase(step, "teacher"):
-                batch = batch.union(w.actor.call(ActorRefWorker.compute_teacher_log_prob, batch))
+                batch = batch.union(teacher_log_probs(w.actor, batch, self.plan.teacher))
         if w.critic is not None:
             with t.phase(step, "values"):
                 batch = batch.union(w.critic.call(CriticWorker.compute_values, batch))
@@ -352,6 +353,27 @@ class PPOTrainer:
                     return
                 start = time.perf_counter()
                 pictures.refresh()  # when due; its time counts in the next step's timing_s/step_total
+
+
+def teacher_log_probs(actor: RoleHandle, batch: Batch, teachers: TeacherOptions) -> Batch:
+    """The distillation teachers' scores of `batch`'s samples, each by the teacher its `route_field` value names:
+    one pass per teacher over its own samples (split over DP as every pass is), put back in the batch's row order."""
+    if teachers.route_field is None:
+        (only,) = teachers.sources
+        return actor.call(ActorRefWorker.compute_teacher_log_prob, batch, only)
+    routes = batch.non_tensors[teachers.route_field]
+    if stray := next((route for route in routes if route not in teachers.sources), None):
+        raise ValueError(f"a sample's {teachers.route_field}={stray!r} names no teacher (distillation.teacher_key; "
+                         f"the teachers' keys: {sorted(teachers.sources)})")
+    order, parts = [], []
+    for key in teachers.sources:
+        rows = [row for row, route in enumerate(routes) if route == key]
+        if rows:
+            parts.append(actor.call(ActorRefWorker.compute_teacher_log_prob, batch.take(rows), key))
+            order += rows
+    back = torch.empty(len(order), dtype=torch.long)
+    back[torch.tensor(order)] = torch.arange(len(order))  # merged row back[i] is the batch's row i
+    return Batch.concat(parts).take(back)
 
 
 def _prefixed(role: str, per_replica: list[dict[str, list[float]]]) -> dict[str, float]:

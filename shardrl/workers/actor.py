@@ -248,8 +248,9 @@ class ActorRefWorker:
         self.actor = build_engine(actor.model, model_path, self.registry)
         # With LoRA the reference is the actor's own base (`RefOptions.on_actor`): no second engine.
         self.ref = build_engine(ref.model, model_path, self.registry) if ref is not None and not ref.on_actor else None
-        self.teacher = (build_engine(teacher.model, teacher.model_path, self.registry) if teacher is not None
-                        else None)
+        # One frozen engine per teacher, by routing key, all in the teachers' one layout.
+        self.teachers = ({key: build_engine(teacher.model, path, self.registry)
+                          for key, (_, path) in teacher.sources.items()} if teacher is not None else {})
 
     def _actor_resident(self):
         return resident(self.actor, self.options.model)
@@ -281,15 +282,15 @@ class ActorRefWorker:
         return Batch({"ref_log_probs": out["log_probs"]})
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
-    def compute_teacher_log_prob(self, batch: Batch) -> Batch:
-        """The distillation teacher's log-probs at the actor's temperature: of the sampled tokens
-        (`teacher_log_probs`), or for forward_kl_topk its top k of every response position (`TEACHER_TOPK`)."""
-        distillation, teacher = self.options.distillation, self.teacher_options
-        with resident(self.teacher, teacher.model):
+    def compute_teacher_log_prob(self, batch: Batch, teacher: str) -> Batch:
+        """Teacher `teacher`'s (its routing key's) log-probs at temperature 1, its own distribution, as verl scores
+        it whatever the rollout's temperature: of the sampled tokens (`teacher_log_probs`), or for forward_kl_topk
+        its top k of every response position (`TEACHER_TOPK`)."""
+        distillation, options, engine = self.options.distillation, self.teacher_options, self.teachers[teacher]
+        with resident(engine, options.model):
             if distillation.uses_topk:
-                return compute_topk_log_probs(self.teacher, batch, teacher.log_prob, self.options.temperature,
-                                              distillation.topk)
-            log_probs, _ = compute_log_prob(self.teacher, batch, teacher.log_prob, self.options.temperature)
+                return compute_topk_log_probs(engine, batch, options.log_prob, 1.0, distillation.topk)
+            log_probs, _ = compute_log_prob(engine, batch, options.log_prob, 1.0)
         return Batch({"teacher_log_probs": log_probs})
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
