@@ -83,7 +83,7 @@ class JobPlan:
     critic_model_path: str | None
     actor: ActorOptions
     ref: RefOptions | None
-    teacher: TeacherOptions | None  # on-policy distillation's teacher
+    teacher: TeacherOptions | None  # on-policy distillation's teachers
     critic: CriticOptions | None
     reward_model: RewardModelOptions | None  # a learned reward model scoring every sample
     reward_model_path: str | None
