@@ -28,7 +28,7 @@ PASS_THROUGH = {str(JOB / "schema.py"), __file__}  # properties, `at` and this r
 
 # Configs that together take every conditional branch of the planner (a critic, a reference policy, KL in reward,
 # dynamic sampling, overlong shaping, a reward model on its own pool or not, a judge, both async modes, both
-# kinds of distillation loss, one teacher and several, the two covariance-selecting policy losses).
+# kinds of distillation loss, one teacher and several, on the trainer pool or their own, the two covariance-selecting policy losses).
 VARIANTS = [
     ("ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.actor.use_kl_loss=true",
                      "algorithm.use_kl_in_reward=true", "reward_model.overlong_buffer.enable=true",
@@ -46,6 +46,8 @@ VARIANTS = [
     ("ppo_trainer", ["distillation.enabled=true", "+distillation.teacher_models.math.key=math",
                      "+distillation.teacher_models.math.model_path=/a/t1", "+distillation.teacher_models.code.key=code",
                      "+distillation.teacher_models.code.model_path=/a/t2"]),
+    ("ppo_trainer", ["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/a/t",
+                     "distillation.nnodes=1", "distillation.n_gpus_per_node=2"]),
     ("ppo_trainer", ["reward_model.judge.enable=true", "reward_model.judge.model_path=/a/judge",
                      "actor_rollout_ref.actor.policy_loss.loss_mode=clip_cov", "trainer.v1.trainer_mode=colocate_async"]),
     ("one_step_off_ppo_trainer", ["algorithm.adv_estimator=gae", "actor_rollout_ref.rollout.multi_turn.enable=true"]),

@@ -182,12 +182,12 @@ def test_a_teacher_with_another_vocabulary_is_refused(task, tmp_path):
 
 
 def teacher_scores(model_path: str, teacher_path: str, overrides: list[str], batch: Batch) -> dict:
-    from shardrl.workers.actor import ActorRefWorker
+    from shardrl.workers.teacher import TeacherWorker
 
     os.environ[COLLECTIVE_TIMEOUT_ENV] = "120"
     plan = plan_job(compose("ppo_trainer", overrides)).with_total_steps(1)
-    worker = ActorRefWorker(plan.actor, plan.ref, model_path, teacher=plan.teacher)
-    return dict(worker.compute_teacher_log_prob(batch, "default").tensors.items())
+    worker = TeacherWorker(plan.teacher.by_key["default"])
+    return dict(worker.compute_log_prob(batch).tensors.items())
 
 
 def teacher_log_probs(model_path: str, teacher_path: str, overrides: list[str], batch: Batch):

@@ -6,6 +6,7 @@ launch check of the training rows' routes, and a job with two teachers (slow).""
 import json
 import subprocess
 import sys
+import types
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -29,24 +30,46 @@ TWO = ["distillation.enabled=true", "+distillation.teacher_models.math.key=math"
        "+distillation.teacher_models.code.model_path=/c"]
 
 
+POOL = TWO + ["distillation.nnodes=1", "distillation.n_gpus_per_node=4", "trainer.n_gpus_per_node=2"]
+
+
 def plan(overrides: list[str]):
     return plan_job(compose("ppo_trainer", overrides))
 
 
 def test_two_teachers_route_by_data_source_and_a_lone_one_scores_everything():
     teachers = plan(TWO).teacher
-    assert teachers.sources == {"math": ("distillation.teacher_models.math.model_path", "/m"),
-                                "code": ("distillation.teacher_models.code.model_path", "/c")}
+    assert {key: (t.path_key, t.model_path) for key, t in teachers.by_key.items()} == {
+        "math": ("distillation.teacher_models.math.model_path", "/m"),
+        "code": ("distillation.teacher_models.code.model_path", "/c")}
     assert teachers.route_field == "data_source"
+    assert all(t.model.ranks == [0] and t.memory_fraction is None for t in teachers.by_key.values())  # trainer pool
     assert plan(TWO + ["distillation.teacher_key=ability"]).teacher.route_field == "ability"
     lone = plan(["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t"]).teacher
-    assert lone.sources == {"default": ("distillation.teacher_models.teacher_model.model_path", "/t")}
-    assert lone.route_field is None
+    assert lone.sources == [("distillation.teacher_models.teacher_model.model_path", "/t")]
+    assert list(lone.by_key) == ["default"] and lone.route_field is None
     # shardrl's earlier spelling is the same teacher
     assert plan(["distillation.enabled=true", "distillation.teacher_model.model_path=/t"]).teacher == lone
     # verl's check of the teacher's context: prompt + response + 1 fits
     fits = plan(TWO + ["+distillation.teacher_models.math.inference.max_model_len=67"]).teacher
     assert fits.sources == teachers.sources
+
+
+def test_teachers_on_their_own_pool_take_their_shares_laid_out_by_their_inference_sizes():
+    """verl's placement: the pool's ranks follow the trainer's; each teacher takes num_replicas x TP x DP x PP of them
+    in entry order, laid out by its `inference` sizes, with its share of each GPU's memory; a lone teacher's
+    replicas fill the pool."""
+    two = plan(POOL + [f"+distillation.teacher_models.{t}.num_replicas=1" for t in ("math", "code")] +
+               ["+distillation.teacher_models.code.inference.gpu_memory_utilization=0.3"])
+    math_teacher, code_teacher = two.teacher.by_key["math"], two.teacher.by_key["code"]
+    assert math_teacher.model.ranks == [2, 3] and code_teacher.model.ranks == [4, 5]
+    assert (math_teacher.model.spec.tp, math_teacher.model.spec.dp) == (2, 1)
+    assert (math_teacher.memory_fraction, code_teacher.memory_fraction) == (0.5, 0.3)
+    assert two.cluster.teacher_nodes == 1 and two.cluster.teacher_gpus_per_node == 4
+    assert two.roles["teacher/code"].ranks == [4, 5] and "teacher" not in two.roles
+    lone = plan(["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t",
+                 "distillation.nnodes=1", "distillation.n_gpus_per_node=4"]).teacher.by_key["default"]
+    assert lone.model.ranks == [1, 2, 3, 4] and (lone.model.spec.tp, lone.model.spec.dp) == (2, 2)
 
 
 @pytest.mark.parametrize("overrides, key", [
@@ -70,8 +93,20 @@ def test_two_teachers_route_by_data_source_and_a_lone_one_scores_everything():
     (TWO + ["distillation.teacher_model.megatron.use_dist_checkpointing=true",
             "distillation.teacher_model.megatron.dist_checkpointing_path=/d"],
      "distillation.teacher_model.megatron.use_dist_checkpointing"),
-    (["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t",
-      "distillation.n_gpus_per_node=2", "distillation.nnodes=1"], "distillation.n_gpus_per_node"),
+    # the teachers' own pool (distillation.nnodes x n_gpus_per_node)
+    (POOL + ["+distillation.teacher_models.math.num_replicas=1", "+distillation.teacher_models.code.num_replicas=2",
+             *(f"+distillation.teacher_models.{t}.inference.tensor_model_parallel_size=1" for t in ("math", "code"))],
+     "distillation.n_gpus_per_node"),  # 3 ranks taken of 4
+    (POOL + ["+distillation.teacher_models.math.num_replicas=2"], "distillation.teacher_models.code.num_replicas"),
+    (POOL + [f"+distillation.teacher_models.{t}.num_replicas=1" for t in ("math", "code")] +
+     ["+distillation.teacher_models.math.inference.enforce_eager=false"],
+     "distillation.teacher_models.math.inference.enforce_eager"),
+    (["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t", "distillation.nnodes=1",
+      "distillation.n_gpus_per_node=3"], "distillation.teacher_models.teacher_model.inference.tensor_model_parallel_size"),
+    (["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t", "distillation.nnodes=1",
+      "distillation.n_gpus_per_node=2", "distillation.teacher_model.megatron.tensor_model_parallel_size=2"],
+     "distillation.teacher_model.megatron.tensor_model_parallel_size"),
+    (["distillation.nnodes=1", "distillation.n_gpus_per_node=2"], "distillation.n_gpus_per_node"),
 ])
 def test_teacher_entries_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -100,6 +135,9 @@ class InProcess:
     def call(self, method, *args):
         return method(self.worker, *args)
 
+    def submit(self, method, *args):
+        return types.SimpleNamespace(get=lambda: method(self.worker, *args))
+
 
 def transformers_log_probs(model_dir, batch: Batch) -> torch.Tensor:
     """The response tokens' log-probs under `model_dir` at temperature 1: [B, R]."""
@@ -116,7 +154,7 @@ def transformers_log_probs(model_dir, batch: Batch) -> torch.Tensor:
 def test_each_sample_is_scored_by_its_teacher_at_temperature_one(task, teachers, loss, monkeypatch):
     """Rows routed code, math, code, math: each row's teacher scores equal transformers' for that row's teacher at
     temperature 1, although the rollout samples at 0.5 (verl scores the teacher's own distribution)."""
-    from shardrl.workers.actor import ActorRefWorker
+    from shardrl.workers.teacher import TeacherWorker
 
     monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "120")
     overrides = ["trainer.device=cpu", "trainer.n_gpus_per_node=1", "distillation.enabled=true",
@@ -129,11 +167,11 @@ def test_each_sample_is_scored_by_its_teacher_at_temperature_one(task, teachers,
         overrides += [f"+distillation.teacher_models.{name}.key={name}",
                       f"+distillation.teacher_models.{name}.model_path={path}"]
     options = plan_job(compose("ppo_trainer", overrides)).with_total_steps(1)
-    worker = ActorRefWorker(options.actor, options.ref, task["model"], teacher=options.teacher)
+    handles = {key: InProcess(TeacherWorker(teacher)) for key, teacher in options.teacher.by_key.items()}
     batch = sample_batch(AutoConfig.from_pretrained(task["model"]).vocab_size)
     routes = ["code", "math", "code", "math"]
     batch.non_tensors["data_source"] = as_object_array(routes)
-    scored = teacher_log_probs(InProcess(worker), batch, options.teacher)
+    scored = teacher_log_probs(handles, batch, options.teacher.route_field)
     expected = {name: transformers_log_probs(path, batch) for name, path in teachers.items()}
     assert not torch.allclose(expected["math"], expected["code"], atol=1e-2)  # the two teachers differ
     for row, route in enumerate(routes):
@@ -155,15 +193,22 @@ def test_a_training_row_no_teacher_scores_is_refused_before_workers_start(task):
     dataset = RLDataset(task["train_files"], load_tokenizer(task["model"], "actor_rollout_ref.model.path", False),
                         max_prompt_length=32, max_samples=8, carried_columns=("ability",))
     assert list(dataset.collate([0, 1]).non_tensors["ability"]) == ["digits", "digits"]
-    check_teacher_routes(dataset, "ability", {"digits": ("k", "/t")})
+    check_teacher_routes(dataset, "ability", ["digits"])
     with pytest.raises(ConfigError, match="row 0 has ability='digits', which no teacher's key names") as err:
-        check_teacher_routes(dataset, "ability", {"math": ("k", "/t"), "code": ("k", "/c")})
+        check_teacher_routes(dataset, "ability", ["math", "code"])
     assert err.value.key == "distillation.teacher_key"
 
 
 @pytest.mark.slow
-def test_a_job_with_two_teachers_trains_on_both(task, teachers, tmp_path):
-    """Prompts routed by a column of their own (`teacher`), alternately to two teachers of different sizes; the
+@pytest.mark.parametrize("pool", [[], ["distillation.nnodes=1", "distillation.n_gpus_per_node=3",
+                                       "+distillation.teacher_models.math.num_replicas=1",
+                                       "+distillation.teacher_models.math.inference.tensor_model_parallel_size=2",
+                                       "+distillation.teacher_models.code.num_replicas=1",
+                                       "+distillation.teacher_models.code.inference.tensor_model_parallel_size=1"]],
+                         ids=["trainer_pool", "own_pool"])
+def test_a_job_with_two_teachers_trains_on_both(task, teachers, tmp_path, pool):
+    """Prompts routed by a column of their own (`teacher`), alternately to two teachers of different sizes, on the
+    trainer pool or on a pool of their own (3 processes: the math teacher at TP2, the code teacher on one); the
     student trains on the teachers alone for 3 steps, every step logging the distillation loss."""
     table = pq.read_table(task["train_files"])
     routes = ["math" if i % 2 else "code" for i in range(table.num_rows)]
@@ -175,11 +220,13 @@ def test_a_job_with_two_teachers_trains_on_both(task, teachers, tmp_path):
            f"data.train_files={train}", f"data.val_files={task['val_files']}", "distillation.enabled=true",
            "distillation.teacher_key=teacher", "distillation.distillation_loss.use_task_rewards=false",
            "distillation.distillation_loss.loss_mode=k1", "data.train_batch_size=32",
-           "actor_rollout_ref.actor.ppo_mini_batch_size=32"]
+           "actor_rollout_ref.actor.ppo_mini_batch_size=32", *pool]
     for name, path in teachers.items():
         cmd += [f"+distillation.teacher_models.{name}.key={name}",
                 f"+distillation.teacher_models.{name}.model_path={path}"]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
+    if pool:
+        assert "teacher pool ranks 1,2,3" in done.stdout, done.stdout[-3000:]
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 3 and all("actor/distillation/reverse_kl" in r for r in rows)

@@ -6,13 +6,21 @@ from __future__ import annotations
 
 import json
 import math
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 from shardrl.job.errors import ConfigError
 from shardrl.job.options import AsyncOptions, ForwardBatching
-from shardrl.job.schema import LoRAModelConfig, PolicyModelConfig, PPOConfig, Schedule
+from shardrl.job.schema import (
+    LoRAModelConfig,
+    PolicyModelConfig,
+    PPOConfig,
+    Schedule,
+    TeacherInferenceConfig,
+    TeacherSpec,
+)
 from shardrl.parallel.layout_spec import LayoutError, LayoutSpec, rank_tables
 from shardrl.parallel.lora import ALL_LINEAR, EXPERT_PARAMETERS, LINEAR_NAMES, PEFT_WEIGHTS, LoRASettings
 
@@ -257,6 +265,12 @@ def train_role(config: PPOConfig, shared: SharedKeys, role: str, key: str, ranks
     except LayoutError as err:
         raise ConfigError(key, f"{err} (the trainer pool trainer.nnodes x trainer.n_gpus_per_node has "
                                f"{len(ranks)} ranks)") from None
+    return _role_on(config, shared, role, spec, ranks, step)
+
+
+def _role_on(config: PPOConfig, shared: SharedKeys, role: str, spec: LayoutSpec, ranks: list[int],
+             step: StepSize) -> RolePlan:
+    """A role laid out by `spec` over `ranks`, with its phases' micro batches."""
     seq_len = math.ceil((shared.prompt_length + shared.response_length) / spec.cp)  # tokens per CP rank
     batches = {phase: normalize_batch(config, batch, shared.samples_per_prompt, spec.dp, seq_len, step, spec.cp)
                for phase, batch in _batches_of(shared, role, step).items()}
@@ -356,3 +370,136 @@ def judge_role(config: PPOConfig, ranks: list[int]) -> RolePlan:
                                f"{key}={divisor_at_most(len(ranks), tp)}")
     spec = LayoutSpec(world_size=len(ranks), tp=tp)
     return RolePlan("judge", spec, ranks, rank_tables(spec, ranks))
+
+
+DEFAULT_TEACHER = "teacher_model"  # verl's packaged entry of `distillation.teacher_models`
+LONE_TEACHER_KEY = "default"  # verl's routing key of a lone teacher (it scores every sample)
+# A teacher's `inference` keys that lay it out on the teachers' own pool (with its share of each GPU's memory).
+POOL_INFERENCE_KEYS = ("tensor_model_parallel_size", "data_parallel_size", "pipeline_model_parallel_size",
+                       "expert_parallel_size", "gpu_memory_utilization")
+
+
+@dataclass(frozen=True)
+class Teacher:
+    """A resolved distillation teacher: its entry `name`, directory, the role (`RolePlan`) it runs as, and on the
+    teachers' own pool its layout and memory share."""
+
+    name: str
+    model_path: str
+    role: str  # `teacher` (the trainer pool's) or `teacher/<name>` (its share of the teachers' pool)
+    pool_layout: tuple[int, int, int, int] | None = None  # (TP, PP, EP, replicas x data_parallel_size)
+    memory_fraction: float | None = None
+
+
+def distillation_teachers(config: PPOConfig, pool_size: int) -> dict[str, Teacher]:
+    """The teachers by routing key, as verl 0.8+ resolves `distillation.teacher_models`. A lone `teacher_model`
+    entry scores every sample (key `default`). Next to other entries verl drops it without a word; here it must then
+    be unset. Every named teacher needs `key` and `model_path`, and keys differ. On the teachers' own pool
+    (`pool_size` ranks: distillation.nnodes x n_gpus_per_node; 0: none) each takes num_replicas x TP x DP x PP ranks of its
+    `inference` sizes, and they fill the pool exactly (verl's rule; a lone teacher's replicas fill it)."""
+    distillation = config.distillation
+    entries = distillation.teacher_models
+    if DEFAULT_TEACHER not in entries:
+        raise ConfigError(f"distillation.teacher_models.{DEFAULT_TEACHER}", "is missing; keep the packaged entry "
+                                                                            "(add others with +distillation.teacher_"
+                                                                            "models.<name>.*)")
+    named = {name: spec for name, spec in entries.items() if name != DEFAULT_TEACHER}
+    lone = entries[DEFAULT_TEACHER]
+    if named and (lone.model_path is not None or lone.key is not None):
+        field_name = "model_path" if lone.model_path is not None else "key"
+        raise ConfigError(f"distillation.teacher_models.{DEFAULT_TEACHER}.{field_name}", f"is set beside the "
+                          f"teachers {sorted(named)}, and verl drops this entry when others are named; give it a "
+                          f"name of its own (+distillation.teacher_models.<name>.{field_name}=...)")
+    on_pool = pool_size > 0
+    teachers: dict[str, Teacher] = {}
+    for name, spec in (named or {DEFAULT_TEACHER: lone}).items():
+        group = f"distillation.teacher_models.{name}"
+        if spec.model_path is None:
+            raise ConfigError(f"{group}.model_path", "must be set when distillation.enabled=true (an HF model "
+                                                     "directory with the student's tokenizer)")
+        if named and spec.key is None:
+            raise ConfigError(f"{group}.key", f"must be set with several teachers: the value of the samples' "
+                                              f"{distillation.teacher_key!r} field (distillation.teacher_key) this "
+                                              "teacher scores")
+        key = spec.key if named else LONE_TEACHER_KEY
+        if key in teachers:
+            raise ConfigError(f"{group}.key", f"{key!r} is also teacher {teachers[key].name!r}'s; each teacher needs "
+                                              "a key of its own")
+        _check_teacher_serving(spec, group, config, on_pool)
+        if not on_pool:
+            teachers[key] = Teacher(name, spec.model_path, "teacher")
+            continue
+        inference = spec.inference
+        per_replica = (inference.tensor_model_parallel_size * inference.data_parallel_size *
+                       inference.pipeline_model_parallel_size)
+        replicas = spec.num_replicas if named else pool_size // per_replica
+        if not named and pool_size % per_replica:
+            raise ConfigError(f"{group}.inference.tensor_model_parallel_size", f"a replica of TP x DP x PP = "
+                              f"{per_replica} ranks does not divide the teacher pool's {pool_size} "
+                              "(distillation.nnodes x n_gpus_per_node)")
+        if replicas == 0:
+            raise ConfigError(f"{group}.num_replicas", "is 0: on the teacher pool (distillation.n_gpus_per_node) "
+                                                      "each teacher needs at least one replica")
+        teachers[key] = Teacher(name, spec.model_path, f"teacher/{name}",
+                                (inference.tensor_model_parallel_size, inference.pipeline_model_parallel_size,
+                                 inference.expert_parallel_size, replicas * inference.data_parallel_size),
+                                inference.gpu_memory_utilization)
+    if on_pool:
+        used = sum(math.prod(t.pool_layout[:2]) * t.pool_layout[3] for t in teachers.values())
+        if used != pool_size:
+            raise ConfigError("distillation.n_gpus_per_node", f"the teachers take {used} ranks (num_replicas x "
+                              f"inference TP x DP x PP each) and the teacher pool has {pool_size} "
+                              "(distillation.nnodes x n_gpus_per_node); make them equal (verl's rule)")
+    return teachers
+
+
+def _check_teacher_serving(spec: TeacherSpec, group: str, config: PPOConfig, on_pool: bool) -> None:
+    """A teacher's verl serving keys. shardrl scores with one forward pass per micro batch, with no KV cache or
+    graphs to configure, so the engine settings keep verl's defaults; on the teachers' own pool the parallel sizes
+    and memory share (`POOL_INFERENCE_KEYS`) lay it out, and on the trainer pool they and `num_replicas` keep their
+    defaults too. Temperature stays 1 (the teacher's own distribution, as verl scores it); `max_model_len` is
+    checked as verl checks it."""
+    if spec.num_replicas and not on_pool:
+        raise ConfigError(f"{group}.num_replicas", f"{spec.num_replicas}: with no teacher pool "
+                                                   "(distillation.n_gpus_per_node=0) the teachers score on the "
+                                                   "trainer pool, laid out by distillation.teacher_model.megatron.*; "
+                                                   "set 0, or give the teachers a pool")
+    inference, default = spec.inference, TeacherInferenceConfig()
+    if inference.temperature != 1.0:
+        raise ConfigError(f"{group}.inference.temperature", f"{inference.temperature}: the teacher scores the "
+                                                            "samples at temperature 1, its own distribution (verl "
+                                                            "ignores this key as well); leave it 1.0")
+    data = config.data
+    if inference.max_model_len is not None and \
+            data.max_prompt_length + data.max_response_length + 1 > inference.max_model_len:
+        raise ConfigError(f"{group}.inference.max_model_len", f"{inference.max_model_len} < data.max_prompt_length + "
+                          f"data.max_response_length + 1 = {data.max_prompt_length + data.max_response_length + 1}: "
+                          "the teacher reads each whole sample; raise it or leave it null")
+    for name in (f.name for f in dataclasses.fields(TeacherInferenceConfig)):
+        if name in ("temperature", "max_model_len") or (on_pool and name in POOL_INFERENCE_KEYS):
+            continue
+        value, packaged = getattr(inference, name), getattr(default, name)
+        if value != packaged:
+            where = ("only its parallel sizes and gpu_memory_utilization lay it out on the teacher pool" if on_pool
+                     else "with no teacher pool (distillation.n_gpus_per_node=0) shardrl scores on the trainer pool, "
+                          "laid out by distillation.teacher_model.megatron.*")
+            raise ConfigError(f"{group}.inference.{name}", f"{value!r} configures verl's serving engine for this "
+                                                           f"teacher; {where}: leave it {packaged!r}")
+
+
+def teacher_pool_roles(config: PPOConfig, shared: SharedKeys, step: StepSize, teachers: dict[str, Teacher],
+                       first: int) -> dict[str, RolePlan]:
+    """Each teacher's role on the teachers' own pool, whose ranks start at `first`: consecutive shares in entry
+    order, each laid out by its `inference` sizes (TP, PP, EP; DP = replicas x data_parallel_size)."""
+    roles = {}
+    for teacher in teachers.values():
+        tp, pp, ep, dp = teacher.pool_layout
+        ranks = list(range(first, first + tp * pp * dp))
+        first += len(ranks)
+        try:
+            spec = LayoutSpec(world_size=len(ranks), tp=tp, pp=pp, ep=ep, etp=tp)
+        except LayoutError as err:
+            raise ConfigError(f"distillation.teacher_models.{teacher.name}.inference.expert_parallel_size",
+                              f"{err} (the teacher's {len(ranks)} ranks)") from None
+        roles[teacher.role] = _role_on(config, shared, "teacher", spec, ranks, step)
+    return roles

@@ -118,11 +118,11 @@ REFUSED: tuple[Refused, ...] = (
       for state in ("grad", "optimizer")),
     Refused("actor_rollout_ref.ref.megatron.use_distributed_optimizer", _is(False), True, "the reference policy "
             "never trains: it has no optimizer to distribute; set false"),
-    *(Refused(f"distillation.{group}enable_resource_pool", _is(False), True, "shardrl's teacher runs on the "
-              "trainer pool beside the reference policy (its layout: distillation.teacher_model.megatron.*); set "
-              "false") for group in ("", "teacher_model.")),
-    *(Refused(f"distillation.{group}{size}", _is(0), 8, "the teacher has no pool of its own (it shares the trainer "
-              "pool); leave it 0") for group in ("", "teacher_model.") for size in ("n_gpus_per_node", "nnodes")),
+    *(Refused(f"distillation.{group}enable_resource_pool", _is(False), True, "the teachers get a pool of their own "
+              "when distillation.nnodes x n_gpus_per_node > 0 (verl 0.8+'s keys); set false") for group in
+      ("", "teacher_model.")),
+    *(Refused(f"distillation.teacher_model.{size}", _is(0), 8, "the teachers' own pool is distillation.nnodes x "
+              "distillation.n_gpus_per_node (verl 0.8+'s); leave it 0") for size in ("n_gpus_per_node", "nnodes")),
     Refused("distillation.teacher_model.megatron.use_distributed_optimizer", _is(False), True, "the teacher never "
             "trains: it has no optimizer to distribute; set false"),
     *(Refused(f"reward_model.megatron.{state}_offload", _is(False), True, f"the reward model never trains: it has no "

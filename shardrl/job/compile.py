@@ -5,7 +5,6 @@ checks this."""
 
 from __future__ import annotations
 
-import dataclasses
 import datetime
 import ipaddress
 import re
@@ -24,7 +23,7 @@ from shardrl.algos.covariance import CovarianceSelection
 from shardrl.algos.distillation import DistillationSettings
 from shardrl.algos.policy_filtration import PolicyFiltration
 from shardrl.job.errors import ConfigError
-from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize, named_lora_settings
+from shardrl.job.batches import MicroBatching, RolePlan, SharedKeys, StepSize, Teacher, named_lora_settings
 from shardrl.job.options import (
     ActorOptions,
     AlgorithmOptions,
@@ -51,6 +50,7 @@ from shardrl.job.options import (
     RolloutOptions,
     SamplingOptions,
     TeacherOptions,
+    TeacherSet,
     UpdateOptions,
     WeightSyncOptions,
 )
@@ -65,8 +65,6 @@ from shardrl.job.schema import (
     OptimConfig,
     PPOConfig,
     RolloutCorrectionConfig,
-    TeacherInferenceConfig,
-    TeacherSpec,
 )
 from shardrl.job.transformer_overrides import read_transformer_overrides
 from shardrl.models.fast_paths import FastPaths
@@ -168,89 +166,24 @@ def distillation_settings(config: PPOConfig) -> DistillationSettings:
         topk=(loss.topk or DEFAULT_DISTILLATION_TOPK) if loss.loss_mode == "forward_kl_topk" else None)
 
 
-DEFAULT_TEACHER = "teacher_model"  # verl's packaged entry of `distillation.teacher_models`
-LONE_TEACHER_KEY = "default"  # verl's routing key of a lone teacher (it scores every sample)
-
-
-def distillation_teachers(config: PPOConfig) -> dict[str, tuple[str, str]]:
-    """The teachers, as verl 0.8+ resolves `distillation.teacher_models`: routing key -> (entry name, model path).
-    A lone `teacher_model` entry scores every sample (key `default`). Next to other entries verl drops it without a
-    word; here it must then be unset. Every named teacher needs `key` and `model_path`, keys differ, and nothing of
-    verl's teacher pool is set (shardrl's teachers score on the trainer pool)."""
-    distillation = config.distillation
-    entries = distillation.teacher_models
-    if DEFAULT_TEACHER not in entries:
-        raise ConfigError(f"distillation.teacher_models.{DEFAULT_TEACHER}", "is missing; keep the packaged entry "
-                                                                            "(add others with +distillation.teacher_"
-                                                                            "models.<name>.*)")
-    named = {name: spec for name, spec in entries.items() if name != DEFAULT_TEACHER}
-    lone = entries[DEFAULT_TEACHER]
-    if named and (lone.model_path is not None or lone.key is not None):
-        field = "model_path" if lone.model_path is not None else "key"
-        raise ConfigError(f"distillation.teacher_models.{DEFAULT_TEACHER}.{field}", f"is set beside the teachers "
-                          f"{sorted(named)}, and verl drops this entry when others are named; give it a name of its "
-                          f"own (+distillation.teacher_models.<name>.{field}=...)")
-    teachers: dict[str, tuple[str, str]] = {}
-    for name, spec in (named or {DEFAULT_TEACHER: lone}).items():
-        group = f"distillation.teacher_models.{name}"
-        if spec.model_path is None:
-            raise ConfigError(f"{group}.model_path", "must be set when distillation.enabled=true (an HF model "
-                                                     "directory with the student's tokenizer)")
-        if named and spec.key is None:
-            raise ConfigError(f"{group}.key", f"must be set with several teachers: the value of the samples' "
-                                              f"{distillation.teacher_key!r} field (distillation.teacher_key) this "
-                                              "teacher scores")
-        key = spec.key if named else LONE_TEACHER_KEY
-        if key in teachers:
-            raise ConfigError(f"{group}.key", f"{key!r} is also teacher {teachers[key][0]!r}'s; each teacher needs a "
-                                              "key of its own")
-        _refuse_teacher_serving(spec, group, config)
-        teachers[key] = (name, spec.model_path)
-    return teachers
-
-
-def _refuse_teacher_serving(spec: TeacherSpec, group: str, config: PPOConfig) -> None:
-    """A teacher's verl serving keys: replicas and engine settings of verl's teacher pool, which shardrl does not
-    build (its teachers score on the trainer pool, one forward pass each), so they keep verl's defaults; temperature
-    stays 1 (the teacher's own distribution, as verl scores it); `max_model_len` is checked as verl checks it."""
-    if spec.num_replicas:
-        raise ConfigError(f"{group}.num_replicas", f"{spec.num_replicas}: shardrl's teachers score on the trainer "
-                                                   "pool (laid out by distillation.teacher_model.megatron.*), with no "
-                                                   "serving replicas of their own; set 0")
-    inference, default = spec.inference, TeacherInferenceConfig()
-    if inference.temperature != 1.0:
-        raise ConfigError(f"{group}.inference.temperature", f"{inference.temperature}: the teacher scores the "
-                                                            "samples at temperature 1, its own distribution (verl "
-                                                            "ignores this key as well); leave it 1.0")
-    data = config.data
-    if inference.max_model_len is not None and \
-            data.max_prompt_length + data.max_response_length + 1 > inference.max_model_len:
-        raise ConfigError(f"{group}.inference.max_model_len", f"{inference.max_model_len} < data.max_prompt_length + "
-                          f"data.max_response_length + 1 = {data.max_prompt_length + data.max_response_length + 1}: "
-                          "the teacher reads each whole sample; raise it or leave it null")
-    for field in dataclasses.fields(TeacherInferenceConfig):
-        if field.name in ("temperature", "max_model_len"):
-            continue
-        value, packaged = getattr(inference, field.name), getattr(default, field.name)
-        if value != packaged:
-            raise ConfigError(f"{group}.inference.{field.name}", f"{value!r} configures verl's serving engine for "
-                              "this teacher on its teacher pool; shardrl scores with the teachers on the trainer pool "
-                              f"(distillation.teacher_model.megatron.* lays them out): leave it {packaged!r}")
-
-
-def teacher_options(config: PPOConfig, role: RolePlan) -> TeacherOptions:
+def teacher_options(config: PPOConfig, roles: dict[str, RolePlan], teachers: dict[str, Teacher],
+                    topk: int | None) -> TeacherSet:
+    """Each teacher's options: its role's layout (the trainer pool's one `teacher` role, or its own on the teachers'
+    pool) with the engine settings of `distillation.teacher_model.megatron`; `topk`: forward_kl_topk's k."""
     distillation = config.distillation
     megatron, group = distillation.teacher_model.megatron, "distillation.teacher_model.megatron"
-    teachers = distillation_teachers(config)
-    # Frozen like the reference policy, with weights of their own; the student's model overrides are not theirs.
-    model = model_options(megatron, group, role.spec, role.ranks, False, None, {}, load_weight=True)
-    if len(teachers) > 1 and model.dist_checkpoint is not None:
-        raise ConfigError(f"{group}.use_dist_checkpointing", f"one distributed checkpoint cannot hold the "
-                          f"{len(teachers)} teachers' weights; load them from their HF directories (set it false)")
-    sources = {key: (f"distillation.teacher_models.{name}.model_path", path)
-               for key, (name, path) in teachers.items()}
-    return TeacherOptions(sources, distillation.teacher_key if len(teachers) > 1 else None, model,
-                          role.batches["log_prob"].forward())
+    by_key = {}
+    for key, teacher in teachers.items():
+        role = roles[teacher.role]
+        # Frozen like the reference policy, with weights of its own; the student's model overrides are not its own.
+        model = model_options(megatron, group, role.spec, role.ranks, False, None, {}, load_weight=True)
+        if len(teachers) > 1 and model.dist_checkpoint is not None:
+            raise ConfigError(f"{group}.use_dist_checkpointing", f"one distributed checkpoint cannot hold the "
+                              f"{len(teachers)} teachers' weights; load them from their HF directories (set it "
+                              f"false)")
+        by_key[key] = TeacherOptions(f"distillation.teacher_models.{teacher.name}.model_path", teacher.model_path,
+                                     model, role.batches["log_prob"].forward(), topk, teacher.memory_fraction)
+    return TeacherSet(by_key, distillation.teacher_key if len(teachers) > 1 else None)
 
 
 def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOptions:
@@ -506,7 +439,8 @@ RAY_INIT_KEYS = {"address", "num_cpus"}  # what controller.init_ray takes of ray
 
 
 def cluster_options(config: PPOConfig) -> ClusterOptions:
-    trainer, pool, rm = config.trainer, config.rollout, config.reward_model
+    trainer, pool, rm, distillation = config.trainer, config.rollout, config.reward_model, config.distillation
+    teacher_pool = distillation.nnodes * distillation.n_gpus_per_node > 0  # rules.py: only with distillation on
     own = rm.enable_resource_pool
     if own and rm.nnodes * rm.n_gpus_per_node == 0:
         raise ConfigError("reward_model.n_gpus_per_node", f"{rm.nnodes} node(s) x {rm.n_gpus_per_node} per node: "
@@ -521,7 +455,9 @@ def cluster_options(config: PPOConfig) -> ClusterOptions:
         trainer_gpus_per_node=trainer.n_gpus_per_node, rollout_nodes=pool.nnodes if pool else None,
         rollout_gpus_per_node=pool.n_gpus_per_node if pool else None,
         collective_timeout=datetime.timedelta(seconds=trainer.collective_timeout_s),
-        reward_model_nodes=rm.nnodes if own else None, reward_model_gpus_per_node=rm.n_gpus_per_node if own else None)
+        reward_model_nodes=rm.nnodes if own else None, reward_model_gpus_per_node=rm.n_gpus_per_node if own else None,
+        teacher_nodes=distillation.nnodes if teacher_pool else None,
+        teacher_gpus_per_node=distillation.n_gpus_per_node if teacher_pool else None)
 
 
 def async_options(config: PPOConfig, mode: Schedule) -> AsyncOptions | None:

@@ -38,6 +38,16 @@ ROLE_KEYS = {
 }
 
 
+def role_keys(role: str) -> dict[str, str]:
+    """The config keys that set `role`'s TP / PP / EP; a teacher on the teachers' pool (`teacher/<entry>`) is laid
+    out by its entry's `inference` sizes."""
+    if role.startswith("teacher/"):
+        group = f"distillation.teacher_models.{role.partition('/')[2]}.inference"
+        return {"tp": f"{group}.tensor_model_parallel_size", "pp": f"{group}.pipeline_model_parallel_size",
+                "ep": f"{group}.expert_parallel_size"}
+    return ROLE_KEYS[role]
+
+
 def read_hf_config(path: str | None, overrides: dict[str, Any], key: str) -> tuple[dict[str, Any], str] | None:
     """config.json of a local model directory `path` with `overrides` (`model.override_config`) applied, and its
     path; else None. `key` names the path's config key for errors."""
@@ -65,15 +75,15 @@ def with_overrides(hf: dict[str, Any], overrides: dict[str, Any], key: str) -> d
 
 def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASettings | None = None,
                 critic_lora: LoRASettings | None = None,
-                teachers: Sequence[tuple[str, str]] = ()) -> list[str]:
+                teachers: Sequence[tuple[str, str, str]] = ()) -> list[str]:
     """Check every planned role against its model's config.json (`lora`: the actor's adapters, `SharedKeys.lora`;
-    `critic_lora`: the critic's; `teachers`: (config key, directory) of each distillation teacher); returns one note
-    per role for the printout."""
+    `critic_lora`: the critic's; `teachers`: (config key, directory, role) of each distillation teacher); returns one
+    note per role for the printout."""
     actor, critic = config.actor_rollout_ref.model, config.critic.model
     rm, judge = config.reward_model.model, config.reward_model.judge
     sources = (("actor_rollout_ref.model.path", actor.path, actor.override_config, ("actor", "ref", "rollout")),
                ("critic.model.path", critic.path, critic.override_config, ("critic",)),
-               *((key, path, {}, ("teacher",)) for key, path in teachers),
+               *((key, path, {}, (role,)) for key, path, role in teachers),
                ("reward_model.model.path", rm.path, rm.override_config, ("reward_model",)),
                ("reward_model.judge.model_path", judge.model_path, {}, ("judge",)))
     # A null actor path (and a null critic path with it) is the built-in task's model, made at launch: its config is
@@ -95,7 +105,7 @@ def check_model(config: PPOConfig, specs: dict[str, LayoutSpec], lora: LoRASetti
             notes.append(f"{'/'.join(names)} model: {where}; model checks skipped")
             continue
         hf, source = found
-        notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], ROLE_KEYS[name])}" for name in names)
+        notes.extend(f"{name}: {check_layout_fits(hf, source, specs[name], role_keys(name))}" for name in names)
         _refuse_fa4_head_size(config, names, hf, source)
         dense = not any(hf.get(f) for f in EXPERT_COUNT_FIELDS)
         if "actor" in names and dense:
@@ -118,7 +128,7 @@ def _refuse_fa4_head_size(config: PPOConfig, roles: list[str], hf: dict[str, Any
               "teacher": config.distillation.teacher_model.megatron, "reward_model": config.reward_model.megatron}
     heads = hf.get("num_attention_heads")
     head_dim = hf.get("head_dim") or (hf["hidden_size"] // heads if heads and hf.get("hidden_size") else None)
-    for role in roles:
+    for role in (r.partition("/")[0] for r in roles):  # a pool teacher takes teacher_model.megatron's settings
         if role in groups and groups[role].override_transformer_config.get("attention_backend") == "fa4" \
                 and head_dim is not None and head_dim not in FA4_HEAD_DIMS:
             key = f"{MEGATRON_GROUPS[role]}.override_transformer_config.attention_backend"

@@ -147,14 +147,30 @@ class CheckpointOptions:
 
 @dataclass(frozen=True)
 class TeacherOptions:
-    """On-policy distillation's teachers: frozen models of their own (any size, the student's tokenizer) scoring the
-    student's sampled tokens at temperature 1, built on the actor's ranks like the reference policy, one layout for
-    all. With several, each sample goes to the teacher whose routing key its `route_field` value equals."""
+    """One on-policy distillation teacher: a frozen model of its own (any size, the student's tokenizer) scoring the
+    student's samples at temperature 1 (workers/teacher.py), on the trainer pool beside the reference policy or on
+    its share of the teachers' own pool."""
 
-    sources: dict[str, tuple[str, str]]  # routing key -> (config key of its directory, HF directory)
-    route_field: str | None  # the samples' field that picks the teacher; None: one teacher scores every sample
-    model: ModelOptions
+    path_key: str  # the config key of its directory, for errors
+    model_path: str
+    model: ModelOptions  # its layout (ranks) and engine
     log_prob: ForwardBatching
+    topk: int | None  # forward_kl_topk: its top k of every response position; None: the sampled tokens' log-probs
+    memory_fraction: float | None  # on its own pool: the share of each GPU it may allocate; None: no cap
+
+
+@dataclass(frozen=True)
+class TeacherSet:
+    """On-policy distillation's teachers by routing key (a lone teacher's is `default`). With several, each sample
+    goes to the teacher whose key its `route_field` value equals."""
+
+    by_key: dict[str, TeacherOptions]
+    route_field: str | None  # None: the lone teacher scores every sample
+
+    @property
+    def sources(self) -> list[tuple[str, str]]:
+        """(config key, directory) of every teacher's weights."""
+        return [(t.path_key, t.model_path) for t in self.by_key.values()]
 
 
 @dataclass(frozen=True)
@@ -407,6 +423,9 @@ class ClusterOptions:
     # the reward model's own pool (reward_model.enable_resource_pool), its ranks after the trainer's and rollout's
     reward_model_nodes: int | None = None
     reward_model_gpus_per_node: int | None = None
+    # the distillation teachers' own pool (distillation.nnodes x n_gpus_per_node), its ranks after all the others'
+    teacher_nodes: int | None = None
+    teacher_gpus_per_node: int | None = None
 
 
 @dataclass(frozen=True)

@@ -25,7 +25,17 @@ from typing import Literal
 
 import torch
 
-from shardrl.job.batches import RolePlan, SharedKeys, judge_role, plan_step, read_shared, rollout_role, train_role
+from shardrl.job.batches import (
+    RolePlan,
+    SharedKeys,
+    distillation_teachers,
+    judge_role,
+    plan_step,
+    read_shared,
+    rollout_role,
+    teacher_pool_roles,
+    train_role,
+)
 from shardrl.job.compat import refuse_unsupported
 from shardrl.job.errors import ConfigError
 from shardrl.job.compile import (
@@ -57,7 +67,7 @@ from shardrl.job.options import (
     RewardModelOptions,
     RewardOptions,
     RolloutOptions,
-    TeacherOptions,
+    TeacherSet,
     TrackingOptions,
 )
 from shardrl.job.schema import PPOConfig, Schedule
@@ -83,7 +93,7 @@ class JobPlan:
     critic_model_path: str | None
     actor: ActorOptions
     ref: RefOptions | None
-    teacher: TeacherOptions | None  # on-policy distillation's teachers
+    teacher: TeacherSet | None  # on-policy distillation's teachers
     critic: CriticOptions | None
     reward_model: RewardModelOptions | None  # a learned reward model scoring every sample
     reward_model_path: str | None
@@ -150,9 +160,14 @@ def plan_job(config: PPOConfig) -> JobPlan:
                               f"leave the reference's parallel sizes as the actor's")
     else:
         skipped["ref"] = "actor.use_kl_loss and algorithm.use_kl_in_reward are both false"
-    if shared.distillation:
+    teacher_pool = (cluster.teacher_nodes or 0) * (cluster.teacher_gpus_per_node or 0)
+    teachers = distillation_teachers(config, teacher_pool) if shared.distillation else {}
+    if teachers and cluster.teacher_nodes is None:
         roles["teacher"] = train_role(config, shared, "teacher", "distillation.teacher_model.megatron", trainer_ranks,
                                       step)
+    elif teachers:  # the teachers' own pool, its ranks after the trainer's, a detached rollout's and a reward model's
+        first = len(trainer_ranks) + len(rollout_ranks) * detached + len(reward_model_ranks(cluster, 0))
+        roles |= teacher_pool_roles(config, shared, step, teachers, first)
     else:
         skipped["teacher"] = "distillation.enabled is false"
     if config.reward_model.enable:
@@ -174,8 +189,9 @@ def plan_job(config: PPOConfig) -> JobPlan:
     else:
         skipped["judge"] = "reward_model.judge.enable is false"
     sync_ranks = trainer_ranks + rollout_ranks if detached else trainer_ranks
-    teacher = teacher_options(config, roles["teacher"]) if "teacher" in roles else None
     actor = actor_options(config, shared, roles["actor"])
+    topk = actor.distillation.topk if actor.distillation is not None and actor.distillation.uses_topk else None
+    teacher = teacher_options(config, roles, teachers, topk) if teachers else None
     critic = critic_options(config, shared, roles["critic"]) if "critic" in roles else None
     judge = judge_options(config, shared, roles["judge"]) if "judge" in roles else None
     trainer = config.trainer
@@ -198,7 +214,8 @@ def plan_job(config: PPOConfig) -> JobPlan:
         skipped=skipped,
         model_notes=check_model(config, {name: role.spec for name, role in roles.items()}, shared.lora,
                                 critic.model.engine.lora if critic is not None else None,
-                                teacher.sources.values() if teacher is not None else ()),
+                                [(t.path_key, t.model_path, teachers[key].role)
+                                 for key, t in teacher.by_key.items()] if teacher is not None else ()),
         dry_run=trainer.dry_run,
         model_path=config.actor_rollout_ref.model.path,
         critic_model_path=config.critic.model.path,
@@ -269,6 +286,10 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
                      f"{pool.n_gpus_per_node} {unit}), detached")
     else:
         lines.append("rollout: colocated on the trainer pool (hybrid engine)")
+    if plan.cluster.teacher_nodes is not None and plan.teacher is not None:
+        ranks = [rank for name, role in plan.roles.items() if name.startswith("teacher/") for rank in role.ranks]
+        lines.append(f"teacher pool: ranks {_span(ranks)} ({config.distillation.nnodes} node(s) x "
+                     f"{config.distillation.n_gpus_per_node} {unit}), the distillation teachers' own")
     if plan.cluster.reward_model_nodes is not None and plan.reward_model is not None:
         rm = config.reward_model
         lines.append(f"reward model pool: ranks {_span(plan.roles['reward_model'].ranks)} ({rm.nnodes} node(s) x "
@@ -279,7 +300,10 @@ def format_plan(plan: JobPlan, config: PPOConfig) -> str:
     if config.async_training is not None:
         settings = ", ".join(f"{k}={v}" for k, v in vars(config.async_training).items() if v is not None)
         lines.append(f"async_training: {settings}")
-    for name in ("actor", "ref", "teacher", "reward_model", "critic", "rollout", "judge"):
+    pool_teachers = [name for name in plan.roles if name.startswith("teacher/")]
+    for name in ("actor", "ref", "teacher", *pool_teachers, "reward_model", "critic", "rollout", "judge"):
+        if name == "teacher" and pool_teachers:
+            continue
         if name in plan.skipped:
             lines.append(f"{name}: skipped ({plan.skipped[name]})")
             continue

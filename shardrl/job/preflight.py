@@ -77,7 +77,7 @@ def weight_sources(plan: JobPlan) -> list[tuple[str, str, ModelOptions, frozense
         found.append(("critic.model.path", plan.critic_model_path, plan.critic.model, frozenset({"score.weight"}),
                       "critic.checkpoint.strict" if plan.critic.checkpoint.strict else None))
     if plan.teacher is not None:
-        found.extend((key, path, plan.teacher.model, frozenset(), None) for key, path in plan.teacher.sources.values())
+        found.extend((t.path_key, t.model_path, t.model, frozenset(), None) for t in plan.teacher.by_key.values())
     if plan.reward_model is not None:
         found.append(("reward_model.model.path", plan.reward_model_path, plan.reward_model.model, frozenset(), None))
     return [entry for entry in found if entry[2].load_weight and entry[2].dist_checkpoint is None]
@@ -109,7 +109,9 @@ def check_model_weights(plan: JobPlan) -> None:
 def trained_models(plan: JobPlan) -> list[tuple[str, EngineOptions]]:
     """(the role's megatron config key, its model's engine options) of every model the run builds from a
     Megatron-style group: actor, reference, critic, distillation teacher, reward model."""
-    built = [(group, getattr(plan, role)) for role, group in MEGATRON_GROUPS.items()]  # plan fields are role names
+    built = [(group, getattr(plan, role)) for role, group in MEGATRON_GROUPS.items() if role != "teacher"]
+    if plan.teacher is not None:  # plan fields are role names; the teachers are a set of them
+        built += [(MEGATRON_GROUPS["teacher"], teacher) for teacher in plan.teacher.by_key.values()]
     return [(group, options.model.engine) for group, options in built if options is not None]
 
 
@@ -120,7 +122,7 @@ def model_paths(plan: JobPlan) -> list[tuple[str, str]]:
     if plan.critic is not None:
         found.append(("critic.model.path", plan.critic_model_path))
     if plan.teacher is not None:
-        found.extend(plan.teacher.sources.values())
+        found.extend(plan.teacher.sources)
     if plan.reward_model is not None:
         found.append(("reward_model.model.path", plan.reward_model_path))
     if plan.judge is not None:

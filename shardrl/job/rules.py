@@ -171,8 +171,22 @@ def _validate_distillation(config: PPOConfig) -> None:
     the planner, `compile.distillation_teachers`)."""
     distillation = config.distillation
     loss, key = distillation.distillation_loss, "distillation.distillation_loss"
+    pool = distillation.nnodes * distillation.n_gpus_per_node
     if not distillation.enabled:
+        if pool:
+            raise ConfigError("distillation.n_gpus_per_node", f"a teacher pool of {pool} ranks with "
+                                                              "distillation.enabled=false would stay idle; enable "
+                                                              "distillation or set it 0")
         return
+    if pool:  # each teacher's `inference` sizes lay it out there, not the trainer pool's teacher layout
+        teacher, ref = distillation.teacher_model.megatron, config.actor_rollout_ref.ref.megatron
+        for size in ("tensor_model_parallel_size", "pipeline_model_parallel_size", "context_parallel_size",
+                     "expert_model_parallel_size", "expert_tensor_parallel_size", "virtual_pipeline_model_parallel_size"):
+            if getattr(teacher, size) != getattr(ref, size):
+                raise ConfigError(f"distillation.teacher_model.megatron.{size}", f"{getattr(teacher, size)} lays "
+                                  "the teachers out on the trainer pool, and they have a pool of their own "
+                                  "(distillation.n_gpus_per_node): set each teacher's distillation.teacher_models."
+                                  "<name>.inference sizes instead, and leave this as the reference's")
     if loss.topk is not None and loss.loss_mode != "forward_kl_topk":
         raise ConfigError(f"{key}.topk", f"{loss.topk} is for loss_mode=forward_kl_topk; {loss.loss_mode} scores the "
                                          "sampled token only: leave topk null")

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import time
+from collections.abc import Collection
 from pathlib import Path
 
 import torch
@@ -44,6 +45,7 @@ from shardrl.trainer.tracking import Tracker
 from shardrl.workers.critic import CriticWorker
 from shardrl.workers.judge import JudgeWorker
 from shardrl.workers.reward_model import RewardModelWorker, check_reward_model
+from shardrl.workers.teacher import TeacherWorker
 from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.hybrid import ActorRolloutRefWorker
 from shardrl.workers.rollout import RolloutWorker
@@ -112,7 +114,7 @@ def train(plan: JobPlan) -> None:
     tools = agent_tool_schemas(paths.tool_config, None if plan.rollout.agent is None else
                                plan.rollout.agent.function_tool_path)
     if plan.teacher is not None:
-        for key, path in plan.teacher.sources.values():
+        for key, path in plan.teacher.sources:
             check_teacher_vocabulary(key, path, tokenizer, data.trust_remote_code)
         check_distillation_topk(plan.actor.distillation, len(tokenizer))
     plan = with_reward_model_tokenizer(plan, tokenizer)
@@ -141,7 +143,7 @@ def train(plan: JobPlan) -> None:
         raise ConfigError("trainer.val_only", "there is no validation data to run; set data.val_files")
     datasets = [d for d in (loader.dataset, val_data) if d is not None]
     if route:
-        check_teacher_routes(loader.dataset, route, plan.teacher.sources)
+        check_teacher_routes(loader.dataset, route, plan.teacher.by_key)
     check_prompt_ids_fit(datasets, paths.model, tokenizer_key)
     agents_score = plan.rollout.agent is not None and bool(plan.rollout.agent.agent_loop_config_path)
     if rule_scorer_scores(plan.reward, plan.reward_model is not None) and not agents_score:
@@ -352,14 +354,14 @@ def check_teacher_vocabulary(key: str, teacher_path: str, student, trust_remote_
                                f"({len(mine)}), e.g. {differ}; distillation needs the student's tokenizer")
 
 
-def check_teacher_routes(dataset: RLDataset, field: str, sources: dict[str, tuple[str, str]]) -> None:
-    """Every training prompt's `field` names one of the teachers (their `key`s), before workers start; a prompt
+def check_teacher_routes(dataset: RLDataset, field: str, keys: Collection[str]) -> None:
+    """Every training prompt's `field` names one of the teachers (their `keys`), before workers start; a prompt
     no teacher scores would stop the run at its step."""
     for number, row in enumerate(dataset.rows):
-        if row.get(field) not in sources:
+        if row.get(field) not in keys:
             raise ConfigError("distillation.teacher_key", f"data.train_files row {number} has {field}="
                               f"{row.get(field)!r}, which no teacher's key names (the teachers' keys: "
-                              f"{sorted(sources)}); add a teacher for it or fix the row")
+                              f"{sorted(keys)}); add a teacher for it or fix the row")
 
 
 def check_distillation_topk(distillation: DistillationSettings, vocab_size: int) -> None:
@@ -383,8 +385,9 @@ def training_steps(plan: JobPlan, loader: PromptLoader) -> int:
 
 def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[WorkerGroup, Workers]:
     """One worker group, one torch.distributed world: the trainer pool's ranks, then (detached placement) the
-    rollout pool's, then (`reward_model.enable_resource_pool`) the reward model's. Colocated, the actor's ranks also
-    host the rollout engine (hybrid engine)."""
+    rollout pool's, then (`reward_model.enable_resource_pool`) the reward model's, then (`distillation.n_gpus_per_node`)
+    the teachers'. Colocated, the actor's ranks also host the rollout engine (hybrid engine); the teachers without a
+    pool live on the trainer pool's ranks."""
     cluster = plan.cluster
     whole = dict(whole_cpu_cores=cluster.whole_cpu_cores)
     pools = [ResourcePool("trainer", cluster.trainer_nodes, cluster.trainer_gpus_per_node, plan.device, **whole)]
@@ -393,7 +396,7 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
     if plan.placement == "colocated":
         actor = Role("actor", ActorRolloutRefWorker,
                      dict(actor=plan.actor, ref=plan.ref, rollout=plan.rollout, model_path=paths.model,
-                          pad_token_id=pad_token_id, teacher=plan.teacher), actor_spec, {"rollout": plan.rollout.spec},
+                          pad_token_id=pad_token_id), actor_spec, {"rollout": plan.rollout.spec},
                      **on_trainer)
         roles = [actor]
     else:
@@ -401,7 +404,7 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
                                   **whole))
         actor = Role("actor", DetachedActorWorker,
                      dict(actor=plan.actor, ref=plan.ref, weight_sync=plan.rollout.weight_sync,
-                          model_path=paths.model, teacher=plan.teacher), actor_spec, **on_trainer)
+                          model_path=paths.model), actor_spec, **on_trainer)
         rollout = Role("rollout", RolloutWorker, dict(options=plan.rollout, model_path=paths.model,
                                                       pad_token_id=pad_token_id), plan.rollout.spec,
                        ranks=plan.rollout_ranks)
@@ -416,6 +419,12 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
         roles.append(Role("reward_model", RewardModelWorker, dict(options=plan.reward_model,
                                                                   model_path=plan.reward_model_path),
                           plan.reward_model.model.spec, ranks=plan.reward_model.model.ranks))
+    if plan.teacher is not None:
+        if cluster.teacher_nodes is not None:  # the teachers' own pool, ranks after all the others' (plan_job)
+            pools.append(ResourcePool("teacher", cluster.teacher_nodes, cluster.teacher_gpus_per_node, plan.device,
+                                      **whole))
+        roles.extend(Role(f"teacher:{key}", TeacherWorker, dict(options=teacher), teacher.model.spec,
+                          ranks=teacher.model.ranks) for key, teacher in plan.teacher.by_key.items())
     if plan.judge is not None:
         roles.append(Role("judge", JudgeWorker, dict(options=plan.judge, policy_tokenizer=paths.tokenizer),
                           plan.judge.spec, **on_trainer))
@@ -424,7 +433,8 @@ def start_workers(plan: JobPlan, paths: RunPaths, pad_token_id: int) -> tuple[Wo
     workers = Workers(group.role("actor"), group.role("critic") if plan.critic is not None else None,
                       group.role("rollout") if plan.placement == "detached" else None,
                       group.role("reward_model") if plan.reward_model is not None else None,
-                      group.role("judge") if plan.judge is not None else None)
+                      group.role("judge") if plan.judge is not None else None,
+                      {key: group.role(f"teacher:{key}") for key in plan.teacher.by_key} if plan.teacher else {})
     return group, workers
 
 

@@ -10,7 +10,7 @@ import contextlib
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from shardrl.models.checkpoint import checkpoint_dir, mark_latest
 from shardrl.models.hf_export import export_dir
 from shardrl.rewards.manager import SampleScores
 from shardrl.trainer import batch_ops, dynamic_sampling, staleness
-from shardrl.job.options import RewardOptions, TeacherOptions
+from shardrl.job.options import RewardOptions
 from shardrl.job.plan import JobPlan
 from shardrl.trainer.plots import Pictures, run_title
 from shardrl.trainer.reward_loop import ScoringThread, stream_generation
@@ -39,6 +39,7 @@ from shardrl.workers.detached import DetachedActorWorker
 from shardrl.workers.engine import ROUTED_EXPERTS
 from shardrl.workers.hybrid import ActorRolloutRefWorker
 from shardrl.workers.rollout import RolloutWorker
+from shardrl.workers.teacher import TeacherWorker
 
 
 @dataclass
@@ -50,6 +51,7 @@ class Workers:
     rollout: RoleHandle | None = None  # RolloutWorker: the detached pool (async modes); None: the hybrid engine
     reward_model: RoleHandle | None = None  # RewardModelWorker: `reward_model.enable`
     judge: RoleHandle | None = None  # JudgeWorker: `reward_model.judge.enable`
+    teachers: dict[str, RoleHandle] = field(default_factory=dict)  # TeacherWorker by routing key (distillation)
 
     def score(self, batch: Batch, tokenizer, score_fn, reward: RewardOptions, keep_extras: Sequence[str] = (),
               extras_as_columns: bool = False) -> tuple[Batch, SampleScores]:
@@ -196,7 +198,7 @@ class PPOTrainer:
                 batch = batch.union(w.actor.call(ActorRefWorker.compute_ref_log_prob, batch))
         if self.plan.teacher is not None:
             with t.phase(step, "teacher"):
-                batch = batch.union(teacher_log_probs(w.actor, batch, self.plan.teacher))
+                batch = batch.union(teacher_log_probs(w.teachers, batch, self.plan.teacher.route_field))
         if w.critic is not None:
             with t.phase(step, "values"):
                 batch = batch.union(w.critic.call(CriticWorker.compute_values, batch))
@@ -355,25 +357,27 @@ class PPOTrainer:
                 pictures.refresh()  # when due; its time counts in the next step's timing_s/step_total
 
 
-def teacher_log_probs(actor: RoleHandle, batch: Batch, teachers: TeacherOptions) -> Batch:
-    """The distillation teachers' scores of `batch`'s samples, each by the teacher its `route_field` value names:
-    one pass per teacher over its own samples (split over DP as every pass is), put back in the batch's row order."""
-    if teachers.route_field is None:
-        (only,) = teachers.sources
-        return actor.call(ActorRefWorker.compute_teacher_log_prob, batch, only)
-    routes = batch.non_tensors[teachers.route_field]
-    if stray := next((route for route in routes if route not in teachers.sources), None):
-        raise ValueError(f"a sample's {teachers.route_field}={stray!r} names no teacher (distillation.teacher_key; "
-                         f"the teachers' keys: {sorted(teachers.sources)})")
-    order, parts = [], []
-    for key in teachers.sources:
+def teacher_log_probs(teachers: dict[str, RoleHandle], batch: Batch, route_field: str | None) -> Batch:
+    """The distillation teachers' scores of `batch`'s samples, each by the teacher its `route_field` value names
+    (None: the lone teacher scores all): one pass per teacher over its own samples, split over its DP as every pass
+    is, all submitted before any is waited on (teachers on a pool of their own run at once), put back in the batch's
+    row order."""
+    if route_field is None:
+        (only,) = teachers.values()
+        return only.call(TeacherWorker.compute_log_prob, batch)
+    routes = batch.non_tensors[route_field]
+    if stray := next((route for route in routes if route not in teachers), None):
+        raise ValueError(f"a sample's {route_field}={stray!r} names no teacher (distillation.teacher_key; the "
+                         f"teachers' keys: {sorted(teachers)})")
+    order, pending = [], []
+    for key, teacher in teachers.items():
         rows = [row for row, route in enumerate(routes) if route == key]
         if rows:
-            parts.append(actor.call(ActorRefWorker.compute_teacher_log_prob, batch.take(rows), key))
+            pending.append(teacher.submit(TeacherWorker.compute_log_prob, batch.take(rows)))
             order += rows
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))  # merged row back[i] is the batch's row i
-    return Batch.concat(parts).take(back)
+    return Batch.concat([call.get() for call in pending]).take(back)
 
 
 def _prefixed(role: str, per_replica: list[dict[str, list[float]]]) -> dict[str, float]:

@@ -35,7 +35,6 @@ from shardrl.job.options import (
     ForwardBatching,
     PolicyLossOptions,
     RefOptions,
-    TeacherOptions,
     UpdateOptions,
 )
 from shardrl.models.checkpoint import checkpoint_dir, load_checkpoint, save_checkpoint
@@ -241,16 +240,13 @@ def covariance_step(engine: ModelEngine, loss: PolicyLossOptions, update: Update
 
 class ActorRefWorker:
     def __init__(self, actor: ActorOptions, ref: RefOptions | None, model_path: str,
-                 registry: GroupRegistry | None = None, teacher: TeacherOptions | None = None) -> None:
+                 registry: GroupRegistry | None = None) -> None:
         torch.manual_seed(actor.seed)
-        self.options, self.ref_options, self.teacher_options, self.model_path = actor, ref, teacher, model_path
+        self.options, self.ref_options, self.model_path = actor, ref, model_path
         self.registry = GroupRegistry() if registry is None else registry  # actor, ref and rollout layouts share it
         self.actor = build_engine(actor.model, model_path, self.registry)
         # With LoRA the reference is the actor's own base (`RefOptions.on_actor`): no second engine.
         self.ref = build_engine(ref.model, model_path, self.registry) if ref is not None and not ref.on_actor else None
-        # One frozen engine per teacher, by routing key, all in the teachers' one layout.
-        self.teachers = ({key: build_engine(teacher.model, path, self.registry)
-                          for key, (_, path) in teacher.sources.items()} if teacher is not None else {})
 
     def _actor_resident(self):
         return resident(self.actor, self.options.model)
@@ -280,18 +276,6 @@ class ActorRefWorker:
             out = log_prob_pass(engine, batch, r.log_prob, self.options.temperature,
                                 "replay" if r.replay_rollout_routing else None)
         return Batch({"ref_log_probs": out["log_probs"]})
-
-    @dispatch_mode(Dispatch.DP_COMPUTE)
-    def compute_teacher_log_prob(self, batch: Batch, teacher: str) -> Batch:
-        """Teacher `teacher`'s (its routing key's) log-probs at temperature 1, its own distribution, as verl scores
-        it whatever the rollout's temperature: of the sampled tokens (`teacher_log_probs`), or for forward_kl_topk
-        its top k of every response position (`TEACHER_TOPK`)."""
-        distillation, options, engine = self.options.distillation, self.teacher_options, self.teachers[teacher]
-        with resident(engine, options.model):
-            if distillation.uses_topk:
-                return compute_topk_log_probs(engine, batch, options.log_prob, 1.0, distillation.topk)
-            log_probs, _ = compute_log_prob(engine, batch, options.log_prob, 1.0)
-        return Batch({"teacher_log_probs": log_probs})
 
     @dispatch_mode(Dispatch.DP_COMPUTE)
     def update_actor(self, batch: Batch, step: int) -> dict[str, list[float]]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.rank_env import collective_timeout
-from shardrl.job.options import ActorOptions, RefOptions, TeacherOptions, WeightSyncOptions
+from shardrl.job.options import ActorOptions, RefOptions, WeightSyncOptions
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.sync.detached import DetachedSync
 from shardrl.workers.actor import ActorRefWorker
@@ -18,10 +18,10 @@ from shardrl.workers.actor import ActorRefWorker
 
 class DetachedActorWorker(ActorRefWorker):
     def __init__(self, actor: ActorOptions, ref: RefOptions | None, weight_sync: WeightSyncOptions, model_path: str,
-                 registry: GroupRegistry | None = None, teacher: TeacherOptions | None = None) -> None:
+                 registry: GroupRegistry | None = None) -> None:
         registry = GroupRegistry() if registry is None else registry
         group = registry.sync_group(weight_sync.ranks, collective_timeout())
-        super().__init__(actor, ref, model_path, registry, teacher)
+        super().__init__(actor, ref, model_path, registry)
         self.weight_sync = DetachedSync.sender(self.actor.chunks, self.actor.layout, self.actor.host_buffers, group,
                                                weight_sync.bucket_bytes, weight_sync.verify, collective_timeout())
 

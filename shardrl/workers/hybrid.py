@@ -14,7 +14,7 @@ from shardrl.agents.driver import RunnerStats, build_runner
 from shardrl.controller.dispatch import Dispatch, dispatch_mode
 from shardrl.controller.rank_env import collective_timeout
 from shardrl.data.batch import Batch
-from shardrl.job.options import ActorOptions, RefOptions, RolloutOptions, TeacherOptions
+from shardrl.job.options import ActorOptions, RefOptions, RolloutOptions
 from shardrl.models.config import ModelConfig
 from shardrl.parallel.layout import GroupRegistry
 from shardrl.rollout.engine import Engine
@@ -27,9 +27,8 @@ from shardrl.workers.stream import SampleStream
 
 class ActorRolloutRefWorker(ActorRefWorker):
     def __init__(self, actor: ActorOptions, ref: RefOptions | None, rollout: RolloutOptions, model_path: str,
-                 pad_token_id: int, registry: GroupRegistry | None = None,
-                 teacher: TeacherOptions | None = None) -> None:
-        super().__init__(actor, ref, model_path, registry, teacher)
+                 pad_token_id: int, registry: GroupRegistry | None = None) -> None:
+        super().__init__(actor, ref, model_path, registry)
         self.rollout_options, self.pad_token_id = rollout, pad_token_id
         model_config = ModelConfig.from_pretrained(model_path, overrides=rollout.override_config)
         self.rollout = Engine(model_config, create_layout(rollout.spec, rollout.ranks, self.registry), rollout.engine)
