@@ -22,7 +22,7 @@ from shardrl.job.errors import ConfigError
 from shardrl.job.load import compose
 from shardrl.job.plan import plan_job
 from shardrl.trainer.launch import check_teacher_routes
-from shardrl.trainer.ppo import teacher_log_probs
+from shardrl.trainer.ppo import submit_teacher_log_probs
 from tests.test_distillation import make_teacher, sample_batch
 
 TWO = ["distillation.enabled=true", "+distillation.teacher_models.math.key=math",
@@ -171,7 +171,7 @@ def test_each_sample_is_scored_by_its_teacher_at_temperature_one(task, teachers,
     batch = sample_batch(AutoConfig.from_pretrained(task["model"]).vocab_size)
     routes = ["code", "math", "code", "math"]
     batch.non_tensors["data_source"] = as_object_array(routes)
-    scored = teacher_log_probs(handles, batch, options.teacher.route_field)
+    scored = submit_teacher_log_probs(handles, batch, options.teacher.route_field)()
     expected = {name: transformers_log_probs(path, batch) for name, path in teachers.items()}
     assert not torch.allclose(expected["math"], expected["code"], atol=1e-2)  # the two teachers differ
     for row, route in enumerate(routes):

@@ -187,6 +187,9 @@ class PPOTrainer:
                                                            w.critic.layout.dp if w.critic is not None else None)
         metrics |= staleness.lag_metrics(batch.tensors["policy_versions"], batch.tensors["response_mask"],
                                          self.policy_version, self.max_staleness)
+        # The teachers (on a pool of their own) score while the trainer pool computes the other log-probs.
+        teacher_scores = (submit_teacher_log_probs(w.teachers, batch, self.plan.teacher.route_field)
+                          if self.plan.teacher is not None else None)
         if self.plan.actor.log_prob is not None:  # recompute the old logprobs (else PPO anchors on behaviour's)
             with t.phase(step, "old_log_prob"):
                 old = w.actor.call(ActorRefWorker.compute_log_prob, batch)
@@ -196,9 +199,9 @@ class PPOTrainer:
         if self.plan.ref is not None:
             with t.phase(step, "ref"):
                 batch = batch.union(w.actor.call(ActorRefWorker.compute_ref_log_prob, batch))
-        if self.plan.teacher is not None:
-            with t.phase(step, "teacher"):
-                batch = batch.union(teacher_log_probs(w.teachers, batch, self.plan.teacher.route_field))
+        if teacher_scores is not None:
+            with t.phase(step, "teacher"):  # what is left of the teachers' passes
+                batch = batch.union(teacher_scores())
         if w.critic is not None:
             with t.phase(step, "values"):
                 batch = batch.union(w.critic.call(CriticWorker.compute_values, batch))
@@ -357,14 +360,15 @@ class PPOTrainer:
                 pictures.refresh()  # when due; its time counts in the next step's timing_s/step_total
 
 
-def teacher_log_probs(teachers: dict[str, RoleHandle], batch: Batch, route_field: str | None) -> Batch:
-    """The distillation teachers' scores of `batch`'s samples, each by the teacher its `route_field` value names
-    (None: the lone teacher scores all): one pass per teacher over its own samples, split over its DP as every pass
-    is, all submitted before any is waited on (teachers on a pool of their own run at once), put back in the batch's
-    row order."""
+def submit_teacher_log_probs(teachers: dict[str, RoleHandle], batch: Batch,
+                             route_field: str | None) -> Callable[[], Batch]:
+    """Start the distillation teachers' scoring of `batch`'s samples, each by the teacher its `route_field` value
+    names (None: the lone teacher scores all): one pass per teacher over its own samples, split over its DP as every
+    pass is. Returns the wait for the scores, in the batch's row order. Teachers on a pool of their own score while
+    the caller goes on; on the trainer pool their calls queue on its ranks."""
     if route_field is None:
         (only,) = teachers.values()
-        return only.call(TeacherWorker.compute_log_prob, batch)
+        return only.submit(TeacherWorker.compute_log_prob, batch).get
     routes = batch.non_tensors[route_field]
     if stray := next((route for route in routes if route not in teachers), None):
         raise ValueError(f"a sample's {route_field}={stray!r} names no teacher (distillation.teacher_key; the "
@@ -377,7 +381,7 @@ def teacher_log_probs(teachers: dict[str, RoleHandle], batch: Batch, route_field
             order += rows
     back = torch.empty(len(order), dtype=torch.long)
     back[torch.tensor(order)] = torch.arange(len(order))  # merged row back[i] is the batch's row i
-    return Batch.concat([call.get() for call in pending]).take(back)
+    return lambda: Batch.concat([call.get() for call in pending]).take(back)
 
 
 def _prefixed(role: str, per_replica: list[dict[str, list[float]]]) -> dict[str, float]:
