@@ -143,6 +143,10 @@ REFUSED: tuple[Refused, ...] = (
               "loops talk to shardrl's native engine in process, and external agent programs to its OpenAI-compatible "
               "endpoint (rollout.agent.endpoint.*); a serving-engine class of your own is not loaded; leave it null")
       for field in ("path", "name")),
+    Refused("model_engine", lambda v: v in ("dp", "megatron"), "veomni", "verl 0.9's choice of training engine picks "
+            "which actor/ref/critic keys it reads; shardrl reads verl's FSDP and Megatron spellings alike and trains "
+            "with its own Megatron-style engine, so dp and megatron run the same; other engines (veomni, mindspeed, "
+            "megatron_lite, ...) are not built: use dp or megatron"),
     Refused("reward_model.load_weight", _is(True), False, "a reward model is loaded from reward_model.model.path, "
             "never randomly initialised; set true"),
 )

@@ -914,6 +914,7 @@ class PPOConfig:
     trainer: TrainerConfig
     ray_kwargs: RayConfig
     distillation: DistillationConfig
+    model_engine: str  # verl 0.9's training-engine choice; dp and megatron alike (compat.py)
     rollout: RolloutPoolConfig | None = field(default=None)  # async modes only
     async_training: AsyncTrainingConfig | None = field(default=None)  # async modes only
 
