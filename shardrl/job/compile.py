@@ -93,7 +93,8 @@ def actor_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> Acto
                           "actor_rollout_ref.actor.optim")
     model = model_options(actor.megatron, "actor_rollout_ref.actor.megatron", role.spec, role.ranks,
                           arr.model.enable_gradient_checkpointing, optim, shared.override_config, actor.load_weight,
-                          bitwise=shared.bitwise, lora=shared.lora, fused_logprobs=shared.fused_logprobs)
+                          bitwise=shared.bitwise, lora=shared.lora, fused_logprobs=shared.fused_logprobs,
+                          compile=actor.use_torch_compile)
     if shared.lora is not None and shared.bitwise:
         raise ConfigError("actor_rollout_ref.model.lora_rank", "bitwise mode has no batch-invariant LoRA GEMMs yet; "
                           "use lora_rank=0 or rollout.bitwise_logprobs=false")
@@ -188,9 +189,10 @@ def teacher_options(config: PPOConfig, roles: dict[str, RolePlan], teachers: dic
 
 def ref_options(config: PPOConfig, shared: SharedKeys, role: RolePlan) -> RefOptions:
     # The reference policy loads the actor's initial weights; it never trains, so it has no optimizer.
-    model = model_options(config.actor_rollout_ref.ref.megatron, "actor_rollout_ref.ref.megatron", role.spec,
-                          role.ranks, False, None, shared.override_config, load_weight=True,
-                          fused_logprobs=shared.fused_logprobs)
+    ref = config.actor_rollout_ref.ref
+    model = model_options(ref.megatron, "actor_rollout_ref.ref.megatron", role.spec, role.ranks, False, None,
+                          shared.override_config, load_weight=True, fused_logprobs=shared.fused_logprobs,
+                          compile=ref.use_torch_compile)
     mode = shared.ref_router_replay
     if mode == "R2":
         raise ConfigError("actor_rollout_ref.ref.router_replay.mode", "the reference pass records nothing for a later "
@@ -503,7 +505,8 @@ def optim_options(optim: OptimConfig, clip_grad: float, distributed: bool, key: 
 def model_options(megatron: MegatronConfig, key: str, spec: LayoutSpec, ranks: list[int],
                   gradient_checkpointing: bool, optim: OptimOptions | None, override_config: dict[str, Any],
                   load_weight: bool, value_head: bool = False, bitwise: bool = False,
-                  lora: LoRASettings | None = None, fused_logprobs: bool = False) -> ModelOptions:
+                  lora: LoRASettings | None = None, fused_logprobs: bool = False,
+                  compile: bool = False) -> ModelOptions:
     """`megatron`: the role's group at `key`; `gradient_checkpointing`: its model.enable_gradient_checkpointing
     (recompute, as Megatron's full recompute through `override_transformer_config` also asks); `bitwise`: the
     role's model runs the batch-invariant kernels (the actor in bitwise mode); `lora`: it trains adapters only (the
@@ -514,7 +517,7 @@ def model_options(megatron: MegatronConfig, key: str, spec: LayoutSpec, ranks: l
         sequence_parallel=megatron.sequence_parallel, recompute=gradient_checkpointing or override.recompute,
         dtype=DTYPES[megatron.dtype], value_head=value_head, optim=optim,
         router=override.router, fast=FastPaths(bitwise=bitwise, attention=override.attention,
-                                               fused_logprobs=fused_logprobs), lora=lora)
+                                               fused_logprobs=fused_logprobs, compile=compile), lora=lora)
     if bitwise and fused_logprobs:
         raise ConfigError("actor_rollout_ref.model.use_fused_kernels", "bitwise mode computes the LM head with its "
                           "batch-invariant GEMM over the whole batch; set it false or rollout.bitwise_logprobs=false")
@@ -522,6 +525,9 @@ def model_options(megatron: MegatronConfig, key: str, spec: LayoutSpec, ranks: l
         raise ConfigError(f"{key}.override_transformer_config.moe_router_dtype", "bitwise mode needs the rollout's "
                           "router maths, and the rollout engine computes router logits in the model dtype; remove the "
                           "key or set rollout.bitwise_logprobs=false")
+    if bitwise and compile:
+        raise ConfigError(f"{key.rpartition('.')[0]}.use_torch_compile", "compiled kernels round differently from "
+                          "bitwise mode's batch-invariant ones; set it false or rollout.bitwise_logprobs=false")
     if bitwise and override.attention == "fa4":
         raise ConfigError(f"{key}.override_transformer_config.attention_backend", "bitwise mode runs its own "
                           "batch-invariant attention; remove the key or set rollout.bitwise_logprobs=false")

@@ -243,6 +243,10 @@ def plan_job(config: PPOConfig) -> JobPlan:
     if plan.ref is not None and plan.ref.on_actor and plan.ref.model.engine.dtype != plan.actor.model.engine.dtype:
         raise ConfigError("actor_rollout_ref.ref.megatron.dtype", f"with LoRA the reference is the actor's base "
                           f"model on the actor's engine, in {plan.actor.model.engine.dtype}; leave it as the actor's")
+    if plan.ref is not None and plan.ref.on_actor and \
+            plan.ref.model.engine.fast.compile != plan.actor.model.engine.fast.compile:
+        raise ConfigError("actor_rollout_ref.ref.use_torch_compile", "with LoRA the reference is the actor's base "
+                          "model on the actor's engine, compiled or not as the actor's; leave it as the actor's")
     return plan
 
 

@@ -235,6 +235,7 @@ class ActorConfig:
     kl_loss_coef: NonNegFloat
     kl_loss_type: KLEstimator
     grad_clip: PosFloat | None  # verl's FSDP spelling; when set it replaces optim.clip_grad
+    use_torch_compile: bool  # torch.compile the model's elementwise chains (FastPaths.compile)
     load_weight: bool
     optim: OptimConfig
     megatron: MegatronConfig
@@ -255,6 +256,7 @@ class RefConfig:
     log_prob_micro_batch_size_per_gpu: PosInt | None
     log_prob_use_dynamic_bsz: bool
     log_prob_max_token_len_per_gpu: PosInt
+    use_torch_compile: bool  # as the actor's; verl's default is the actor's value
     megatron: MegatronConfig
     router_replay: RouterReplayConfig
 
