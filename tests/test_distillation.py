@@ -133,8 +133,6 @@ def test_forward_kl_topk_is_floored_at_zero_then_the_loss_or_minus_the_advantage
 @pytest.mark.parametrize("overrides, key", [
     (["distillation.enabled=true"], "distillation.teacher_models.teacher_model.model_path"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
-      "distillation.distillation_loss.topk=16"], "distillation.distillation_loss.topk"),
-    (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
       "distillation.distillation_loss.loss_mode=forward_kl_topk_tail"], "distillation.distillation_loss.loss_mode"),
     (["distillation.enabled=true", "distillation.teacher_model.model_path=/t",
       "distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.use_policy_gradient=false"],

@@ -53,6 +53,12 @@ def test_two_teachers_route_by_data_source_and_a_lone_one_scores_everything():
     # verl's check of the teacher's context: prompt + response + 1 fits
     fits = plan(TWO + ["+distillation.teacher_models.math.inference.max_model_len=67"]).teacher
     assert fits.sources == teachers.sources
+    # verl's k1 scripts set topk (its default sets it always): read only by forward_kl_topk
+    k1 = plan(TWO + ["distillation.distillation_loss.loss_mode=k1", "distillation.distillation_loss.topk=64"])
+    assert k1.actor.distillation.topk is None and all(t.topk is None for t in k1.teacher.by_key.values())
+    topk = plan(TWO + ["distillation.distillation_loss.loss_mode=forward_kl_topk",
+                       "distillation.distillation_loss.use_policy_gradient=false"])
+    assert all(t.topk == 32 for t in topk.teacher.by_key.values())  # verl's default k
 
 
 def test_teachers_on_their_own_pool_take_their_shares_laid_out_by_their_inference_sizes():

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardrl.job.errors import ConfigError
-from shardrl.job.load import VERL_SPELLINGS
+from shardrl.job.load import FSDP_OFFLOAD_POLICY, FSDP_SPELLINGS, VERL_SPELLINGS
 from shardrl.job.schema import PPOConfig
 
 
@@ -48,6 +48,11 @@ def _detached(config: PPOConfig) -> bool:
 
 
 _MODEL_GROUPS = ("actor_rollout_ref.model", "critic.model")
+# verl's FSDP engine groups: what they set that has a counterpart is folded by load.py (FSDP_SPELLINGS)
+_FSDP_GROUPS = ("actor_rollout_ref.actor.fsdp_config", "actor_rollout_ref.ref.fsdp_config", "critic.fsdp")
+_NO_SHARDING = ("shardrl's engine does not shard parameters (ZeRO-3) as FSDP does: the distributed optimizer shards "
+                "optimizer state over DP, and parameters are whole per TP/PP share, so FSDP's")
+_OPTIM_GROUPS = ("actor_rollout_ref.actor.optim", "critic.optim")
 _MEGATRON_GROUPS = ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model",
                     "distillation.teacher_model")
 
@@ -143,6 +148,34 @@ REFUSED: tuple[Refused, ...] = (
               "loops talk to shardrl's native engine in process, and external agent programs to its OpenAI-compatible "
               "endpoint (rollout.agent.endpoint.*); a serving-engine class of your own is not loaded; leave it null")
       for field in ("path", "name")),
+    *(Refused(f"{group}.model_dtype", lambda v: v in ("fp32", "float32"), "bf16", "FSDP's dtype of the stored "
+              "parameters; shardrl keeps fp32 master weights in its optimizer and computes in megatron.dtype (the "
+              "FSDP group's dtype folds into it): leave fp32") for group in _FSDP_GROUPS),
+    *(Refused(f"{group}.full_determinism", _is(False), True, "deterministic kernels of verl's FSDP engine; "
+              "shardrl's is bitwise mode (actor_rollout_ref.rollout.bitwise_logprobs, GPU): leave false")
+      for group in _FSDP_GROUPS),
+    *(Refused(f"{group}.pad_to_length", _is(False), True, "padding packed micro batches to fixed lengths is not "
+              "built (shardrl packs exactly); leave false") for group in _FSDP_GROUPS),
+    *(Refused(f"{group}.qat.enable", _is(False), True, "quantization-aware training is not built; leave false")
+      for group in _FSDP_GROUPS),
+    *(Refused(f"{group}.mixed_precision", lambda v: not v, {"reduce_dtype": "fp32"}, "FSDP's mixed-precision "
+              "policy; shardrl computes in megatron.dtype with fp32 master weights and gradient reduction: leave it "
+              "empty") for group in _FSDP_GROUPS),
+    Refused("actor_rollout_ref.ref.fsdp_config.optimizer_offload", _is(False), True, "the reference policy never "
+            "trains: it has no optimizer state (param_offload keeps its weights in host memory); set false"),
+    *(Refused(f"critic.fsdp.{key}", _is(default), value, why) for key, default, value, why in (
+        ("entropy_from_logits_with_chunking", False, True, "the critic computes no entropy; leave false"),
+        ("entropy_checkpointing", False, True, "the critic computes no entropy; leave false"),
+        ("use_torch_compile", None, True, "compiled elementwise chains are the actor's and the reference's "
+                                          "(actor_rollout_ref.actor.use_torch_compile); leave null"))),
+    *(Refused(f"{group}.num_cycles", _is(0.5), 1.0, "the cosine schedule decays over half a cycle, from lr to "
+              "min_lr; leave 0.5") for group in _OPTIM_GROUPS),
+    *(Refused(f"{group}.optimizer", _is("AdamW"), "SGD", "the optimizer is AdamW (Megatron's distributed "
+              "optimizer when use_distributed_optimizer); leave AdamW") for group in _OPTIM_GROUPS),
+    *(Refused(f"{group}.optimizer_impl", _is("torch.optim"), "bitsandbytes.optim", "shardrl's AdamW is its own "
+              "(parallel/optimizer.py), torch's maths; leave torch.optim") for group in _OPTIM_GROUPS),
+    *(Refused(f"{group}.zero_indexed_step", _is(True), False, "the schedule's first step is step 0, as verl's "
+              "default; leave true") for group in _OPTIM_GROUPS),
     Refused("model_engine", lambda v: v in ("dp", "megatron"), "veomni", "verl 0.9's choice of training engine picks "
             "which actor/ref/critic keys it reads; shardrl reads verl's FSDP and Megatron spellings alike and trains "
             "with its own Megatron-style engine, so dp and megatron run the same; other engines (veomni, mindspeed, "
@@ -156,7 +189,8 @@ ACCEPTED: tuple[Accepted, ...] = (
              "interactions read them"),
     Accepted("actor_rollout_ref.rollout.multi_turn.tokenization_sanity_check_mode", "nothing to check: trajectories "
              "are token-exact by construction (no turn is re-tokenized), whatever the mode"),
-    *(Accepted(f"{role}.strategy", "megatron is the only training engine (the type allows no other value)")
+    *(Accepted(f"{role}.strategy", "verl's choice of training engine: fsdp, fsdp2 and megatron all train with "
+               "shardrl's one Megatron-style engine, which reads the keys of both spellings")
       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")),
     Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),
     Accepted("async_training.use_rollout_log_probs", "must agree with algorithm.rollout_correction.decoupled "
@@ -175,6 +209,27 @@ ACCEPTED: tuple[Accepted, ...] = (
     Accepted("algorithm.rollout_correction.bypass_mode", "folded into algorithm.rollout_correction.decoupled"),
     *(Accepted(key, f"verl's spelling of {target}, folded into it by load.py")
       for key, target in VERL_SPELLINGS.items()),
+    *(Accepted(key, f"verl's FSDP spelling of {target}, folded into it by load.py")
+      for key, target in FSDP_SPELLINGS.items()),
+    *(Accepted(key, f"FSDP2's CPU offload policy: true sets {', '.join(targets)} (load.py)")
+      for key, targets in FSDP_OFFLOAD_POLICY.items()),
+    *(Accepted(f"{group}.{key}", f"{_NO_SHARDING} {why}")
+      for group in _FSDP_GROUPS for key, why in (
+          ("wrap_policy.min_num_params", "wrapping of modules into sharded units has no counterpart"),
+          ("reshard_after_forward", "re-sharding after the forward has nothing to re-shard"),
+          ("fsdp_size", "sharding-group size has nothing to size (DP is what is left of the world after TP, PP "
+                        "and CP)"),
+          ("forward_prefetch", "prefetch of the next unit's parameters has nothing to gather"),
+          ("use_orig_params", "flat-parameter view is not used"))),
+    *(Accepted(f"{group}.{key}", why) for group in _FSDP_GROUPS for key, why in (
+        ("forward_only", "verl's internal marker of a frozen role; shardrl knows which roles train"),
+        ("strategy", "verl's choice between FSDP versions; shardrl's one engine trains either way"),
+        ("entropy_from_logits_chunk_size", "the chunk size of verl's chunked entropy; shardrl's fused path "
+                                           "(model.use_fused_kernels, which chunked entropy folds into) picks its "
+                                           "own chunks"),
+        ("pad_to_length_bucket", "read only with pad_to_length, which is refused"),
+        *((f"qat.{key}", "read only with qat.enable, which is refused")
+          for key in ("mode", "group_size", "ignore_patterns", "activation_observer", "quantization_config_path")))),
     Accepted("data.trust_remote_code", "checked against actor_rollout_ref.model.trust_remote_code, which loads the "
              "tokenizer (rules.py)"),
     Accepted("critic.model.use_fused_kernels", "a value head has no vocabulary: nothing to fuse (it follows the "

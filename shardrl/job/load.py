@@ -47,6 +47,59 @@ VERL_SPELLINGS = {
 }
 
 
+_ARR = "actor_rollout_ref"
+_FUSED = f"{_ARR}.model.use_fused_kernels"  # log-probs and entropy one chunk of logits at a time
+# verl's FSDP engine keys (actor.fsdp_config, ref.fsdp_config, critic.fsdp) and FSDP optimizer keys, folded into the
+# Megatron-style keys before interpolations resolve, so that keys defaulting to them follow (the reference's layout
+# and dtype default to the actor's). Ulysses sequence parallelism splits every sequence over ranks as context
+# parallelism does (the same maths); chunked or recomputed entropy is the fused log-prob path's memory saving.
+FSDP_SPELLINGS = {
+    **{f"{_ARR}.{role}.fsdp_config.{key}": f"{_ARR}.{role}.megatron.{target}"
+       for role in ("actor", "ref")
+       for key, target in (("param_offload", "param_offload"), ("seed", "seed"), ("dtype", "dtype"),
+                           ("ulysses_sequence_parallel_size", "context_parallel_size"))},
+    f"{_ARR}.actor.fsdp_config.optimizer_offload": f"{_ARR}.actor.megatron.optimizer_offload",
+    **{f"{_ARR}.{role}.ulysses_sequence_parallel_size": f"{_ARR}.{role}.megatron.context_parallel_size"
+       for role in ("actor", "ref")},
+    **{f"{_ARR}.{role}.fsdp_config.use_torch_compile": f"{_ARR}.{role}.use_torch_compile" for role in ("actor", "ref")},
+    **{f"critic.fsdp.{key}": f"critic.megatron.{target}"
+       for key, target in (("param_offload", "param_offload"), ("optimizer_offload", "optimizer_offload"),
+                           ("seed", "seed"), ("dtype", "dtype"), ("ulysses_sequence_parallel_size",
+                                                                  "context_parallel_size"))},
+    "critic.ulysses_sequence_parallel_size": "critic.megatron.context_parallel_size",
+    **{f"{group}.optim.{key}": f"{group}.optim.lr_decay_style"
+       for group in (f"{_ARR}.actor", "critic") for key in ("lr_scheduler_type", "warmup_style")},
+    **{f"{_ARR}.{where}{key}": _FUSED
+       for where in ("actor.", "actor.fsdp_config.", "ref.fsdp_config.")
+       for key in ("entropy_from_logits_with_chunking", "entropy_checkpointing")},
+}
+# FSDP2's CPU offload policy: parameters, gradients and optimizer state in host memory between uses.
+FSDP_OFFLOAD_POLICY = {f"{_ARR}.actor.fsdp_config.offload_policy": [f"{_ARR}.actor.megatron.{state}_offload" for state
+                                                                     in ("param", "grad", "optimizer")],
+                       f"{_ARR}.ref.fsdp_config.offload_policy": [f"{_ARR}.ref.megatron.param_offload"],
+                       "critic.fsdp.offload_policy": [f"critic.megatron.{state}_offload" for state
+                                                      in ("param", "grad", "optimizer")]}
+
+
+def _fold_fsdp_spellings(cfg: DictConfig) -> None:
+    """Fold each of `FSDP_SPELLINGS` / `FSDP_OFFLOAD_POLICY` the user gave (its node differs from the packaged one)
+    into its shardrl key, in `cfg` before it resolves. A shardrl key the user also gave another value is refused."""
+    packaged = _packaged_defaults()
+    given = OmegaConf.to_container(cfg, resolve=False)
+    folds = [(source, target) for source, target in FSDP_SPELLINGS.items()]
+    folds += [(source, target) for source, targets in FSDP_OFFLOAD_POLICY.items() for target in targets]
+    for source, target in folds:
+        if _get(given, source) == _get(packaged, source):
+            continue
+        value = OmegaConf.select(cfg, source)
+        if value is None or (source in FSDP_OFFLOAD_POLICY and value is False):
+            continue
+        if _get(given, target) != _get(packaged, target) and OmegaConf.select(cfg, target) != value:
+            raise ConfigError(source, f"{value!r} and {target}={OmegaConf.select(cfg, target)!r} set the same thing "
+                                      "(verl's FSDP spelling and shardrl's); set one")
+        OmegaConf.update(cfg, target, value)
+
+
 def _get(tree: dict[str, Any], dotted: str) -> Any:
     for part in dotted.split("."):
         tree = (tree or {}).get(part)
@@ -177,6 +230,8 @@ def _fold_min_lr(tree: dict[str, Any]) -> dict[str, Any]:
 def load_config(cfg: DictConfig) -> PPOConfig:
     """Resolve interpolations, build the typed config and check the rules that tie keys together."""
     try:
+        cfg = cfg.copy()
+        _fold_fsdp_spellings(cfg)
         tree = OmegaConf.to_container(cfg, resolve=True)
     except OmegaConfBaseException as err:  # e.g. an interpolation to a missing key
         raise ConfigError(getattr(err, "full_key", None) or "<config>", str(err).splitlines()[0]) from None

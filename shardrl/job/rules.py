@@ -167,8 +167,9 @@ def _validate_shared_model_keys(config: PPOConfig) -> None:
 
 
 def _validate_distillation(config: PPOConfig) -> None:
-    """`topk` belongs to forward_kl_topk; k1's gradient ignores the teacher (the teachers themselves are resolved by
-    the planner, `compile.distillation_teachers`)."""
+    """k1's gradient ignores the teacher; a teacher pool needs distillation on, and the teachers' trainer-pool layout
+    stays the reference's there (the teachers themselves are resolved by the planner, `batches.distillation_teachers`).
+    `topk` is read only with forward_kl_topk; verl's own default sets it, so the estimators accept it."""
     distillation = config.distillation
     loss, key = distillation.distillation_loss, "distillation.distillation_loss"
     pool = distillation.nnodes * distillation.n_gpus_per_node
@@ -187,9 +188,6 @@ def _validate_distillation(config: PPOConfig) -> None:
                                   "the teachers out on the trainer pool, and they have a pool of their own "
                                   "(distillation.n_gpus_per_node): set each teacher's distillation.teacher_models."
                                   "<name>.inference sizes instead, and leave this as the reference's")
-    if loss.topk is not None and loss.loss_mode != "forward_kl_topk":
-        raise ConfigError(f"{key}.topk", f"{loss.topk} is for loss_mode=forward_kl_topk; {loss.loss_mode} scores the "
-                                         "sampled token only: leave topk null")
     if not loss.use_policy_gradient and loss.loss_mode in ("kl", "k1"):
         raise ConfigError(f"{key}.loss_mode", f"{loss.loss_mode} with use_policy_gradient=false: k1's gradient does "
                                               "not depend on the teacher; use k3, or use_policy_gradient=true")

@@ -86,6 +86,55 @@ class MegatronConfig:
 
 
 @dataclass(frozen=True)
+class FSDPWrapPolicy:
+    min_num_params: NonNegInt = 0
+
+
+@dataclass(frozen=True)
+class QATConfig:
+    """verl's quantization-aware training of its FSDP engine: only off (load.py / compat.py)."""
+
+    enable: bool = False
+    mode: str = "w4a16"
+    group_size: PosInt = 16
+    ignore_patterns: list[str] = field(default_factory=lambda: ["lm_head", "embed_tokens", "re:.*mlp.gate$"])
+    activation_observer: str = "static_minmax"
+    quantization_config_path: str | None = None
+
+
+@dataclass(frozen=True)
+class FSDPEngineConfig:
+    """verl's FSDP engine group (`actor.fsdp_config`, `ref.fsdp_config`, `critic.fsdp`), so that verl's FSDP command
+    lines run: what has a counterpart is folded into the role's Megatron-style keys (load.py: offloads, Ulysses
+    sequence parallelism as context parallelism, dtype, seed, compile, chunked entropy), what concerns FSDP's
+    parameter sharding only is accepted, the rest keeps verl's default (compat.py). Null: not given."""
+
+    wrap_policy: FSDPWrapPolicy = field(default_factory=FSDPWrapPolicy)
+    param_offload: bool = False
+    optimizer_offload: bool = False
+    offload_policy: bool = False
+    reshard_after_forward: bool = True
+    fsdp_size: int = -1
+    forward_prefetch: bool = False
+    model_dtype: str = "fp32"
+    use_orig_params: bool = False
+    seed: int | None = None
+    full_determinism: bool = False
+    ulysses_sequence_parallel_size: PosInt = 1
+    entropy_from_logits_with_chunking: bool = False
+    entropy_from_logits_chunk_size: PosInt = 2048
+    use_torch_compile: bool | None = None
+    entropy_checkpointing: bool = False
+    pad_to_length: bool = False
+    pad_to_length_bucket: PosInt = 1024
+    forward_only: bool = False
+    strategy: Literal["fsdp", "fsdp2"] = "fsdp"
+    dtype: DType | None = None
+    qat: QATConfig = field(default_factory=QATConfig)
+    mixed_precision: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class OptimConfig:
     """Adam with warmup then a decay schedule; lr in absolute units, steps are optimizer steps."""
 
@@ -100,6 +149,13 @@ class OptimConfig:
     betas: list[float]
     clip_grad: PosFloat  # max global grad norm
     total_training_steps: AtLeastMinusOne  # -1: filled in by the trainer
+    # verl's FSDP optimizer spellings (load.py folds the schedule into lr_decay_style; compat.py keeps the rest)
+    lr_scheduler_type: LrDecayStyle | None
+    warmup_style: LrDecayStyle | None  # verl's older name of lr_scheduler_type
+    num_cycles: float
+    optimizer: str
+    optimizer_impl: str
+    zero_indexed_step: bool
     # verl's Megatron OptimizerConfig overrides: an entry is accepted only where it names what shardrl's AdamW does
     override_optimizer_config: dict[str, Any]
 
@@ -213,7 +269,7 @@ class RouterReplayConfig:
 class ActorConfig:
     """The policy being trained: PPO loss, mini/micro batching, optimizer, layout."""
 
-    strategy: Literal["megatron"]
+    strategy: Literal["megatron", "fsdp", "fsdp2"]  # verl's engine choice; one engine here (compat.py)
     ppo_mini_batch_size: PosInt  # prompts per mini batch (global)
     ppo_micro_batch_size: PosInt | None  # deprecated global form of the per-GPU size
     ppo_micro_batch_size_per_gpu: PosInt | None  # samples per micro batch on one rank
@@ -236,9 +292,14 @@ class ActorConfig:
     kl_loss_type: KLEstimator
     grad_clip: PosFloat | None  # verl's FSDP spelling; when set it replaces optim.clip_grad
     use_torch_compile: bool  # torch.compile the model's elementwise chains (FastPaths.compile)
+    # verl's FSDP actor keys (folded by load.py: CP, model.use_fused_kernels)
+    ulysses_sequence_parallel_size: PosInt
+    entropy_from_logits_with_chunking: bool
+    entropy_checkpointing: bool
     load_weight: bool
     optim: OptimConfig
     megatron: MegatronConfig
+    fsdp_config: FSDPEngineConfig
     checkpoint: CheckpointConfig
     router_replay: RouterReplayConfig
 
@@ -251,13 +312,15 @@ class ActorConfig:
 class RefConfig:
     """The frozen reference policy (only used with a KL term): its log-prob pass and layout."""
 
-    strategy: Literal["megatron"]
+    strategy: Literal["megatron", "fsdp", "fsdp2"]  # verl's engine choice; one engine here (compat.py)
     log_prob_micro_batch_size: PosInt | None
     log_prob_micro_batch_size_per_gpu: PosInt | None
     log_prob_use_dynamic_bsz: bool
     log_prob_max_token_len_per_gpu: PosInt
     use_torch_compile: bool  # as the actor's; verl's default is the actor's value
+    ulysses_sequence_parallel_size: PosInt  # verl's FSDP spelling of CP (load.py)
     megatron: MegatronConfig
+    fsdp_config: FSDPEngineConfig
     router_replay: RouterReplayConfig
 
 
@@ -420,7 +483,7 @@ class ActorRolloutRefConfig:
 class CriticConfig:
     """The value model (used with adv_estimator=gae): loss, batching, optimizer, layout."""
 
-    strategy: Literal["megatron"]
+    strategy: Literal["megatron", "fsdp", "fsdp2"]  # verl's engine choice; one engine here (compat.py)
     enable: bool | None  # null: only when adv_estimator needs values (gae)
     model: LoRAModelConfig
     ppo_mini_batch_size: PosInt
@@ -439,7 +502,9 @@ class CriticConfig:
     grad_clip: PosFloat | None
     load_weight: bool
     optim: OptimConfig
+    ulysses_sequence_parallel_size: PosInt  # verl's FSDP spelling of CP (load.py)
     megatron: MegatronConfig
+    fsdp: FSDPEngineConfig  # verl 0.9's FSDP engine group of the critic
     checkpoint: CheckpointConfig
 
     @property
@@ -502,7 +567,7 @@ class RewardModelConfig:
     function is not called). Also the rule-based reward's manager and DAPO's overlong shaping."""
 
     enable: bool
-    strategy: Literal["megatron"]
+    strategy: Literal["megatron", "fsdp", "fsdp2"]  # verl's engine choice; one engine here (compat.py)
     enable_resource_pool: bool  # verl's own reward-model pool; shardrl's shares the trainer pool: false
     n_gpus_per_node: NonNegInt  # of verl's reward-model pool: 0
     nnodes: NonNegInt

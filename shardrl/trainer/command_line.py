@@ -58,6 +58,36 @@ def check_overrides(overrides: list[str], config_dir: str = str(CONFIG_DIR),
         _check_mapping_entries(entries, config_dir, config_name)
 
 
+def add_or_override(overrides: list[str], config_dir: str = str(CONFIG_DIR),
+                    config_name: str = DEFAULT_CONFIG) -> list[str]:
+    """`overrides` with each `+key=value` whose key the config already holds made `++key=value` (add or override).
+    verl adds with `+` the keys its own config lacks (`+actor_rollout_ref.actor.policy_loss.tau_pos=1.0`); where
+    shardrl's config has the key, Hydra would refuse to add it again, so the value overrides it instead."""
+    try:
+        parsed = OverridesParser.create().parse_overrides(overrides)
+    except HydraException:
+        return overrides
+    adds = [o for o in parsed if o.type is OverrideType.ADD and o.package is None]
+    if not adds:
+        return overrides
+    try:
+        with initialize_config_dir(config_dir=config_dir, version_base=None):
+            tree = OmegaConf.to_container(compose(config_name=config_name), resolve=False)
+    except (HydraException, MissingConfigException):
+        return overrides
+    held = {o.input_line for o in adds if _holds(tree, o.key_or_group)}
+    return [f"+{line}" if line in held else line for line in overrides]
+
+
+def _holds(tree: dict[str, Any], key: str) -> bool:
+    node: Any = tree
+    for part in key.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
+
+
 def _check_mapping_entries(keys: list[str], config_dir: str, config_name: str) -> None:
     try:
         with initialize_config_dir(config_dir=config_dir, version_base=None):

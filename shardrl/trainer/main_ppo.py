@@ -24,7 +24,7 @@ from shardrl.errors import DEBUG_ENV, UserError, first_line
 from shardrl.job.load import CONFIG_DIR, load_config
 from shardrl.job.plan import format_plan, plan_job
 from shardrl.job.preflight import check_launch
-from shardrl.trainer.command_line import DEFAULT_CONFIG, check_overrides, help_text
+from shardrl.trainer.command_line import DEFAULT_CONFIG, add_or_override, check_overrides, help_text
 from shardrl.trainer.stop_signals import stopped_by_sigterm
 
 PACKAGE_DIR = CONFIG_DIR.parent  # a relative --config-path is looked up here first (`./config`: the packaged ones)
@@ -114,6 +114,9 @@ def main() -> None:
     # Hydra's own parser, so flags and overrides are read as Hydra reads them; its stock --help (a yaml dump) is
     # replaced, and an unknown key fails here with the closest one instead of Hydra's bare "not in struct".
     args = get_args_parser().parse_args(sys.argv[1:])
+    config_dir, config_name = args.config_path or str(CONFIG_DIR), args.config_name or DEFAULT_CONFIG
+    rewritten = dict(zip(args.overrides, add_or_override(args.overrides, config_dir, config_name)))
+    sys.argv = [sys.argv[0], *(rewritten.get(arg, arg) for arg in sys.argv[1:])]
     try:
         check_overrides(args.overrides, args.config_path or str(CONFIG_DIR), args.config_name or DEFAULT_CONFIG)
         if args.help:
