@@ -105,3 +105,12 @@ def test_a_plus_on_a_key_shardrl_holds_overrides_it():
         config = load_config(hydra_compose(config_name="ppo_trainer", overrides=rewritten))
     assert config.actor_rollout_ref.actor.policy_loss.tau_pos == 2.0
     assert dataclasses.asdict(config)["actor_rollout_ref"]["model"]["override_config"] == {"x": 1}
+
+
+def test_the_prefill_budget_defaults_to_the_longest_sequence():
+    """verl's long-context scripts leave max_num_batched_tokens at its default (vLLM chunks longer prefills): the
+    native engine's budget is then the longest sequence, and never below 8192."""
+    long = plan(["data.max_prompt_length=8192", "data.max_response_length=2048"])
+    assert long.rollout.engine.max_num_batched_tokens == 10240
+    assert plan([]).rollout.engine.max_num_batched_tokens == 8192
+    assert plan(["actor_rollout_ref.rollout.max_num_batched_tokens=4096"]).rollout.engine.max_num_batched_tokens == 4096

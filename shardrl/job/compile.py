@@ -246,13 +246,14 @@ def rollout_options(config: PPOConfig, shared: SharedKeys, role: RolePlan, sync_
                                                                      "(rollout_log_probs), not logits; use "
                                                                      "processed_logprobs or raw_logprobs")
     max_model_len = rollout.max_model_len or shared.prompt_length + shared.response_length
-    if rollout.max_num_batched_tokens < max_model_len:  # vLLM would chunk the prefill; the native engine cannot
-        raise ConfigError("actor_rollout_ref.rollout.max_num_batched_tokens", f"{rollout.max_num_batched_tokens} < "
-                          f"the longest sequence ({max_model_len} tokens: rollout.max_model_len, or prompt + "
-                          "response length): the native engine prefills each sequence whole, in one step; raise it "
-                          f"to at least {max_model_len}")
+    prefill_budget = rollout.max_num_batched_tokens or max(8192, max_model_len)
+    if prefill_budget < max_model_len:  # vLLM would chunk the prefill; the native engine cannot
+        raise ConfigError("actor_rollout_ref.rollout.max_num_batched_tokens", f"{prefill_budget} < the longest "
+                          f"sequence ({max_model_len} tokens: rollout.max_model_len, or prompt + response length): "
+                          f"the native engine prefills each sequence whole, in one step; raise it to at least "
+                          f"{max_model_len} or leave it null")
     engine = EngineConfig(
-        max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=rollout.max_num_batched_tokens,
+        max_num_seqs=rollout.max_num_seqs, max_num_batched_tokens=prefill_budget,
         max_model_len=max_model_len,
         gpu_memory_utilization=rollout.gpu_memory_utilization, dtype=DTYPES[rollout.dtype],
         enforce_eager=rollout.enforce_eager, seed=rollout.seed, share_prefill=rollout.enable_prefix_caching,

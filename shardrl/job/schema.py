@@ -432,7 +432,7 @@ class RolloutConfig:
     data_parallel_size: PosInt | None  # null: pool / TP
     expert_parallel_size: PosInt
     max_num_seqs: PosInt
-    max_num_batched_tokens: PosInt
+    max_num_batched_tokens: PosInt | None  # null: the longest sequence, at least 8192
     max_model_len: PosInt | None  # null: prompt_length + response_length
     enable_chunked_prefill: bool
     enable_prefix_caching: bool
