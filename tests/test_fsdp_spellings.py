@@ -1,17 +1,22 @@
 """verl's FSDP command lines on shardrl's one engine: the FSDP engine and optimizer keys folded into the Megatron-style
 keys before interpolations resolve (so the reference follows the actor), FSDP's sharding knobs accepted without
 changing the plan, the rest refused naming the key; `+key=` of a key shardrl holds overrides it; the native engine's
-prefill budget checked at planning."""
+prefill budget checked at planning; `actor/ref.use_torch_compile` building compiled models that score as the eager
+ones (slow: the compiler runs)."""
 
 import dataclasses
 
 import pytest
+import torch
 from hydra import compose as hydra_compose, initialize_config_dir
 
+from shardrl.controller.rank_env import COLLECTIVE_TIMEOUT_ENV
+from shardrl.data import builtin_task
 from shardrl.job.errors import ConfigError
 from shardrl.job.load import CONFIG_DIR, compose, load_config
 from shardrl.job.plan import plan_job
 from shardrl.trainer.command_line import add_or_override
+from tests.test_distillation import sample_batch
 
 ACTOR, REF = "actor_rollout_ref.actor", "actor_rollout_ref.ref"
 KL = [f"{ACTOR}.use_kl_loss=true"]  # a reference pass
@@ -87,6 +92,10 @@ def test_sharding_knobs_and_engine_names_change_nothing():
     ([f"{ACTOR}.fsdp_config.dtype=bfloat16", f"{ACTOR}.megatron.dtype=float16"], f"{ACTOR}.fsdp_config.dtype"),
     (["model_engine=veomni"], "model_engine"),
     (["actor_rollout_ref.rollout.max_num_batched_tokens=64"], "actor_rollout_ref.rollout.max_num_batched_tokens"),
+    ([f"{ACTOR}.use_torch_compile=true", "actor_rollout_ref.rollout.bitwise_logprobs=true", "trainer.device=cuda"],
+     f"{ACTOR}.use_torch_compile"),  # compiled kernels round differently from the batch-invariant ones
+    (KL + ["actor_rollout_ref.model.lora_rank=4", f"{ACTOR}.use_torch_compile=true", f"{REF}.use_torch_compile=false"],
+     f"{REF}.use_torch_compile"),  # a LoRA reference runs on the actor's engine
 ])
 def test_refusals_name_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:
@@ -114,3 +123,40 @@ def test_the_prefill_budget_defaults_to_the_longest_sequence():
     assert long.rollout.engine.max_num_batched_tokens == 10240
     assert plan([]).rollout.engine.max_num_batched_tokens == 8192
     assert plan(["actor_rollout_ref.rollout.max_num_batched_tokens=4096"]).rollout.engine.max_num_batched_tokens == 4096
+
+
+def test_the_key_compiles_the_actor_and_by_default_the_reference():
+    compiled = plan(KL + ["actor_rollout_ref.actor.use_torch_compile=true"])
+    assert compiled.actor.model.engine.fast.compile and compiled.ref.model.engine.fast.compile
+    eager_ref = plan(KL + ["actor_rollout_ref.actor.use_torch_compile=true",
+                           "actor_rollout_ref.ref.use_torch_compile=false"])
+    assert eager_ref.actor.model.engine.fast.compile and not eager_ref.ref.model.engine.fast.compile
+    default = plan(KL)
+    assert not default.actor.model.engine.fast.compile and not default.ref.model.engine.fast.compile
+
+
+@pytest.fixture(scope="module")
+def task(tmp_path_factory):
+    return builtin_task.prepare(tmp_path_factory.mktemp("task"))
+
+
+def old_log_probs(task: dict, compile: bool) -> tuple[torch.Tensor, list[bool]]:
+    from shardrl.workers.actor import ActorRefWorker
+
+    options = plan(["trainer.device=cpu", "trainer.n_gpus_per_node=1", "actor_rollout_ref.actor.megatron.dtype=float32",
+                    f"actor_rollout_ref.actor.use_torch_compile={str(compile).lower()}", "data.train_batch_size=2",
+                    "actor_rollout_ref.actor.ppo_mini_batch_size=2", "actor_rollout_ref.rollout.n=2",
+                    "actor_rollout_ref.rollout.log_prob_micro_batch_size_per_gpu=2"]).with_total_steps(1)
+    worker = ActorRefWorker(options.actor, None, task["model"])
+    norms = [m.compile for m in worker.actor.chunks[0].modules() if m.__class__.__name__ == "RMSNorm"]
+    batch = sample_batch(14)
+    return worker.compute_log_prob(batch).tensors["old_log_probs"], norms
+
+
+@pytest.mark.slow
+def test_a_compiled_actor_scores_as_the_eager_one(task, monkeypatch):
+    monkeypatch.setenv(COLLECTIVE_TIMEOUT_ENV, "120")
+    eager, eager_norms = old_log_probs(task, False)
+    compiled, compiled_norms = old_log_probs(task, True)
+    assert compiled_norms and all(compiled_norms) and not any(eager_norms)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
