@@ -75,7 +75,8 @@ def test_sharding_knobs_and_engine_names_change_nothing():
     knobs = [f"{group}.{key}" for group in (f"{ACTOR}.fsdp_config", f"{REF}.fsdp_config", "critic.fsdp")
              for key in ("fsdp_size=8", "forward_prefetch=true", "reshard_after_forward=false", "use_orig_params=true",
                          "wrap_policy.min_num_params=1000000", "strategy=fsdp2")]
-    knobs += [f"{ACTOR}.strategy=fsdp2", f"{REF}.strategy=fsdp", "critic.strategy=fsdp2", "model_engine=dp"]
+    knobs += [f"{ACTOR}.strategy=fsdp2", f"{REF}.strategy=fsdp", "critic.strategy=fsdp2", "model_engine=dp",
+              "actor_rollout_ref.rollout.layered_summon=true"]
     tuned, default = plan(KL + knobs), plan(KL)
     assert (tuned.actor, tuned.ref, tuned.rollout) == (default.actor, default.ref, default.rollout)
 

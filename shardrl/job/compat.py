@@ -192,6 +192,9 @@ ACCEPTED: tuple[Accepted, ...] = (
     *(Accepted(f"{role}.strategy", "verl's choice of training engine: fsdp, fsdp2 and megatron all train with "
                "shardrl's one Megatron-style engine, which reads the keys of both spellings")
       for role in ("actor_rollout_ref.actor", "actor_rollout_ref.ref", "critic", "reward_model")),
+    Accepted("actor_rollout_ref.rollout.layered_summon", "verl's FSDP LoRA sync gathers the sharded model one layer "
+             "at a time to save memory; shardrl's weight sync never gathers the whole model (it streams buckets of "
+             "each rank's shards; with LoRA it moves the adapters alone), so either value syncs the same way"),
     Accepted("actor_rollout_ref.hybrid_engine", "must agree with the mode (rules.py): true in sync mode"),
     Accepted("async_training.use_rollout_log_probs", "must agree with algorithm.rollout_correction.decoupled "
              "(rules.py)"),

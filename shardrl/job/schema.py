@@ -428,6 +428,7 @@ class RolloutConfig:
     enforce_eager: bool
     free_cache_engine: bool
     load_format: Literal["dummy", "auto", "hf", "safetensors"]
+    layered_summon: bool  # verl's FSDP LoRA sync gathering one layer at a time; shardrl never gathers the model
     tensor_model_parallel_size: PosInt
     data_parallel_size: PosInt | None  # null: pool / TP
     expert_parallel_size: PosInt
