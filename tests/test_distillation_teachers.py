@@ -113,6 +113,9 @@ def test_teachers_on_their_own_pool_take_their_shares_laid_out_by_their_inferenc
       "distillation.n_gpus_per_node=2", "distillation.teacher_model.megatron.tensor_model_parallel_size=2"],
      "distillation.teacher_model.megatron.tensor_model_parallel_size"),
     (["distillation.nnodes=1", "distillation.n_gpus_per_node=2"], "distillation.n_gpus_per_node"),
+    (["distillation.enabled=true", "distillation.teacher_models.teacher_model.model_path=/t", "distillation.nnodes=1",
+      "distillation.n_gpus_per_node=4", "distillation.teacher_models.teacher_model.num_replicas=1"],
+     "distillation.teacher_models.teacher_model.num_replicas"),  # the pool holds 2 replicas of TP2
 ])
 def test_teacher_entries_are_refused_naming_the_key(overrides, key):
     with pytest.raises(ConfigError) as err:

@@ -4,9 +4,9 @@ and the keys several options need, read once (`SharedKeys`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
-import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -437,6 +437,9 @@ def distillation_teachers(config: PPOConfig, pool_size: int) -> dict[str, Teache
             raise ConfigError(f"{group}.inference.tensor_model_parallel_size", f"a replica of TP x DP x PP = "
                               f"{per_replica} ranks does not divide the teacher pool's {pool_size} "
                               "(distillation.nnodes x n_gpus_per_node)")
+        if not named and spec.num_replicas not in (0, replicas):  # verl overwrites it without a word
+            raise ConfigError(f"{group}.num_replicas", f"{spec.num_replicas}: a lone teacher's replicas fill the "
+                              f"teacher pool ({replicas} of {per_replica} ranks each); leave it 0 or {replicas}")
         if replicas == 0:
             raise ConfigError(f"{group}.num_replicas", "is 0: on the teacher pool (distillation.n_gpus_per_node) "
                                                       "each teacher needs at least one replica")
